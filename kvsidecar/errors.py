@@ -1,0 +1,120 @@
+"""Every exception type kvsidecar raises on purpose.
+
+The hierarchy is grouped by the gRPC status an error maps to; the one table from exception type to
+status lives in ``kvsidecar.rpc.status``. This module imports nothing but the standard library so that
+the pure ``kvsidecar.plan`` package can raise these errors.
+
+Messages name the offending field and value, e.g.
+``local_block_ids[0][3]=90210 is outside view layers.0.k (num_blocks=4096)``.
+"""
+
+from __future__ import annotations
+
+
+class KvSidecarError(Exception):
+    """Base class of every error kvsidecar raises deliberately."""
+
+
+# --- INVALID_ARGUMENT ---------------------------------------------------------------------------
+
+
+class InvalidArgumentError(KvSidecarError):
+    """The caller sent a value that can never be valid (maps to INVALID_ARGUMENT)."""
+
+
+class GeometryError(InvalidArgumentError):
+    """A geometry (views, spans, TP) is malformed. ``problems`` lists every problem found."""
+
+    def __init__(self, problems: tuple[str, ...] | list[str] | str) -> None:
+        if isinstance(problems, str):
+            problems = (problems,)
+        self.problems: tuple[str, ...] = tuple(problems)
+        super().__init__("; ".join(self.problems))
+
+
+class BlockIdError(InvalidArgumentError):
+    """Block ids of a request are out of range, mismatched in count, or in the wrong group shape."""
+
+
+class MemoryImportError(InvalidArgumentError):
+    """Engine memory could not be imported (missing file, too small, bad handle, unknown device)."""
+
+
+class ConfigError(InvalidArgumentError):
+    """A setting has an invalid value. ``setting`` names it."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        self.setting = setting
+        super().__init__(f"{setting}: {message}")
+
+
+# --- NOT_FOUND -----------------------------------------------------------------------------------
+
+
+class NotFoundError(KvSidecarError):
+    """A named thing (engine, peer, request, memory id) does not exist (maps to NOT_FOUND)."""
+
+
+# --- ALREADY_EXISTS ------------------------------------------------------------------------------
+
+
+class AlreadyExistsError(KvSidecarError):
+    """A request id is already in flight, or a thing is created twice (maps to ALREADY_EXISTS)."""
+
+
+# --- FAILED_PRECONDITION -------------------------------------------------------------------------
+
+
+class FailedPreconditionError(KvSidecarError):
+    """The system is not in a state that allows the call (maps to FAILED_PRECONDITION)."""
+
+
+class CannotPlanError(FailedPreconditionError):
+    """Two valid geometries cannot be mapped onto each other (e.g. units do not divide)."""
+
+
+class IncompatibleError(FailedPreconditionError):
+    """Two engines' compatibility items differ. ``mismatches`` lists every differing item."""
+
+    def __init__(self, mismatches: tuple[str, ...] | list[str]) -> None:
+        self.mismatches: tuple[str, ...] = tuple(mismatches)
+        super().__init__("incompatible: " + "; ".join(self.mismatches))
+
+
+class NotRegisteredError(FailedPreconditionError):
+    """No engine is registered with this sidecar (or its registration was dropped)."""
+
+
+# --- UNAVAILABLE / DEADLINE_EXCEEDED / INTERNAL (transport and backend) -------------------------
+
+
+class BackendError(KvSidecarError):
+    """The transfer backend reported an error (maps to INTERNAL unless a subclass says otherwise)."""
+
+
+class RemoteDisconnectedError(BackendError):
+    """The remote agent went away or cannot be reached (maps to UNAVAILABLE)."""
+
+
+class BackendInvalidParamError(BackendError):
+    """The backend rejected a parameter (bad descriptor ids, unknown handle) (INVALID_ARGUMENT)."""
+
+
+class BackendNotFoundError(BackendError):
+    """The backend does not know a remote agent, memory or handle (maps to NOT_FOUND)."""
+
+
+class PeerUnavailableError(KvSidecarError):
+    """A remote sidecar could not be reached over gRPC or is quarantined (maps to UNAVAILABLE)."""
+
+
+class DeadlineExceededError(KvSidecarError):
+    """A bounded wait ran out (handshake, read deadline, drain) (maps to DEADLINE_EXCEEDED)."""
+
+
+class ShuttingDownError(KvSidecarError):
+    """The sidecar is draining and accepts no new work (maps to UNAVAILABLE)."""
+
+
+class ListenError(KvSidecarError):
+    """A listener could not bind (address in use, bad address, socket path taken). Startup only."""

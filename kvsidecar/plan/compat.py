@@ -1,0 +1,87 @@
+"""Compatibility of two engines' geometries (DESIGN §4, §5 "Compatibility").
+
+Two engines can exchange KV blocks when they have the same view names, the same groups and
+``blocks_per_id`` per view, the same span keys per view, and per span the same ``global_units`` and the
+same **unit bytes** (bytes of one unit; the whole span length for replicated spans). Block counts,
+strides, span offsets, memory ids and TP sizes may differ.
+
+Reported items name the view, the span and both values; every mismatch is listed, not only the first.
+"""
+
+from __future__ import annotations
+
+from kvsidecar.errors import IncompatibleError
+
+from .geometry import EngineGeometry, Span, units_per_rank
+
+__all__ = ["check_compatible", "compatibility_mismatches", "span_signature", "unit_bytes"]
+
+
+def unit_bytes(span: Span, tp_size: int) -> int:
+    """Bytes of one unit of ``span`` on a rank of a ``tp_size`` group; span length if replicated."""
+    if span.replicated:
+        return span.length
+    held = units_per_rank(span.global_units, tp_size)
+    return span.length // held if held else 0
+
+
+def compatibility_mismatches(local: EngineGeometry, remote: EngineGeometry) -> tuple[str, ...]:
+    """Every item that differs between ``local`` and ``remote``; empty tuple = compatible."""
+    out: list[str] = []
+    if local.num_groups != remote.num_groups:
+        out.append(f"num_groups: local {local.num_groups}, remote {remote.num_groups}")
+    if len(local.views) != len(remote.views):
+        out.append(f"view count: local {len(local.views)}, remote {len(remote.views)}")
+    rviews = {v.name: v for v in remote.views}
+    lnames = {v.name for v in local.views}
+    out.extend(f"view {v.name}: missing on remote" for v in local.views if v.name not in rviews)
+    out.extend(f"view {v.name}: missing on local" for v in remote.views if v.name not in lnames)
+    for lv in local.views:
+        rv = rviews.get(lv.name)
+        if rv is None:
+            continue
+        where = f"view {lv.name}"
+        if lv.groups != rv.groups:
+            out.append(f"{where} groups: local {lv.groups}, remote {rv.groups}")
+        if lv.blocks_per_id != rv.blocks_per_id:
+            out.append(
+                f"{where} blocks_per_id: local {lv.blocks_per_id}, remote {rv.blocks_per_id}"
+            )
+        lkeys = [s.key for s in lv.spans]
+        rspans = {s.key: s for s in rv.spans}
+        if sorted(lkeys) != sorted(rspans):
+            out.append(f"{where} span keys: local {sorted(lkeys)}, remote {sorted(rspans)}")
+        for ls in lv.spans:
+            rs = rspans.get(ls.key)
+            if rs is None:
+                continue
+            if ls.global_units != rs.global_units:
+                out.append(
+                    f"{where} span {ls.key} global_units: local {ls.global_units}, "
+                    f"remote {rs.global_units}"
+                )
+                continue
+            lub, rub = unit_bytes(ls, local.tp_size), unit_bytes(rs, remote.tp_size)
+            if lub != rub:
+                out.append(f"{where} span {ls.key} unit bytes: local {lub}, remote {rub}")
+    return tuple(out)
+
+
+def check_compatible(local: EngineGeometry, remote: EngineGeometry) -> None:
+    """Raise IncompatibleError listing every mismatch between ``local`` and ``remote``."""
+    mismatches = compatibility_mismatches(local, remote)
+    if mismatches:
+        raise IncompatibleError(mismatches)
+
+
+def span_signature(geom: EngineGeometry) -> tuple[str, ...]:
+    """Sorted ``"view/key:global_units:unit_bytes"`` items: the TP-independent part of a geometry
+    that must match between engines (used for compatibility digests).
+    """
+    return tuple(
+        sorted(
+            f"{v.name}/{s.key}:{s.global_units}:{unit_bytes(s, geom.tp_size)}"
+            for v in geom.views
+            for s in v.spans
+        )
+    )

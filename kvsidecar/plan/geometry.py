@@ -1,0 +1,250 @@
+"""The geometry model of one engine rank's KV cache (DESIGN §4).
+
+A rank's cache is a tuple of **views**; a view is ``num_blocks`` equally sized blocks of one memory
+allocation, block ``i`` at ``base + i * block_stride`` (bytes). The layout of one block is a tuple of
+**spans**: contiguous byte ranges ``[offset, offset + length)`` inside the block, each naming one piece
+of logical data (``k``, ``v``, ``kv``, ``latent``, ``conv.x`` ...).
+
+A span with ``global_units == 0`` is *replicated*: every rank holds all of it. A span with
+``global_units == U > 0`` is *sharded* over the TP group of size ``T`` along an axis of ``U`` units
+(KV heads, channel groups, SSM heads): if ``T <= U`` rank ``r`` holds units ``[r*U/T, (r+1)*U/T)``;
+if ``T > U`` rank ``r`` holds the single unit ``floor(r*U/T)``. The span's ``length`` is the bytes of
+the units this rank holds, so bytes per unit = ``length / units_held``.
+
+All sizes and offsets are **bytes**; ``num_blocks`` counts view (kernel) blocks; ``blocks_per_id``
+is kernel blocks per logical block id; ``tp_rank``/``tp_size`` are ranks.
+
+Every dataclass here is frozen; :class:`EngineGeometry` validates the whole tree on construction and
+raises :class:`~kvsidecar.errors.GeometryError` listing *every* problem found.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvsidecar.errors import GeometryError
+
+__all__ = ["EngineGeometry", "Span", "View", "units_per_rank"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Span:
+    """One contiguous byte range of a block: ``[offset, offset + length)`` bytes.
+
+    ``global_units``: units of the unsharded model along the sharded axis; 0 = replicated.
+    """
+
+    key: str
+    offset: int
+    length: int
+    global_units: int
+
+    @property
+    def replicated(self) -> bool:
+        """True if every rank holds the whole span (``global_units == 0``)."""
+        return self.global_units == 0
+
+    @property
+    def end(self) -> int:
+        """First byte past the span (bytes from the block start)."""
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class View:
+    """``num_blocks`` blocks of ``block_stride`` bytes in memory ``memory_id`` starting at ``offset``.
+
+    ``groups``: KV-cache group indices whose block ids index this view. Per-request routing uses the
+    **first** group of the tuple (see :mod:`kvsidecar.plan.request`).
+    ``blocks_per_id``: consecutive view blocks per logical block id (kernel blocks per id).
+    """
+
+    name: str
+    memory_id: str
+    offset: int
+    num_blocks: int
+    block_stride: int
+    groups: tuple[int, ...] = (0,)
+    blocks_per_id: int = 1
+    spans: tuple[Span, ...]
+
+    def __post_init__(self) -> None:
+        # Accept any sequence but store tuples, so the value stays hashable and immutable.
+        object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "spans", tuple(self.spans))
+
+    @property
+    def num_ids(self) -> int:
+        """Number of valid logical block ids (``num_blocks // blocks_per_id``)."""
+        return self.num_blocks // self.blocks_per_id if self.blocks_per_id > 0 else 0
+
+    @property
+    def route_group(self) -> int:
+        """The group whose ids a request routes to this view: the first of ``groups``."""
+        return self.groups[0]
+
+    def span(self, key: str) -> Span:
+        """The span named ``key``; KeyError if absent."""
+        for s in self.spans:
+            if s.key == key:
+                return s
+        raise KeyError(key)
+
+
+def units_per_rank(global_units: int, tp_size: int) -> int:
+    """Units one rank holds of a sharded span (``U/T`` if ``T <= U`` else 1); 0 if not dividing."""
+    if global_units <= 0 or tp_size <= 0:
+        return 0
+    if tp_size <= global_units:
+        return global_units // tp_size if global_units % tp_size == 0 else 0
+    return 1 if tp_size % global_units == 0 else 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineGeometry:
+    """The views of rank ``tp_rank`` of engine ``engine_id`` (TP group of ``tp_size`` ranks).
+
+    ``num_groups``: number of KV-cache groups (a request carries one block-id array per group).
+    All ranks of an engine share views and spans; only ``tp_rank`` differs.
+    """
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    num_groups: int = 1
+    views: tuple[View, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "views", tuple(self.views))
+        problems = geometry_problems(self)
+        if problems:
+            raise GeometryError(problems)
+
+    def view(self, name: str) -> View:
+        """The view named ``name``; KeyError if absent."""
+        for v in self.views:
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+    def view_index(self) -> dict[str, int]:
+        """Map view name -> index in ``views``."""
+        return {v.name: i for i, v in enumerate(self.views)}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _span_problems(where: str, span: object, tp_size: int, block_stride: int) -> list[str]:
+    if not isinstance(span, Span):
+        return [f"{where} is {type(span).__name__}, not Span"]
+    p: list[str] = []
+    where = f"{where} ({span.key!r})" if isinstance(span.key, str) else where
+    if not isinstance(span.key, str) or not span.key:
+        p.append(f"{where}.key={span.key!r} must be a non-empty string")
+    ints_ok = True
+    for field in ("offset", "length", "global_units"):
+        if not _is_int(getattr(span, field)):
+            p.append(f"{where}.{field}={getattr(span, field)!r} must be an int")
+            ints_ok = False
+    if not ints_ok:
+        return p
+    if span.offset < 0:
+        p.append(f"{where}.offset={span.offset} is negative")
+    if span.length <= 0:
+        p.append(f"{where}.length={span.length} must be positive")
+    if _is_int(block_stride) and span.offset >= 0 and span.end > block_stride:
+        p.append(f"{where} ends at byte {span.end}, past block_stride={block_stride}")
+    u = span.global_units
+    if u < 0:
+        p.append(f"{where}.global_units={u} is negative")
+    elif u > 0 and _is_int(tp_size) and tp_size > 0:
+        held = units_per_rank(u, tp_size)
+        if held == 0:
+            p.append(
+                f"{where}.global_units={u} and tp_size={tp_size} do not divide "
+                f"(need global_units % tp_size == 0 or tp_size % global_units == 0)"
+            )
+        elif span.length > 0 and span.length % held != 0:
+            p.append(f"{where}.length={span.length} is not a multiple of units held ({held})")
+    return p
+
+
+def _view_problems(where: str, view: object, tp_size: int, num_groups: int) -> list[str]:
+    if not isinstance(view, View):
+        return [f"{where} is {type(view).__name__}, not View"]
+    p: list[str] = []
+    where = f"{where} ({view.name!r})" if isinstance(view.name, str) else where
+    if not isinstance(view.name, str) or not view.name:
+        p.append(f"{where}.name={view.name!r} must be a non-empty string")
+    if not isinstance(view.memory_id, str) or not view.memory_id:
+        p.append(f"{where}.memory_id={view.memory_id!r} must be a non-empty string")
+    for field in ("offset", "num_blocks", "block_stride", "blocks_per_id"):
+        if not _is_int(getattr(view, field)):
+            p.append(f"{where}.{field}={getattr(view, field)!r} must be an int")
+    if p:
+        return p
+    if view.offset < 0:
+        p.append(f"{where}.offset={view.offset} is negative")
+    if view.num_blocks <= 0:
+        p.append(f"{where}.num_blocks={view.num_blocks} must be positive")
+    if view.block_stride <= 0:
+        p.append(f"{where}.block_stride={view.block_stride} must be positive")
+    if view.blocks_per_id <= 0:
+        p.append(f"{where}.blocks_per_id={view.blocks_per_id} must be positive")
+    elif view.num_blocks > 0 and view.num_blocks < view.blocks_per_id:
+        p.append(
+            f"{where}.num_blocks={view.num_blocks} is less than blocks_per_id={view.blocks_per_id}"
+        )
+    if not view.groups:
+        p.append(f"{where}.groups is empty")
+    for g in view.groups:
+        if not _is_int(g) or g < 0 or (_is_int(num_groups) and g >= num_groups):
+            p.append(f"{where}.groups has {g!r}, outside [0, num_groups={num_groups})")
+    if len(set(view.groups)) != len(view.groups):
+        p.append(f"{where}.groups={view.groups} repeats a group")
+    if not view.spans:
+        p.append(f"{where} has no spans")
+    keys: set[str] = set()
+    for j, s in enumerate(view.spans):
+        p.extend(_span_problems(f"{where}.spans[{j}]", s, tp_size, view.block_stride))
+        if isinstance(s, Span):
+            if s.key in keys:
+                p.append(f"{where} has duplicate span key {s.key!r}")
+            keys.add(s.key)
+    spans = sorted(
+        (s for s in view.spans if isinstance(s, Span) and _is_int(s.offset) and _is_int(s.length)),
+        key=lambda s: (s.offset, s.length),
+    )
+    for a, b in zip(spans, spans[1:]):
+        if b.offset < a.end and a.length > 0 and b.length > 0:
+            p.append(
+                f"{where} spans {a.key!r} [{a.offset}, {a.end}) and {b.key!r} "
+                f"[{b.offset}, {b.end}) overlap"
+            )
+    return p
+
+
+def geometry_problems(geom: EngineGeometry) -> tuple[str, ...]:
+    """Every problem of ``geom`` as a human-readable string; empty if valid."""
+    p: list[str] = []
+    if not isinstance(geom.engine_id, str) or not geom.engine_id:
+        p.append(f"engine_id={geom.engine_id!r} must be a non-empty string")
+    tp_ok = _is_int(geom.tp_size) and geom.tp_size > 0
+    if not tp_ok:
+        p.append(f"tp_size={geom.tp_size!r} must be a positive int")
+    if not _is_int(geom.tp_rank) or geom.tp_rank < 0 or (tp_ok and geom.tp_rank >= geom.tp_size):
+        p.append(f"tp_rank={geom.tp_rank!r} is outside [0, tp_size={geom.tp_size})")
+    if not _is_int(geom.num_groups) or geom.num_groups <= 0:
+        p.append(f"num_groups={geom.num_groups!r} must be a positive int")
+    if not geom.views:
+        p.append("views is empty")
+    names: set[str] = set()
+    for i, v in enumerate(geom.views):
+        p.extend(_view_problems(f"views[{i}]", v, geom.tp_size, geom.num_groups))
+        if isinstance(v, View):
+            if v.name in names:
+                p.append(f"views[{i}] duplicates view name {v.name!r}")
+            names.add(v.name)
+    return tuple(p)

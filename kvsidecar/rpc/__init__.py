@@ -1,0 +1,1 @@
+"""gRPC layer: generated code (``_gen``), proto⇄domain conversion, servicers, the error table."""

@@ -1,0 +1,270 @@
+"""Composition root and lifecycle of one sidecar process.
+
+``Sidecar(settings)`` stores its settings; ``start()`` binds every listener (EngineService on a Unix
+socket and optionally loopback TCP, PeerService on TCP, HTTP for metrics/health) and returns the bound
+addresses; ``stop(grace_s)`` turns readiness off, stops accepting, waits for in-flight work up to the
+grace period and releases every resource. ``run(settings)`` wires that to SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from kvsidecar.errors import ListenError
+from kvsidecar.health import Condition, HttpEndpoint, Readiness
+from kvsidecar.metrics import Metrics
+from kvsidecar.settings import Settings, parse_host_port
+from kvsidecar.systemd import SystemdNotifier
+
+log = logging.getLogger(__name__)
+
+_GRPC_OPTIONS = (
+    # grpc enables SO_REUSEPORT by default, which lets two sidecars "bind" one port silently.
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+)
+_TICK_S = 0.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoundAddresses:
+    """Where a started sidecar listens."""
+
+    engine_socket: str
+    engine_tcp: str | None
+    peer: str
+    metrics: str
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {
+            "engine_socket": self.engine_socket,
+            "engine_tcp": self.engine_tcp,
+            "peer": self.peer,
+            "metrics": self.metrics,
+        }
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _prepare_socket_path(path: Path) -> None:
+    """Create the socket's directory (0700) and remove a stale socket; refuse a live one."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_socket():
+        raise ListenError(f"engine_socket={str(path)!r} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # nobody listens: stale socket from a crashed sidecar
+        return
+    finally:
+        probe.close()
+    raise ListenError(f"engine_socket={str(path)!r} is in use by another process")
+
+
+class Sidecar:
+    """One sidecar: gRPC servers, HTTP endpoint, readiness, metrics and the engine core."""
+
+    def __init__(self, settings: Settings, *, metrics: Metrics | None = None) -> None:
+        self._settings = settings
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.readiness = Readiness(
+            (Condition.ENGINE_REGISTERED, Condition.BACKEND_READY), self._on_ready_change
+        )
+        self._notifier = SystemdNotifier(settings.notify_socket)
+        self._engine_server: grpc.aio.Server | None = None
+        self._peer_server: grpc.aio.Server | None = None
+        self._http: HttpEndpoint | None = None
+        self._tick_task: asyncio.Task[None] | None = None
+        self._socket_path: Path | None = None
+        self.addresses: BoundAddresses | None = None
+
+    def _on_ready_change(self, ready: bool) -> None:
+        self.metrics.ready.set(1 if ready else 0)
+
+    async def start(self) -> BoundAddresses:
+        """Bind every listener and start serving. Raises ListenError when a listener cannot bind."""
+        s = self._settings
+        try:
+            addresses = await self._start_listeners(s)
+        except BaseException:
+            await self._close_listeners(0)
+            raise
+        self.addresses = addresses
+        self._tick_task = asyncio.get_running_loop().create_task(self._tick())
+        self._notifier.open()
+        self._notifier.notify("READY=1\nSTATUS=serving")
+        if s.ready_file is not None:
+            tmp = s.ready_file.with_suffix(s.ready_file.suffix + ".tmp")
+            tmp.write_text(json.dumps({"pid": os.getpid(), **addresses.as_dict()}))
+            tmp.replace(s.ready_file)
+        log.info(
+            "kvsidecar serving engine_socket=%s engine_tcp=%s peer=%s metrics=http://%s",
+            addresses.engine_socket, addresses.engine_tcp, addresses.peer, addresses.metrics,
+        )
+        return addresses
+
+    async def _start_listeners(self, s: Settings) -> BoundAddresses:
+        engine = grpc.aio.server(options=_GRPC_OPTIONS)
+        peer = grpc.aio.server(options=_GRPC_OPTIONS)
+        self._engine_server, self._peer_server = engine, peer
+        service_names = [reflection.SERVICE_NAME]
+        for server in (engine, peer):
+            health = HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(health, server)
+            self.readiness.attach(health)
+        reflection.enable_server_reflection(
+            ["grpc.health.v1.Health", *service_names], engine
+        )
+        reflection.enable_server_reflection(["grpc.health.v1.Health", *service_names], peer)
+
+        _prepare_socket_path(s.engine_socket)
+        self._bind(engine, f"unix:{s.engine_socket}", "engine_socket", str(s.engine_socket))
+        self._socket_path = s.engine_socket
+        os.chmod(s.engine_socket, 0o600)
+        engine_tcp: str | None = None
+        if s.engine_listen:
+            host, _ = parse_host_port(s.engine_listen)
+            if not _is_loopback(host) and not s.allow_remote_engine:
+                raise ListenError(
+                    f"engine_listen={s.engine_listen!r} is not a loopback address "
+                    "(set allow_remote_engine to expose EngineService)"
+                )
+            port = self._bind(engine, s.engine_listen, "engine_listen", s.engine_listen)
+            engine_tcp = f"{host}:{port}"
+        peer_host, _ = parse_host_port(s.peer_listen)
+        peer_port = self._bind(peer, s.peer_listen, "peer_listen", s.peer_listen)
+
+        await engine.start()
+        await peer.start()
+        metrics_host, metrics_port = parse_host_port(s.metrics_listen)
+        self._http = HttpEndpoint(metrics_host, metrics_port, self.readiness, self.metrics.render)
+        try:
+            bound_host, bound_port = await self._http.start()
+        except OSError as exc:
+            raise ListenError(f"metrics_listen={s.metrics_listen!r}: {exc.strerror}") from None
+        await self.readiness.publish()
+        return BoundAddresses(
+            engine_socket=str(s.engine_socket),
+            engine_tcp=engine_tcp,
+            peer=f"{peer_host}:{peer_port}",
+            metrics=f"{bound_host}:{bound_port}",
+        )
+
+    @staticmethod
+    def _bind(server: grpc.aio.Server, address: str, setting: str, value: str) -> int:
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise ListenError(f"{setting}={value!r}: cannot bind ({exc})") from None
+        if port == 0 and not address.startswith("unix:"):
+            raise ListenError(f"{setting}={value!r}: cannot bind (address in use?)")
+        return port
+
+    async def _tick(self) -> None:
+        """Loop-lag measurement and systemd watchdog, every 0.5 s (or half the watchdog period)."""
+        period = _TICK_S
+        if self._settings.watchdog_usec:
+            period = min(period, self._settings.watchdog_usec / 2e6)
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(period)
+            self.metrics.poll_lag.observe(max(0.0, loop.time() - start - period))
+            self._notifier.notify("WATCHDOG=1")
+
+    async def stop(self, grace_s: float) -> None:
+        """Readiness off, stop accepting, drain up to ``grace_s`` seconds, release everything."""
+        self._notifier.notify("STOPPING=1")
+        await self.readiness.start_draining()
+        log.info("kvsidecar draining (grace %.1fs)", grace_s)
+        await self.readiness.shutdown()
+        await self._close_listeners(grace_s)
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tick_task
+            self._tick_task = None
+        self._notifier.close()
+        log.info("kvsidecar stopped")
+
+    async def _close_listeners(self, grace_s: float) -> None:
+        servers = [s for s in (self._engine_server, self._peer_server) if s is not None]
+        await asyncio.gather(*(s.stop(grace_s) for s in servers), return_exceptions=True)
+        self._engine_server = self._peer_server = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        if self._socket_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._socket_path.unlink()
+            self._socket_path = None
+        ready_file = self._settings.ready_file
+        if ready_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                ready_file.unlink()
+
+
+async def run(settings: Settings) -> int:
+    """Serve until SIGTERM/SIGINT; drain with the grace period; a second signal forces. Exit code."""
+    sidecar = Sidecar(settings)
+    await sidecar.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    force = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("second signal %s: forcing shutdown", signal.Signals(signum).name)
+            force.set()
+        else:
+            log.info("signal %s: shutting down", signal.Signals(signum).name)
+            stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await stop.wait()
+        started = time.monotonic()
+        graceful = asyncio.ensure_future(sidecar.stop(settings.grace_period_s))
+        forced = asyncio.ensure_future(force.wait())
+        await asyncio.wait({graceful, forced}, return_when=asyncio.FIRST_COMPLETED)
+        if not graceful.done():
+            graceful.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await graceful
+            await sidecar.stop(0)
+            return 1
+        forced.cancel()
+        graceful.result()
+        log.info("shutdown took %.3fs", time.monotonic() - started)
+        return 0
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)

@@ -1,0 +1,162 @@
+"""`kvsidecar serve` as a real process: health on both endpoints, metrics, config sources, signals."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import stat
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.sidecar_proc import KVSIDECAR, default_args, spawn, start
+
+
+def _health(target: str, service: str = "") -> int:
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        return int(resp.status)
+
+
+def _http(address: str, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=2) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _check_serving(addresses: dict[str, str]) -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert _health(f"unix:{addresses['engine_socket']}") == serving
+    assert _health(addresses["peer"]) == serving
+    status, body = _http(addresses["metrics"], "/metrics")
+    assert status == 200
+    names = {fam.name for fam in text_string_to_metric_families(body)}
+    assert "kvsidecar_build_info" in names
+    assert "process_cpu_seconds" in names
+    assert _http(addresses["metrics"], "/healthz") == (200, "ok\n")
+    status, body = _http(addresses["metrics"], "/readyz")
+    assert status == 503  # no engine registered yet
+    assert "engine_registered" in body
+
+
+def test_serve_with_flags_health_metrics_and_sigterm(tmp_path: Path) -> None:
+    sc = start(tmp_path, *default_args(tmp_path))
+    try:
+        _check_serving(sc.addresses)
+        sock = Path(sc.addresses["engine_socket"])
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+        assert "peer=127.0.0.1:" in sc.log() and "metrics=http://" in sc.log()
+    finally:
+        rc = sc.stop(signal.SIGTERM, timeout=5)
+    assert rc == 0, sc.log()
+    assert not sock.exists()
+    print(f"startup {sc.startup_s:.3f}s")
+
+
+def test_serve_with_config_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvsidecar.toml"
+    cfg.write_text(
+        f'engine_socket = "{tmp_path / "cfg.sock"}"\npeer_listen = "127.0.0.1:0"\n'
+        'metrics_listen = "127.0.0.1:0"\nlease_s = 12.5\n'
+    )
+    sc = start(tmp_path, "--config", str(cfg))
+    try:
+        assert sc.addresses["engine_socket"] == str(tmp_path / "cfg.sock")
+        _check_serving(sc.addresses)
+    finally:
+        assert sc.stop() == 0, sc.log()
+
+
+def test_serve_with_env_vars(tmp_path: Path) -> None:
+    env = {"KVSIDECAR_ENGINE_SOCKET": str(tmp_path / "env.sock"),
+           "KVSIDECAR_PEER_LISTEN": "127.0.0.1:0", "KVSIDECAR_METRICS_LISTEN": "127.0.0.1:0"}
+    sc = start(tmp_path, env=env)
+    try:
+        assert sc.addresses["engine_socket"] == str(tmp_path / "env.sock")
+        _check_serving(sc.addresses)
+    finally:
+        assert sc.stop(signal.SIGINT) == 0, sc.log()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needle"),
+    [
+        (["--peer-listen", "nowhere"], {}, "peer_listen"),
+        (["--grace-period-s", "-3"], {}, "grace_period_s"),
+        ([], {"KVSIDECAR_LEASE_S": "zero"}, "lease_s"),
+        (["--log-level", "loud"], {}, "log_level"),
+        (["--shm-roots", "relative/dir"], {}, "shm_roots"),
+    ],
+)
+def test_invalid_setting_exits_2_with_clear_message(
+    tmp_path: Path, args: list[str], env: dict[str, str], needle: str
+) -> None:
+    out = subprocess.run([*KVSIDECAR, "serve", *default_args(tmp_path), *args], capture_output=True,
+                         text=True, timeout=30, env={**__import__("os").environ, **env})
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert needle in lines[0] and "Traceback" not in out.stderr
+
+
+def test_invalid_config_file_exits_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("lease_s = [\n")
+    out = subprocess.run([*KVSIDECAR, "serve", "--config", str(cfg)], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 2 and "not valid TOML" in out.stderr
+    cfg.write_text("no_such_setting = 1\n")
+    out = subprocess.run([*KVSIDECAR, "serve", "--config", str(cfg)], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 2 and "no_such_setting" in out.stderr
+
+
+def test_port_in_use_fails_cleanly(tmp_path: Path) -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        for flag in ("--peer-listen", "--metrics-listen"):
+            args = default_args(tmp_path)
+            args[args.index(flag) + 1] = f"127.0.0.1:{port}"
+            sc = spawn(tmp_path, *args, name=flag.strip("-"))
+            rc = sc.proc.wait(30)
+            assert rc not in (0, 2)
+            assert "cannot listen" in sc.log() and str(port) in sc.log()
+            assert "Traceback" not in sc.log()
+    finally:
+        holder.close()
+
+
+def test_live_engine_socket_is_not_stolen(tmp_path: Path) -> None:
+    first = start(tmp_path, *default_args(tmp_path, "a"), name="a")
+    try:
+        args = default_args(tmp_path, "b")
+        args[1] = first.addresses["engine_socket"]
+        second = spawn(tmp_path, *args, name="b")
+        assert second.proc.wait(30) == 1
+        assert "in use by another process" in second.log()
+        _check_serving(first.addresses)
+    finally:
+        assert first.stop() == 0
+
+
+def test_non_loopback_engine_listen_is_refused(tmp_path: Path) -> None:
+    sc = spawn(tmp_path, *default_args(tmp_path), "--engine-listen", "0.0.0.0:0")
+    assert sc.proc.wait(30) == 1
+    assert "allow_remote_engine" in sc.log()
+
+
+def test_version() -> None:
+    out = subprocess.run([*KVSIDECAR, "version"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.startswith("kvsidecar ")

@@ -1,0 +1,73 @@
+"""Start and stop real `kvsidecar serve` processes for tests (bounded waits, no leaks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KVSIDECAR = [sys.executable, "-m", "kvsidecar.cli"]
+
+
+@dataclass
+class SidecarProcess:
+    proc: subprocess.Popen[bytes]
+    ready_file: Path
+    log_path: Path
+    addresses: dict[str, str] = field(default_factory=dict)
+    startup_s: float = 0.0
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+                raise
+        return int(self.proc.returncode)
+
+
+def spawn(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+          name: str = "sidecar") -> SidecarProcess:
+    """Spawn `kvsidecar serve` with a ready file; does not wait."""
+    ready = tmp_path / f"{name}.ready.json"
+    log_path = tmp_path / f"{name}.log"
+    full_env = {**os.environ, **(env or {})}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([*KVSIDECAR, "serve", "--ready-file", str(ready), *args],
+                                stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    return SidecarProcess(proc=proc, ready_file=ready, log_path=log_path)
+
+
+def start(tmp_path: Path, *args: str, env: dict[str, str] | None = None, name: str = "sidecar",
+          timeout: float = 15.0) -> SidecarProcess:
+    """Spawn and wait (bounded) until the ready file appears; raises with the log on failure."""
+    t0 = time.monotonic()
+    sc = spawn(tmp_path, *args, env=env, name=name)
+    deadline = t0 + timeout
+    while time.monotonic() < deadline:
+        if sc.ready_file.exists():
+            sc.addresses = json.loads(sc.ready_file.read_text())
+            sc.startup_s = time.monotonic() - t0
+            return sc
+        if sc.proc.poll() is not None:
+            raise RuntimeError(f"sidecar exited {sc.proc.returncode}:\n{sc.log()}")
+        time.sleep(0.02)
+    sc.stop(signal.SIGKILL)
+    raise TimeoutError(f"sidecar not ready after {timeout}s:\n{sc.log()}")
+
+
+def default_args(tmp_path: Path, name: str = "sidecar") -> list[str]:
+    """Listener flags that never collide between tests: a private socket and ephemeral ports."""
+    return ["--engine-socket", str(tmp_path / f"{name}.sock"), "--peer-listen", "127.0.0.1:0",
+            "--metrics-listen", "127.0.0.1:0"]
