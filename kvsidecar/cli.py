@@ -27,8 +27,9 @@ _ENV_ONLY = frozenset({"notify_socket", "watchdog_usec"})
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     from kvsidecar.settings import Settings
 
-    parser.add_argument("--config", type=Path, default=None,
-                        help="TOML file with settings (env KVSIDECAR_CONFIG)")
+    parser.add_argument(
+        "--config", type=Path, default=None, help="TOML file with settings (env KVSIDECAR_CONFIG)"
+    )
     for name, field in Settings.model_fields.items():
         if name in _ENV_ONLY:
             continue
@@ -37,8 +38,9 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         if name == "shm_roots":
             parser.add_argument(flag, dest=name, action="append", default=None, help=help_text)
         elif field.annotation is bool:
-            parser.add_argument(flag, dest=name, action="store_const", const=True, default=None,
-                                help=help_text)
+            parser.add_argument(
+                flag, dest=name, action="store_const", const=True, default=None, help=help_text
+            )
         else:
             parser.add_argument(flag, dest=name, default=None, help=help_text)
 

@@ -97,8 +97,9 @@ class HttpEndpoint:
     Requests are bounded in size (8 KiB) and time (5 s); one request per connection.
     """
 
-    def __init__(self, host: str, port: int, readiness: Readiness,
-                 render_metrics: Callable[[], bytes]) -> None:
+    def __init__(
+        self, host: str, port: int, readiness: Readiness, render_metrics: Callable[[], bytes]
+    ) -> None:
         self._host = host
         self._port = port
         self._readiness = readiness
@@ -122,13 +123,19 @@ class HttpEndpoint:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
             status, ctype, body = self._route(head)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
-                ConnectionError, ValueError):
+        except (
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            TimeoutError,
+            ConnectionError,
+            ValueError,
+        ):
             status, ctype, body = "400 Bad Request", "text/plain", b"bad request\n"
         try:
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n".encode() + body
+                "Connection: close\r\n\r\n".encode()
+                + body
             )
             await asyncio.wait_for(writer.drain(), _REQUEST_TIMEOUT_S)
         except (ConnectionError, TimeoutError):

@@ -25,9 +25,13 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from kvsidecar.engine.backend import TransferBackend
+from kvsidecar.engine.core import CoreConfig, EngineCore
 from kvsidecar.errors import ListenError
-from kvsidecar.health import Condition, HttpEndpoint, Readiness
+from kvsidecar.health import ENGINE_SERVICE, PEER_SERVICE, Condition, HttpEndpoint, Readiness
 from kvsidecar.metrics import Metrics
+from kvsidecar.rpc._gen.v1 import engine_pb2_grpc, peer_pb2_grpc
+from kvsidecar.rpc.servicers import EngineServicer, PeerServicer
 from kvsidecar.settings import Settings, parse_host_port
 from kvsidecar.systemd import SystemdNotifier
 
@@ -91,8 +95,16 @@ def _prepare_socket_path(path: Path) -> None:
 class Sidecar:
     """One sidecar: gRPC servers, HTTP endpoint, readiness, metrics and the engine core."""
 
-    def __init__(self, settings: Settings, *, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        metrics: Metrics | None = None,
+        backend: TransferBackend | None = None,
+    ) -> None:
         self._settings = settings
+        self._backend = backend
+        self.core: EngineCore | None = None
         self.metrics = metrics if metrics is not None else Metrics()
         self.readiness = Readiness(
             (Condition.ENGINE_REGISTERED, Condition.BACKEND_READY), self._on_ready_change
@@ -112,9 +124,11 @@ class Sidecar:
         """Bind every listener and start serving. Raises ListenError when a listener cannot bind."""
         s = self._settings
         try:
+            await self._start_core(s)
             addresses = await self._start_listeners(s)
         except BaseException:
             await self._close_listeners(0)
+            await self._close_core()
             raise
         self.addresses = addresses
         self._tick_task = asyncio.get_running_loop().create_task(self._tick())
@@ -126,23 +140,63 @@ class Sidecar:
             tmp.replace(s.ready_file)
         log.info(
             "kvsidecar serving engine_socket=%s engine_tcp=%s peer=%s metrics=http://%s",
-            addresses.engine_socket, addresses.engine_tcp, addresses.peer, addresses.metrics,
+            addresses.engine_socket,
+            addresses.engine_tcp,
+            addresses.peer,
+            addresses.metrics,
         )
         return addresses
+
+    async def _start_core(self, s: Settings) -> None:
+        if self._backend is None:
+            from kvsidecar.engine.nixl_backend import NixlBackend
+
+            self._backend = NixlBackend.create(poll_delay_us=s.nixl_poll_delay_us)
+        await self._backend.start()
+        config = CoreConfig(
+            lease_s=s.lease_s,
+            read_deadline_s=s.read_deadline_s,
+            handshake_timeout_s=s.handshake_timeout_s,
+            shm_roots=s.shm_roots,
+        )
+
+        async def on_registered(held: bool) -> None:
+            await self.readiness.set(Condition.ENGINE_REGISTERED, held)
+
+        self.core = EngineCore(
+            backend=self._backend, config=config, metrics=self.metrics, on_registered=on_registered
+        )
+        await self.core.start()
+        await self.readiness.set(Condition.BACKEND_READY, True)
+
+    async def _close_core(self) -> None:
+        if self.core is not None:
+            await self.core.aclose()
+            self.core = None
+        if self._backend is not None:
+            await self._backend.aclose()
+            self._backend = None
 
     async def _start_listeners(self, s: Settings) -> BoundAddresses:
         engine = grpc.aio.server(options=_GRPC_OPTIONS)
         peer = grpc.aio.server(options=_GRPC_OPTIONS)
         self._engine_server, self._peer_server = engine, peer
+        assert self.core is not None
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(
+            EngineServicer(self.core, default_lease_s=s.lease_s), engine
+        )
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self.core), peer)
         service_names = [reflection.SERVICE_NAME]
         for server in (engine, peer):
             health = HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health, server)
             self.readiness.attach(health)
         reflection.enable_server_reflection(
-            ["grpc.health.v1.Health", *service_names], engine
+            ["grpc.health.v1.Health", ENGINE_SERVICE, *service_names], engine
         )
-        reflection.enable_server_reflection(["grpc.health.v1.Health", *service_names], peer)
+        reflection.enable_server_reflection(
+            ["grpc.health.v1.Health", PEER_SERVICE, *service_names], peer
+        )
 
         _prepare_socket_path(s.engine_socket)
         self._bind(engine, f"unix:{s.engine_socket}", "engine_socket", str(s.engine_socket))
@@ -173,7 +227,7 @@ class Sidecar:
         return BoundAddresses(
             engine_socket=str(s.engine_socket),
             engine_tcp=engine_tcp,
-            peer=f"{peer_host}:{peer_port}",
+            peer=s.peer_advertise or f"{peer_host}:{peer_port}",
             metrics=f"{bound_host}:{bound_port}",
         )
 
@@ -204,8 +258,17 @@ class Sidecar:
         self._notifier.notify("STOPPING=1")
         await self.readiness.start_draining()
         log.info("kvsidecar draining (grace %.1fs)", grace_s)
+        if self.core is not None:
+            drained = await self.core.drain(grace_s)
+            if not drained:
+                log.warning(
+                    "grace period over with %d reads in flight and %d holds",
+                    len(self.core.transfers),
+                    self.core.ledger.counters.holds_active,
+                )
         await self.readiness.shutdown()
-        await self._close_listeners(grace_s)
+        await self._close_listeners(min(grace_s, 1.0))
+        await self._close_core()
         if self._tick_task is not None:
             self._tick_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -53,7 +53,9 @@ def generate(out_dir: Path) -> list[Path]:
             (dst / f.name).write_text(text)
             written.append(dst / f.name)
         (dst / "__init__.py").write_text("")
-        (out_dir / "__init__.py").write_text('"""Generated from proto/ by scripts/gen_proto.py."""\n')
+        (out_dir / "__init__.py").write_text(
+            '"""Generated from proto/ by scripts/gen_proto.py."""\n'
+        )
         written += [dst / "__init__.py", out_dir / "__init__.py"]
     return written
 

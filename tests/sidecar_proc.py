@@ -37,20 +37,30 @@ class SidecarProcess:
         return int(self.proc.returncode)
 
 
-def spawn(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
-          name: str = "sidecar") -> SidecarProcess:
+def spawn(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, name: str = "sidecar"
+) -> SidecarProcess:
     """Spawn `kvsidecar serve` with a ready file; does not wait."""
     ready = tmp_path / f"{name}.ready.json"
     log_path = tmp_path / f"{name}.log"
     full_env = {**os.environ, **(env or {})}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([*KVSIDECAR, "serve", "--ready-file", str(ready), *args],
-                                stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen(
+            [*KVSIDECAR, "serve", "--ready-file", str(ready), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+        )
     return SidecarProcess(proc=proc, ready_file=ready, log_path=log_path)
 
 
-def start(tmp_path: Path, *args: str, env: dict[str, str] | None = None, name: str = "sidecar",
-          timeout: float = 15.0) -> SidecarProcess:
+def start(
+    tmp_path: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    name: str = "sidecar",
+    timeout: float = 15.0,
+) -> SidecarProcess:
     """Spawn and wait (bounded) until the ready file appears; raises with the log on failure."""
     t0 = time.monotonic()
     sc = spawn(tmp_path, *args, env=env, name=name)
@@ -69,5 +79,11 @@ def start(tmp_path: Path, *args: str, env: dict[str, str] | None = None, name: s
 
 def default_args(tmp_path: Path, name: str = "sidecar") -> list[str]:
     """Listener flags that never collide between tests: a private socket and ephemeral ports."""
-    return ["--engine-socket", str(tmp_path / f"{name}.sock"), "--peer-listen", "127.0.0.1:0",
-            "--metrics-listen", "127.0.0.1:0"]
+    return [
+        "--engine-socket",
+        str(tmp_path / f"{name}.sock"),
+        "--peer-listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]

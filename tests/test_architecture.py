@@ -9,14 +9,26 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvsidecar"
-HEAVY = ("grpc", "nixl", "nixl_cu12", "nixl_cu13", "torch", "pydantic", "pydantic_settings",
-         "prometheus_client", "asyncio", "uvloop", "cupy")
+HEAVY = (
+    "grpc",
+    "nixl",
+    "nixl_cu12",
+    "nixl_cu13",
+    "torch",
+    "pydantic",
+    "pydantic_settings",
+    "prometheus_client",
+    "asyncio",
+    "uvloop",
+    "cupy",
+)
 
 
 def _modules_loaded_by(statement: str) -> set[str]:
     code = f"import sys, json; {statement}; print(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60
+    )
     return set(json.loads(out.stdout))
 
 
@@ -90,6 +102,7 @@ def test_settings_read_only_at_the_edge() -> None:
 
 def test_the_scanner_sees_imports() -> None:
     # Guard against a scanner that silently finds nothing (which would make the tests above vacuous).
-    assert "nixl_cu12" in {m.split(".")[0] for m in _imports(PACKAGE / "engine" / "nixl_backend.py")} or \
-        "nixl" in {m.split(".")[0] for m in _imports(PACKAGE / "engine" / "nixl_backend.py")}
+    assert "nixl_cu12" in {
+        m.split(".")[0] for m in _imports(PACKAGE / "engine" / "nixl_backend.py")
+    } or "nixl" in {m.split(".")[0] for m in _imports(PACKAGE / "engine" / "nixl_backend.py")}
     assert "kvsidecar.errors" in _imports(PACKAGE / "settings.py")

@@ -20,7 +20,8 @@ raises :class:`~kvsidecar.errors.GeometryError` listing *every* problem found.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 from kvsidecar.errors import GeometryError
 
@@ -113,12 +114,26 @@ class EngineGeometry:
     tp_size: int
     num_groups: int = 1
     views: tuple[View, ...]
+    # Per group: the views routed to it, one per distinct id capacity, tightest first (derived).
+    _limit_views: tuple[tuple[View, ...], ...] = field(
+        init=False, repr=False, compare=False, hash=False, default=()
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "views", tuple(self.views))
         problems = geometry_problems(self)
         if problems:
             raise GeometryError(problems)
+        per_group: list[dict[int, View]] = [{} for _ in range(self.num_groups)]
+        for v in self.views:
+            per_group[v.route_group].setdefault(v.num_ids, v)
+        limits = tuple(tuple(d[c] for c in sorted(d)) for d in per_group)
+        object.__setattr__(self, "_limit_views", limits)
+
+    def limit_views(self, group: int) -> tuple[View, ...]:
+        """Views whose ids come from ``group``, one per distinct ``num_ids``, smallest first:
+        checking ids against these checks them against every view of the group."""
+        return self._limit_views[group]
 
     def view(self, name: str) -> View:
         """The view named ``name``; KeyError if absent."""
@@ -144,9 +159,9 @@ def _span_problems(where: str, span: object, tp_size: int, block_stride: int) ->
     if not isinstance(span.key, str) or not span.key:
         p.append(f"{where}.key={span.key!r} must be a non-empty string")
     ints_ok = True
-    for field in ("offset", "length", "global_units"):
-        if not _is_int(getattr(span, field)):
-            p.append(f"{where}.{field}={getattr(span, field)!r} must be an int")
+    for name in ("offset", "length", "global_units"):
+        if not _is_int(getattr(span, name)):
+            p.append(f"{where}.{name}={getattr(span, name)!r} must be an int")
             ints_ok = False
     if not ints_ok:
         return p
@@ -180,9 +195,9 @@ def _view_problems(where: str, view: object, tp_size: int, num_groups: int) -> l
         p.append(f"{where}.name={view.name!r} must be a non-empty string")
     if not isinstance(view.memory_id, str) or not view.memory_id:
         p.append(f"{where}.memory_id={view.memory_id!r} must be a non-empty string")
-    for field in ("offset", "num_blocks", "block_stride", "blocks_per_id"):
-        if not _is_int(getattr(view, field)):
-            p.append(f"{where}.{field}={getattr(view, field)!r} must be an int")
+    for name in ("offset", "num_blocks", "block_stride", "blocks_per_id"):
+        if not _is_int(getattr(view, name)):
+            p.append(f"{where}.{name}={getattr(view, name)!r} must be an int")
     if p:
         return p
     if view.offset < 0:
@@ -217,7 +232,7 @@ def _view_problems(where: str, view: object, tp_size: int, num_groups: int) -> l
         (s for s in view.spans if isinstance(s, Span) and _is_int(s.offset) and _is_int(s.length)),
         key=lambda s: (s.offset, s.length),
     )
-    for a, b in zip(spans, spans[1:]):
+    for a, b in itertools.pairwise(spans):
         if b.offset < a.end and a.length > 0 and b.length > 0:
             p.append(
                 f"{where} spans {a.key!r} [{a.offset}, {a.end}) and {b.key!r} "

@@ -86,7 +86,9 @@ def unit_holders(global_units: int, tp_size: int, unit: int) -> tuple[int, int]:
     return unit * reps, (unit + 1) * reps
 
 
-def unit_source(global_units: int, local_tp: int, local_rank: int, remote_tp: int, unit: int) -> int:
+def unit_source(
+    global_units: int, local_tp: int, local_rank: int, remote_tp: int, unit: int
+) -> int:
     """The remote rank local rank ``local_rank`` reads global unit ``unit`` from."""
     first, stop = unit_holders(global_units, remote_tp, unit)
     needers_first, _ = unit_holders(global_units, local_tp, unit)
@@ -265,7 +267,9 @@ def _all_ranks_read(local: EngineGeometry, remote: EngineGeometry) -> tuple[froz
     return tuple(_ranks_read(local, remote, d) for d in range(local.tp_size))
 
 
-def notify_only_ranks(local: EngineGeometry, remote: EngineGeometry, local_rank: int) -> tuple[int, ...]:
+def notify_only_ranks(
+    local: EngineGeometry, remote: EngineGeometry, local_rank: int
+) -> tuple[int, ...]:
     """Remote ranks no local rank reads that are assigned to ``local_rank`` (notification only)."""
     read = frozenset().union(*_all_ranks_read(local, remote))
     return tuple(

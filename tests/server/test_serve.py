@@ -54,7 +54,8 @@ def test_serve_with_flags_health_metrics_and_sigterm(tmp_path: Path) -> None:
         _check_serving(sc.addresses)
         sock = Path(sc.addresses["engine_socket"])
         assert stat.S_IMODE(sock.stat().st_mode) == 0o600
-        assert "peer=127.0.0.1:" in sc.log() and "metrics=http://" in sc.log()
+        assert "peer=127.0.0.1:" in sc.log()
+        assert "metrics=http://" in sc.log()
     finally:
         rc = sc.stop(signal.SIGTERM, timeout=5)
     assert rc == 0, sc.log()
@@ -77,8 +78,11 @@ def test_serve_with_config_file(tmp_path: Path) -> None:
 
 
 def test_serve_with_env_vars(tmp_path: Path) -> None:
-    env = {"KVSIDECAR_ENGINE_SOCKET": str(tmp_path / "env.sock"),
-           "KVSIDECAR_PEER_LISTEN": "127.0.0.1:0", "KVSIDECAR_METRICS_LISTEN": "127.0.0.1:0"}
+    env = {
+        "KVSIDECAR_ENGINE_SOCKET": str(tmp_path / "env.sock"),
+        "KVSIDECAR_PEER_LISTEN": "127.0.0.1:0",
+        "KVSIDECAR_METRICS_LISTEN": "127.0.0.1:0",
+    }
     sc = start(tmp_path, env=env)
     try:
         assert sc.addresses["engine_socket"] == str(tmp_path / "env.sock")
@@ -100,24 +104,34 @@ def test_serve_with_env_vars(tmp_path: Path) -> None:
 def test_invalid_setting_exits_2_with_clear_message(
     tmp_path: Path, args: list[str], env: dict[str, str], needle: str
 ) -> None:
-    out = subprocess.run([*KVSIDECAR, "serve", *default_args(tmp_path), *args], capture_output=True,
-                         text=True, timeout=30, env={**__import__("os").environ, **env})
+    out = subprocess.run(
+        [*KVSIDECAR, "serve", *default_args(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**__import__("os").environ, **env},
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
-    assert needle in lines[0] and "Traceback" not in out.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in out.stderr
 
 
 def test_invalid_config_file_exits_2(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.toml"
     cfg.write_text("lease_s = [\n")
-    out = subprocess.run([*KVSIDECAR, "serve", "--config", str(cfg)], capture_output=True,
-                         text=True, timeout=30)
-    assert out.returncode == 2 and "not valid TOML" in out.stderr
+    out = subprocess.run(
+        [*KVSIDECAR, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 2
+    assert "not valid TOML" in out.stderr
     cfg.write_text("no_such_setting = 1\n")
-    out = subprocess.run([*KVSIDECAR, "serve", "--config", str(cfg)], capture_output=True,
-                         text=True, timeout=30)
-    assert out.returncode == 2 and "no_such_setting" in out.stderr
+    out = subprocess.run(
+        [*KVSIDECAR, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 2
+    assert "no_such_setting" in out.stderr
 
 
 def test_port_in_use_fails_cleanly(tmp_path: Path) -> None:
@@ -132,7 +146,8 @@ def test_port_in_use_fails_cleanly(tmp_path: Path) -> None:
             sc = spawn(tmp_path, *args, name=flag.strip("-"))
             rc = sc.proc.wait(30)
             assert rc not in (0, 2)
-            assert "cannot listen" in sc.log() and str(port) in sc.log()
+            assert "cannot listen" in sc.log()
+            assert str(port) in sc.log()
             assert "Traceback" not in sc.log()
     finally:
         holder.close()
@@ -159,4 +174,5 @@ def test_non_loopback_engine_listen_is_refused(tmp_path: Path) -> None:
 
 def test_version() -> None:
     out = subprocess.run([*KVSIDECAR, "version"], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0 and out.stdout.startswith("kvsidecar ")
+    assert out.returncode == 0
+    assert out.stdout.startswith("kvsidecar ")

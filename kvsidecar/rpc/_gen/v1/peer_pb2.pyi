@@ -88,6 +88,7 @@ class GetAgentResponse(_message.Message):
     COMPAT_FIELD_NUMBER: _builtins.int
     NUM_GROUPS_FIELD_NUMBER: _builtins.int
     SPAN_SIGNATURE_FIELD_NUMBER: _builtins.int
+    MEM_TYPE_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """Version of the sidecar-to-sidecar protocol; a mismatch is reported as incompatible."""
     compat_digest: _builtins.str
@@ -103,6 +104,8 @@ class GetAgentResponse(_message.Message):
     tp_size: _builtins.int
     num_groups: _builtins.int
     """Number of KV-cache groups the engine's block ids are organised in."""
+    mem_type: _builtins.str
+    """NIXL memory type of the engine's memory: "DRAM" or "VRAM"."""
     @_builtins.property
     def views(self) -> _containers.RepeatedCompositeFieldContainer[Global___RemoteView]: ...
     @_builtins.property
@@ -128,10 +131,11 @@ class GetAgentResponse(_message.Message):
         compat: _geometry_pb2.Compat | None = ...,
         num_groups: _builtins.int = ...,
         span_signature: _abc.Iterable[_builtins.str] | None = ...,
+        mem_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "compat", b"compat", "compat_digest", b"compat_digest", "engine_id", b"engine_id", "epoch", b"epoch", "nixl_agent_metadata", b"nixl_agent_metadata", "num_groups", b"num_groups", "protocol_version", b"protocol_version", "span_signature", b"span_signature", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "compat", b"compat", "compat_digest", b"compat_digest", "engine_id", b"engine_id", "epoch", b"epoch", "mem_type", b"mem_type", "nixl_agent_metadata", b"nixl_agent_metadata", "num_groups", b"num_groups", "protocol_version", b"protocol_version", "span_signature", b"span_signature", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -204,6 +208,8 @@ class PeerNotification(_message.Message):
         """The consumer finished reading its part of the request."""
         CONSUMED: PeerNotification._Kind.ValueType  # 2
         """The consumer will not read (full prefix hit, notify-only rank, rejected before admission)."""
+        HEARTBEAT: PeerNotification._Kind.ValueType  # 3
+        """The consumer still intends to read: extend the leases of heartbeat_request_ids."""
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: PeerNotification.Kind.ValueType  # 0
@@ -211,6 +217,8 @@ class PeerNotification(_message.Message):
     """The consumer finished reading its part of the request."""
     CONSUMED: PeerNotification.Kind.ValueType  # 2
     """The consumer will not read (full prefix hit, notify-only rank, rejected before admission)."""
+    HEARTBEAT: PeerNotification.Kind.ValueType  # 3
+    """The consumer still intends to read: extend the leases of heartbeat_request_ids."""
 
     KIND_FIELD_NUMBER: _builtins.int
     REMOTE_REQUEST_ID_FIELD_NUMBER: _builtins.int
@@ -218,6 +226,7 @@ class PeerNotification(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     CONSUMER_ENGINE_ID_FIELD_NUMBER: _builtins.int
     CONSUMER_RANK_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     kind: Global___PeerNotification.Kind.ValueType
     remote_request_id: _builtins.str
     """The producer's request id (the id the producer's engine used in HOLD)."""
@@ -228,6 +237,10 @@ class PeerNotification(_message.Message):
     consumer_engine_id: _builtins.str
     """Consumer identity, for logs and deduplication."""
     consumer_rank: _builtins.int
+    @_builtins.property
+    def heartbeat_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Producer request ids whose leases a HEARTBEAT extends."""
+
     def __init__(
         self,
         *,
@@ -237,10 +250,11 @@ class PeerNotification(_message.Message):
         epoch: _builtins.int = ...,
         consumer_engine_id: _builtins.str = ...,
         consumer_rank: _builtins.int = ...,
+        heartbeat_request_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_engine_id", b"consumer_engine_id", "consumer_rank", b"consumer_rank", "epoch", b"epoch", "expected_consumers", b"expected_consumers", "kind", b"kind", "remote_request_id", b"remote_request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_engine_id", b"consumer_engine_id", "consumer_rank", b"consumer_rank", "epoch", b"epoch", "expected_consumers", b"expected_consumers", "heartbeat_request_ids", b"heartbeat_request_ids", "kind", b"kind", "remote_request_id", b"remote_request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

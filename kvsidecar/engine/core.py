@@ -1,0 +1,426 @@
+"""The engine core: what EngineService and PeerService do, on one event loop.
+
+Owns the registered local engine (one epoch at a time), the peer registry, the in-flight reads, the
+producer ledger and the event hub, and one poller task that advances reads, drains NIXL notifications
+and reaps leases. The poller is fast (sub-millisecond) while reads are in flight, 1 ms while holds are
+active, and 20 ms when idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvsidecar.engine.backend import TransferBackend
+
+from kvsidecar.engine.events import Event, EventHub, FailureReason, SendDoneEvent
+from kvsidecar.engine.ledger import ConsumerId, ProducerLedger, SendDone
+from kvsidecar.engine.local import LocalEngine, Registration
+from kvsidecar.engine.model import Endpoints, PeerSummary, ReadCommand, ReadPosted
+from kvsidecar.engine.peer_link import PeerLink
+from kvsidecar.engine.peers import Peer, PeerRegistry
+from kvsidecar.engine.transfers import TransferManager, notification
+from kvsidecar.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    NotRegisteredError,
+    ShuttingDownError,
+)
+from kvsidecar.metrics import Metrics
+from kvsidecar.plan import validate_request_ids
+from kvsidecar.rpc._gen.v1 import peer_pb2
+
+log = logging.getLogger(__name__)
+
+_FAST_S, _HOLDING_S, _IDLE_S = 0.0002, 0.001, 0.02
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatusSnapshot:
+    events: tuple[Event, ...]
+    local: LocalEngine | None
+    peers: tuple[PeerSummary, ...]
+    reads_in_flight: int
+    holds_active: int
+    counters: dict[str, int]
+    draining: bool
+    watch_connected: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoreConfig:
+    lease_s: float
+    read_deadline_s: float
+    handshake_timeout_s: float
+    shm_roots: tuple[Path, ...]
+
+
+def _check_id(field: str, value: str) -> None:
+    if not value:
+        raise InvalidArgumentError(f"{field} must be non-empty")
+    if len(value) > 1024:
+        raise InvalidArgumentError(f"{field} is {len(value)} characters long (max 1024)")
+
+
+class EngineCore:
+    """Everything behind the gRPC services. Call ``start`` once, ``aclose`` once."""
+
+    def __init__(
+        self,
+        *,
+        backend: TransferBackend,
+        config: CoreConfig,
+        metrics: Metrics,
+        on_registered: Callable[[bool], Awaitable[None]],
+    ) -> None:
+        self._backend = backend
+        self._config = config
+        self._metrics = metrics
+        self._on_registered = on_registered
+        self.events = EventHub()
+        self._link = PeerLink(timeout_s=config.handshake_timeout_s)
+        self.peers = PeerRegistry(backend=backend, link=self._link, metrics=metrics)
+        self.transfers = TransferManager(backend=backend, events=self.events, metrics=metrics)
+        self.ledger = ProducerLedger(default_lease_s=config.lease_s, clock=time.monotonic)
+        self._local: LocalEngine | None = None
+        self._epoch = int(time.time() * 1000)  # survives restarts as "newer"
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._poller: asyncio.Task[None] | None = None
+        self._posting: set[str] = set()
+        self.draining = False
+        self.counters: dict[str, int] = {"notifications_sent": 0, "bad_notifications": 0}
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def drain(self, grace_s: float) -> bool:
+        """Refuse new work; wait up to ``grace_s`` for in-flight reads and holds. True if drained."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if not len(self.transfers) and not self.ledger.counters.holds_active:
+                return True
+            await asyncio.sleep(0.01)
+        return not len(self.transfers) and not self.ledger.counters.holds_active
+
+    async def aclose(self) -> None:
+        """Fail what is left, release peers, memory and the backend; stop the poller."""
+        self.draining = True
+        async with self._lock:
+            await self._drop_local(FailureReason.SHUTDOWN, "sidecar shutting down")
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+        await self._link.aclose()
+
+    # --- registration ---------------------------------------------------------------------------
+
+    @property
+    def local(self) -> LocalEngine | None:
+        return self._local
+
+    def require_local(self) -> LocalEngine:
+        if self._local is None:
+            raise NotRegisteredError("no engine is registered with this sidecar (RegisterEngine)")
+        return self._local
+
+    async def register(self, registration: Registration) -> LocalEngine:
+        """Import and register memory; replaces (and releases) any earlier registration."""
+        if self.draining:
+            raise ShuttingDownError("sidecar is shutting down")
+        async with self._lock:
+            await self._drop_local(FailureReason.ENGINE_GONE, "engine re-registered")
+            self._epoch += 1
+            local = await LocalEngine.open(
+                registration,
+                epoch=self._epoch,
+                backend=self._backend,
+                shm_roots=self._config.shm_roots,
+            )
+            self._local = local
+            self.peers.bind(local)
+            self._metrics.registered_bytes.set(local.registered_bytes)
+        await self._on_registered(True)
+        log.info(
+            "engine %r rank %d/%d registered: epoch %d, %d views, %d bytes",
+            local.geometry.engine_id,
+            local.geometry.tp_rank,
+            local.geometry.tp_size,
+            local.epoch,
+            len(local.geometry.views),
+            local.registered_bytes,
+        )
+        return local
+
+    async def engine_gone(self, why: str) -> None:
+        """The engine's Watch stream dropped: fail reads, drop holds, release its memory."""
+        async with self._lock:
+            if self._local is None:
+                return
+            log.warning(
+                "engine %r gone (%s): releasing its reads, holds and memory",
+                self._local.geometry.engine_id,
+                why,
+            )
+            await self._drop_local(FailureReason.ENGINE_GONE, why)
+        await self._on_registered(False)
+
+    async def _drop_local(self, reason: FailureReason, why: str) -> None:
+        await self.transfers.fail_all(reason, why)
+        dropped = self.ledger.drop_all()
+        if dropped:
+            log.info("dropped %d holds (%s)", dropped, why)
+        self._metrics.holds_active.set(0)
+        await self.peers.release_all()
+        self.peers.bind(None)
+        local, self._local = self._local, None
+        if local is not None:
+            await local.aclose(self._backend)
+            self._metrics.registered_bytes.set(0)
+
+    # --- consumer side --------------------------------------------------------------------------
+
+    async def peer(self, remote_engine_id: str, endpoints: Endpoints) -> Peer:
+        _check_id("remote_engine_id", remote_engine_id)
+        local = self.require_local()
+        peer = await self.peers.get(remote_engine_id, endpoints)
+        if self._local is not local:
+            raise FailedPreconditionError("the engine re-registered during the handshake; retry")
+        return peer
+
+    async def read(self, cmd: ReadCommand) -> ReadPosted:
+        """Validate, handshake if needed, post. Raises typed errors; never loses other requests."""
+        if self.draining:
+            raise ShuttingDownError("sidecar is shutting down; no new reads")
+        _check_id("request_id", cmd.request_id)
+        _check_id("remote_request_id", cmd.remote_request_id)
+        local = self.require_local()
+        if not math.isfinite(cmd.deadline_s) or cmd.deadline_s < 0:
+            raise InvalidArgumentError(f"deadline_s={cmd.deadline_s} must be a finite value >= 0")
+        self.transfers.check_new(cmd.request_id)
+        if cmd.request_id in self._posting:  # same id racing through its handshake
+            raise AlreadyExistsError(f"request_id={cmd.request_id!r} is already in flight")
+        self._posting.add(cmd.request_id)
+        try:
+            peer = await self.peer(cmd.remote_engine_id, cmd.endpoints)
+            validate_request_ids(
+                local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry
+            )
+            if cmd.deadline_s == 0:
+                cmd = _with_deadline(cmd, self._config.read_deadline_s)
+            posted = await self.transfers.post(
+                cmd,
+                peer,
+                consumer_engine_id=local.geometry.engine_id,
+                consumer_rank=local.geometry.tp_rank,
+            )
+        finally:
+            self._posting.discard(cmd.request_id)
+        self.counters["notifications_sent"] += posted.notifications_sent
+        self._wake.set()
+        return posted
+
+    async def consumed(
+        self, remote_engine_id: str, remote_request_id: str, endpoints: Endpoints
+    ) -> int:
+        """Tell every producer rank of the plan that this rank will not read (notify only)."""
+        _check_id("remote_request_id", remote_request_id)
+        local = self.require_local()
+        peer = await self.peer(remote_engine_id, endpoints)
+        for link in peer.links.values():
+            await self._backend.send_notification(
+                link.agent,
+                notification(
+                    kind=peer_pb2.PeerNotification.CONSUMED,
+                    remote_request_id=remote_request_id,
+                    expected_consumers=link.plan.expected_consumers,
+                    epoch=link.epoch,
+                    consumer_engine_id=local.geometry.engine_id,
+                    consumer_rank=local.geometry.tp_rank,
+                ),
+            )
+            self._metrics.notifications_sent.labels("consumed").inc()
+        self.counters["notifications_sent"] += len(peer.links)
+        return len(peer.links)
+
+    async def heartbeat(self, remote_engine_id: str, remote_request_ids: tuple[str, ...]) -> int:
+        """Extend the producer leases of ``remote_request_ids`` on every rank of the plan."""
+        local = self.require_local()
+        peer = self.peers.peer(remote_engine_id)
+        if peer is None:
+            raise NotFoundError(f"remote_engine_id={remote_engine_id!r} has no handshake")
+        for link in peer.links.values():
+            await self._backend.send_notification(
+                link.agent,
+                notification(
+                    kind=peer_pb2.PeerNotification.HEARTBEAT,
+                    remote_request_id="",
+                    expected_consumers=0,
+                    epoch=link.epoch,
+                    consumer_engine_id=local.geometry.engine_id,
+                    consumer_rank=local.geometry.tp_rank,
+                    heartbeat_ids=remote_request_ids,
+                ),
+            )
+            self._metrics.notifications_sent.labels("heartbeat").inc()
+        self.counters["notifications_sent"] += len(peer.links)
+        return len(peer.links)
+
+    # --- producer side --------------------------------------------------------------------------
+
+    def hold(self, request_id: str, lease_s: float, block_ids: tuple[tuple[int, ...], ...]) -> None:
+        self.require_local()
+        if self.draining:
+            raise ShuttingDownError("sidecar is shutting down; no new holds")
+        done = self.ledger.hold(request_id, lease_s=lease_s or None, block_ids=block_ids)
+        self._after_ledger(done)
+        self._wake.set()
+
+    def release(self, request_id: str) -> None:
+        _check_id("request_id", request_id)
+        if not self.ledger.release(request_id):
+            raise NotFoundError(f"request_id={request_id!r} is not held")
+        self._metrics.holds_active.set(self.ledger.counters.holds_active)
+
+    def _after_ledger(self, done: SendDone | None) -> None:
+        if done is not None:
+            if done.expired:
+                self._metrics.leases_expired.inc()
+            else:
+                self._metrics.sends_done.inc()
+            self.events.emit(
+                SendDoneEvent(
+                    request_id=done.request_id,
+                    consumers=done.consumers,
+                    expected_consumers=done.expected_consumers,
+                    expired=done.expired,
+                )
+            )
+        self._metrics.holds_active.set(self.ledger.counters.holds_active)
+
+    def _on_notification(self, agent: str, payload: bytes) -> None:
+        msg = peer_pb2.PeerNotification()
+        try:
+            msg.ParseFromString(payload)
+        except Exception:  # peer data: never trust, never crash
+            self.counters["bad_notifications"] += 1
+            log.warning("undecodable notification (%d bytes) from agent %r", len(payload), agent)
+            return
+        self._metrics.notifications_received.inc()
+        local = self._local
+        if local is None or msg.epoch != local.epoch:
+            self._metrics.stale_notifications.inc()
+            log.warning(
+                "stale notification for %r from %s rank %d: epoch %d, ours %s",
+                msg.remote_request_id,
+                msg.consumer_engine_id,
+                msg.consumer_rank,
+                msg.epoch,
+                local.epoch if local else None,
+            )
+            return
+        if msg.kind == peer_pb2.PeerNotification.HEARTBEAT:
+            self.ledger.heartbeat(tuple(msg.heartbeat_request_ids))
+            return
+        before = self.ledger.counters.stale_notifications
+        _, done = self.ledger.notify(
+            msg.remote_request_id,
+            expected_consumers=msg.expected_consumers,
+            consumer=ConsumerId(engine_id=msg.consumer_engine_id, rank=msg.consumer_rank),
+        )
+        self._metrics.stale_notifications.inc(self.ledger.counters.stale_notifications - before)
+        self._after_ledger(done)
+
+    # --- introspection --------------------------------------------------------------------------
+
+    @property
+    def agent_name(self) -> str:
+        return self._backend.agent_name
+
+    async def agent_metadata(self) -> bytes:
+        """Current NIXL agent metadata (it changes when memory is registered)."""
+        return await self._backend.local_metadata()
+
+    def count_rejected(self, code: str) -> None:
+        self._metrics.reads_rejected.labels(code).inc()
+
+    def status(self, max_events: int) -> StatusSnapshot:
+        ledger = self.ledger.counters
+        counters = {
+            **self.transfers.counters,
+            **self.counters,
+            "sends_done": ledger.sends_done,
+            "leases_expired": ledger.leases_expired,
+            "stale_notifications": ledger.stale_notifications,
+            "duplicate_notifications": ledger.duplicate_notifications,
+            "events_dropped": self.events.dropped,
+        }
+        return StatusSnapshot(
+            events=self.events.drain(max_events),
+            local=self._local,
+            peers=self.peers.summaries(),
+            reads_in_flight=len(self.transfers),
+            holds_active=ledger.holds_active,
+            counters=counters,
+            draining=self.draining,
+            watch_connected=self.events.watching,
+        )
+
+    # --- the poller -----------------------------------------------------------------------------
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self._poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not stop every transfer
+                log.exception("poller iteration failed")
+            if len(self.transfers):
+                interval = _FAST_S
+            elif self.ledger.counters.holds_active:
+                interval = _HOLDING_S
+            else:
+                interval = _IDLE_S
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval)
+
+    async def _poll_once(self) -> None:
+        failed = await self.transfers.poll()
+        for engine_id in failed:
+            await self.transfers.fail_peer(
+                engine_id, FailureReason.PEER_DISCONNECTED, f"a READ from {engine_id!r} failed"
+            )
+            await self.peers.remove(engine_id, "a READ failed")
+        for agent, payload in await self._backend.drain_notifications():
+            self._on_notification(agent, payload)
+        before = self.ledger.counters.stale_notifications
+        for done in self.ledger.reap():
+            self._after_ledger(done)
+        self._metrics.stale_notifications.inc(self.ledger.counters.stale_notifications - before)
+
+
+def _with_deadline(cmd: ReadCommand, deadline_s: float) -> ReadCommand:
+    return ReadCommand(
+        request_id=cmd.request_id,
+        remote_engine_id=cmd.remote_engine_id,
+        remote_request_id=cmd.remote_request_id,
+        local_ids=cmd.local_ids,
+        remote_ids=cmd.remote_ids,
+        endpoints=cmd.endpoints,
+        deadline_s=deadline_s,
+    )

@@ -1,0 +1,322 @@
+"""Producer-side ledger (DESIGN §6): holds, consumer notifications, leases, SEND_DONE.
+
+The prefill sidecar keeps one :class:`ProducerLedger`. ``HOLD`` starts a lease for a request whose
+blocks the engine keeps; each consumer rank's notification (decoded from NIXL by the caller) counts
+once per distinct :class:`ConsumerId`; when the distinct count reaches the expected count the ledger
+returns ``SendDone(expired=False)`` and forgets the hold. ``reap()`` is called on the caller's timer;
+it scans every entry (no ordering trick) and returns ``SendDone(expired=True)`` for expired leases.
+
+Pure Python, not thread-safe (one event loop owns it). All times are seconds on the injected
+``clock`` (e.g. ``time.monotonic``); expiry takes effect only in :meth:`ProducerLedger.reap`.
+Peer data (notifications, heartbeats) never raises; only the local engine's calls do.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvsidecar.errors import AlreadyExistsError, InvalidArgumentError
+
+__all__ = ["ConsumerId", "LedgerCounters", "NotificationOutcome", "ProducerLedger", "SendDone"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendDone:
+    """A hold ended: every expected consumer notified (``expired=False``) or the lease ran out."""
+
+    request_id: str
+    consumers: int  # distinct consumers that notified
+    expected_consumers: int  # largest count any notification announced; 0 if none arrived
+    expired: bool  # True: the lease ran out before every consumer notified
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerId:
+    """One consumer (decode) rank: its engine id and TP rank."""
+
+    engine_id: str
+    rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LedgerCounters:
+    """Snapshot of the ledger's gauges and monotonic counters (counts, not rates)."""
+
+    holds_active: int
+    sends_done: int  # SendDone(expired=False) emitted
+    leases_expired: int  # SendDone(expired=True) emitted
+    stale_notifications: int  # notifications that can never complete a hold
+    duplicate_notifications: int  # repeats from a consumer already counted
+    early_matched: int  # holds that absorbed notifications which arrived before them
+    released: int  # holds dropped by RELEASE
+    expected_mismatch: int  # notifications whose expected_consumers differed from the known one
+
+
+class NotificationOutcome(enum.Enum):
+    """What :meth:`ProducerLedger.notify` did with a notification."""
+
+    COUNTED = enum.auto()  # a new consumer of a held request; not complete yet
+    COMPLETED = enum.auto()  # a new consumer that completed the hold (SendDone returned)
+    EARLY = enum.auto()  # no hold yet; kept for ``early_ttl_s`` seconds
+    STALE = enum.auto()  # closed, full or malformed; counted and logged
+    DUPLICATE = enum.auto()  # this consumer was already counted
+
+
+@dataclass(slots=True, kw_only=True)
+class _Entry:
+    """Consumers seen for one request; a hold (``lease_s`` set) or early notifications."""
+
+    deadline: float  # clock seconds at which reap() expires it
+    lease_s: float = 0.0  # lease length of a hold; 0.0 for an early entry
+    block_ids: tuple[tuple[int, ...], ...] = ()
+    consumers: set[ConsumerId] = field(default_factory=set)
+    expected: int = 0  # largest expected_consumers seen; 0 = none yet
+
+    def full(self) -> bool:
+        return self.expected > 0 and len(self.consumers) >= self.expected
+
+    def done(self, request_id: str, *, expired: bool) -> SendDone:
+        return SendDone(
+            request_id=request_id,
+            consumers=len(self.consumers),
+            expected_consumers=self.expected,
+            expired=expired,
+        )
+
+
+def _positive(name: str, value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"{name}={value!r} must be > 0 and finite")
+
+
+class ProducerLedger:
+    """Holds of one producer rank, matched against consumer notifications. Times in seconds."""
+
+    def __init__(
+        self,
+        *,
+        default_lease_s: float,
+        clock: Callable[[], float],
+        early_ttl_s: float = 5.0,
+        max_early: int = 65536,
+        max_closed: int = 65536,
+    ) -> None:
+        """``default_lease_s``: lease of a HOLD without ``lease_s``; ``early_ttl_s``: how long a
+        notification that precedes its HOLD is kept; ``max_early``/``max_closed``: table bounds."""
+        _positive("ProducerLedger.default_lease_s", default_lease_s)
+        _positive("ProducerLedger.early_ttl_s", early_ttl_s)
+        if max_early < 1:
+            raise InvalidArgumentError(f"ProducerLedger.max_early={max_early!r} must be >= 1")
+        if max_closed < 0:
+            raise InvalidArgumentError(f"ProducerLedger.max_closed={max_closed!r} must be >= 0")
+        self._default_lease_s = float(default_lease_s)
+        self._clock = clock
+        self._early_ttl_s = float(early_ttl_s)
+        self._max_early = max_early
+        self._max_closed = max_closed
+        self._holds: dict[str, _Entry] = {}
+        self._early: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
+        self._closed: OrderedDict[str, None] = OrderedDict()  # LRU of ended holds, oldest first
+        self._sends_done = 0
+        self._leases_expired = 0
+        self._stale = 0
+        self._duplicates = 0
+        self._early_matched = 0
+        self._released = 0
+        self._mismatch = 0
+
+    # --- engine calls ---------------------------------------------------------------------------
+
+    def hold(
+        self,
+        request_id: str,
+        *,
+        lease_s: float | None = None,
+        block_ids: tuple[tuple[int, ...], ...] = (),
+    ) -> SendDone | None:
+        """Start a lease of ``lease_s`` seconds (default ``default_lease_s``) for ``request_id``.
+
+        Returns a SendDone when notifications that arrived earlier already complete it. Raises
+        :class:`AlreadyExistsError` if it is held, :class:`InvalidArgumentError` for bad input.
+        A request id whose hold has ended may be held again.
+        """
+        if not request_id:
+            raise InvalidArgumentError(f"hold.request_id={request_id!r} must be non-empty")
+        if lease_s is None:
+            lease_s = self._default_lease_s
+        _positive("hold.lease_s", lease_s)
+        if request_id in self._holds:
+            raise AlreadyExistsError(f"hold.request_id={request_id!r} is already held")
+        self._closed.pop(request_id, None)
+        entry = _Entry(
+            deadline=self._clock() + lease_s, lease_s=float(lease_s), block_ids=block_ids
+        )
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            self._early_matched += 1
+            entry.consumers = early.consumers
+            entry.expected = early.expected
+            if entry.full():
+                self._close(request_id)
+                self._sends_done += 1
+                return entry.done(request_id, expired=False)
+        self._holds[request_id] = entry
+        return None
+
+    def release(self, request_id: str) -> bool:
+        """Drop a hold now (the engine aborted); no SendDone. False if it is not held."""
+        if self._holds.pop(request_id, None) is None:
+            return False
+        self._close(request_id)
+        self._released += 1
+        return True
+
+    def drop_all(self) -> int:
+        """The engine is gone: drop every hold (no SendDone) and every early notification.
+
+        Returns the number of holds dropped; dropped early notifications count as stale.
+        """
+        dropped = len(self._holds)
+        for request_id in self._holds:
+            self._close(request_id)
+        self._holds.clear()
+        for request_id, entry in self._early.items():
+            self._stale_early(request_id, entry, "engine dropped")
+        self._early.clear()
+        return dropped
+
+    # --- peer calls (never raise) ---------------------------------------------------------------
+
+    def notify(
+        self, request_id: str, *, expected_consumers: int, consumer: ConsumerId
+    ) -> tuple[NotificationOutcome, SendDone | None]:
+        """Count ``consumer``'s read (or notify-only) of ``request_id``.
+
+        ``expected_consumers`` is the total number of consumers this producer rank should hear from.
+        Returns the outcome and, for ``COMPLETED``, the SendDone to emit.
+        """
+        if not request_id:
+            return self._stale_one(request_id, "empty request id")
+        if expected_consumers < 1:
+            return self._stale_one(request_id, f"expected_consumers={expected_consumers!r} < 1")
+        if request_id in self._closed:
+            return self._stale_one(request_id, "hold already ended")
+        entry = self._holds.get(request_id)
+        early = entry is None
+        if entry is None:
+            entry = self._early.get(request_id)
+            if entry is None:
+                if len(self._early) >= self._max_early:
+                    oldest_id, oldest = self._early.popitem(last=False)
+                    self._stale_early(oldest_id, oldest, "early table full")
+                entry = _Entry(deadline=self._clock() + self._early_ttl_s)
+                self._early[request_id] = entry
+        if consumer in entry.consumers:
+            self._duplicates += 1
+            return NotificationOutcome.DUPLICATE, None
+        if entry.full():  # only an early entry can be full: a full hold is closed at once
+            return self._stale_one(request_id, f"{consumer} beyond {entry.expected} consumers")
+        if entry.expected and expected_consumers != entry.expected:
+            self._mismatch += 1
+            why = f"expected_consumers={expected_consumers} from {consumer}, was {entry.expected}"
+            logger.warning("request %r: %s; keeping the largest", request_id, why)
+        entry.expected = max(entry.expected, expected_consumers)
+        entry.consumers.add(consumer)
+        if early:
+            return NotificationOutcome.EARLY, None
+        if not entry.full():
+            return NotificationOutcome.COUNTED, None
+        del self._holds[request_id]
+        self._close(request_id)
+        self._sends_done += 1
+        return NotificationOutcome.COMPLETED, entry.done(request_id, expired=False)
+
+    def heartbeat(self, request_ids: Iterable[str], *, extend_s: float | None = None) -> int:
+        """Restart the leases of the held ``request_ids`` from now, for ``extend_s`` seconds
+        (default: each hold's own lease length). A lease is never shortened; unknown ids are
+        ignored. Returns the number of distinct holds extended."""
+        if extend_s is not None:
+            _positive("heartbeat.extend_s", extend_s)
+        now = self._clock()
+        extended = 0
+        for request_id in dict.fromkeys(request_ids):
+            entry = self._holds.get(request_id)
+            if entry is not None:
+                length = entry.lease_s if extend_s is None else extend_s
+                entry.deadline = max(entry.deadline, now + length)
+                extended += 1
+        return extended
+
+    # --- timer ----------------------------------------------------------------------------------
+
+    def reap(self) -> tuple[SendDone, ...]:
+        """Expire every hold and early entry whose deadline is ``<= clock()``; scans all entries.
+
+        Returns SendDone(expired=True) per expired hold; expired early entries count as stale.
+        """
+        now = self._clock()
+        expired = [rid for rid, entry in self._holds.items() if entry.deadline <= now]
+        out: list[SendDone] = []
+        for request_id in expired:
+            entry = self._holds.pop(request_id)
+            self._close(request_id)
+            self._leases_expired += 1
+            out.append(entry.done(request_id, expired=True))
+            logger.warning("request %r: lease expired (%s)", request_id, out[-1])
+        for request_id in [rid for rid, entry in self._early.items() if entry.deadline <= now]:
+            self._stale_early(request_id, self._early.pop(request_id), "no HOLD within TTL")
+        return tuple(out)
+
+    def next_deadline(self) -> float | None:
+        """Earliest lease or early-TTL deadline (clock seconds), or None when both tables are empty."""
+        deadlines = [e.deadline for e in self._holds.values()]
+        deadlines.extend(e.deadline for e in self._early.values())
+        return min(deadlines, default=None)
+
+    # --- inspection -----------------------------------------------------------------------------
+
+    def holding(self, request_id: str) -> bool:
+        """Whether ``request_id`` is held now."""
+        return request_id in self._holds
+
+    @property
+    def counters(self) -> LedgerCounters:
+        """A snapshot of the counters."""
+        return LedgerCounters(
+            holds_active=len(self._holds),
+            sends_done=self._sends_done,
+            leases_expired=self._leases_expired,
+            stale_notifications=self._stale,
+            duplicate_notifications=self._duplicates,
+            early_matched=self._early_matched,
+            released=self._released,
+            expected_mismatch=self._mismatch,
+        )
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _close(self, request_id: str) -> None:
+        """Remember an ended hold so that late notifications for it are stale at once."""
+        if self._max_closed == 0:
+            return
+        self._closed[request_id] = None
+        self._closed.move_to_end(request_id)
+        while len(self._closed) > self._max_closed:
+            self._closed.popitem(last=False)
+
+    def _stale_one(self, request_id: str, why: str) -> tuple[NotificationOutcome, None]:
+        self._stale += 1
+        logger.warning("stale notification for request %r: %s", request_id, why)
+        return NotificationOutcome.STALE, None
+
+    def _stale_early(self, request_id: str, entry: _Entry, why: str) -> None:
+        self._stale += len(entry.consumers)
+        why = f"{len(entry.consumers)} early notification(s) dropped: {why}"
+        logger.warning("stale notification(s) for request %r: %s", request_id, why)

@@ -1,0 +1,87 @@
+"""gRPC client side of PeerService: fetch agent metadata and engine directories from remote sidecars.
+
+One channel per remote endpoint, cached and closed by ``aclose``. Every call is bounded by a timeout;
+gRPC failures become typed errors naming the endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvsidecar.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    NotFoundError,
+    PeerUnavailableError,
+)
+from kvsidecar.rpc._gen.v1 import peer_pb2, peer_pb2_grpc
+
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # Fail fast on a dead endpoint instead of waiting for the default reconnect backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+def _translate(endpoint: str, what: str, exc: grpc.aio.AioRpcError) -> Exception:
+    code = exc.code()
+    detail = f"{what} from {endpoint}: {exc.details()}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(detail)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFoundError(detail)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return FailedPreconditionError(detail)
+    return PeerUnavailableError(f"{detail} ({code.name})")
+
+
+class PeerLink:
+    """Cached channels to remote PeerService endpoints (``host:port``)."""
+
+    def __init__(self, *, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, endpoint: str) -> peer_pb2_grpc.PeerServiceStub:
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+            self._channels[endpoint] = channel
+        return peer_pb2_grpc.PeerServiceStub(channel)
+
+    async def get_agent(
+        self, endpoint: str, engine_id: str, tp_rank: int
+    ) -> peer_pb2.GetAgentResponse:
+        """GetAgent from one remote rank, bounded by the handshake timeout."""
+        try:
+            return await self._stub(endpoint).GetAgent(
+                peer_pb2.GetAgentRequest(engine_id=engine_id, tp_rank=tp_rank),
+                timeout=self._timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(endpoint, f"GetAgent({engine_id!r}, rank {tp_rank})", exc) from None
+
+    async def get_engine(self, endpoint: str, engine_id: str) -> peer_pb2.GetEngineResponse:
+        """GetEngine (the directory of the engine's ranks) from any one of its sidecars."""
+        try:
+            return await self._stub(endpoint).GetEngine(
+                peer_pb2.GetEngineRequest(engine_id=engine_id),
+                timeout=self._timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(endpoint, f"GetEngine({engine_id!r})", exc) from None
+
+    async def forget(self, endpoint: str) -> None:
+        """Close the channel of an endpoint (after a peer failure; the next call reconnects)."""
+        channel = self._channels.pop(endpoint, None)
+        if channel is not None:
+            await channel.close()
+
+    async def aclose(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

@@ -1,0 +1,231 @@
+"""In-flight reads: post one READ per remote rank, poll, enforce deadlines, report one event each.
+
+A request completes with ``RecvDone`` when every sibling READ is DONE. If any fails, the siblings are
+still awaited (until the deadline) and every handle is released before ``RecvFailed`` names the local
+block ids that may hold garbage. The producer is notified by NIXL only for READs that complete; a
+failed read is never reported to it (its lease expires).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvsidecar.engine.backend import TransferBackend, XferHandle, XferState
+
+from kvsidecar.engine.events import EventHub, FailureReason, RecvDone, RecvFailed
+from kvsidecar.engine.model import ReadCommand, ReadPosted
+from kvsidecar.engine.peers import Peer
+from kvsidecar.errors import AlreadyExistsError, KvSidecarError
+from kvsidecar.metrics import Metrics
+from kvsidecar.plan import request_ids
+from kvsidecar.rpc._gen.v1 import peer_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Xfer:
+    rank: int
+    handle: XferHandle
+    state: XferState = XferState.PROC
+
+
+@dataclass(slots=True, kw_only=True)
+class InFlightRead:
+    cmd: ReadCommand
+    peer: Peer
+    xfers: list[_Xfer]
+    bytes: int
+    started: float  # perf_counter at the Read call
+    deadline: float  # clock() value
+    failure: tuple[FailureReason, str] | None = None
+
+
+def notification(
+    *,
+    kind: peer_pb2.PeerNotification.Kind.ValueType,
+    remote_request_id: str,
+    expected_consumers: int,
+    epoch: int,
+    consumer_engine_id: str,
+    consumer_rank: int,
+    heartbeat_ids: tuple[str, ...] = (),
+) -> bytes:
+    """The serialized sidecar-to-sidecar notification payload."""
+    return peer_pb2.PeerNotification(
+        kind=kind,
+        remote_request_id=remote_request_id,
+        expected_consumers=expected_consumers,
+        epoch=epoch,
+        consumer_engine_id=consumer_engine_id,
+        consumer_rank=consumer_rank,
+        heartbeat_request_ids=list(heartbeat_ids),
+    ).SerializeToString()
+
+
+class TransferManager:
+    """Owns every in-flight read and its transfer handles (released exactly once)."""
+
+    def __init__(
+        self,
+        *,
+        backend: TransferBackend,
+        events: EventHub,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._backend = backend
+        self._events = events
+        self._metrics = metrics
+        self._clock = clock
+        self._reads: dict[str, InFlightRead] = {}
+        self.counters = {"reads_done": 0, "reads_failed": 0, "bytes_read": 0}
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._reads
+
+    def check_new(self, request_id: str) -> None:
+        if request_id in self._reads:
+            raise AlreadyExistsError(f"request_id={request_id!r} is already in flight")
+
+    async def post(
+        self, cmd: ReadCommand, peer: Peer, *, consumer_engine_id: str, consumer_rank: int
+    ) -> ReadPosted:
+        """Post READs (and notify-only messages) for every rank of the peer's plan."""
+        self.check_new(cmd.request_id)
+        started = time.perf_counter()
+        xfers: list[_Xfer] = []
+        sent = 0
+        total = 0
+        by_rank = {r.remote_rank: r for r in request_ids(peer.plan, cmd.local_ids, cmd.remote_ids)}
+        try:
+            for link in peer.links.values():
+                ids = by_rank.get(link.rank)
+                payload = notification(
+                    kind=peer_pb2.PeerNotification.READ_DONE
+                    if ids is not None
+                    else peer_pb2.PeerNotification.CONSUMED,
+                    remote_request_id=cmd.remote_request_id,
+                    expected_consumers=link.plan.expected_consumers,
+                    epoch=link.epoch,
+                    consumer_engine_id=consumer_engine_id,
+                    consumer_rank=consumer_rank,
+                )
+                if ids is None:  # notify-only rank, or nothing to read (full prefix hit)
+                    await self._backend.send_notification(link.agent, payload)
+                    self._metrics.notifications_sent.labels("consumed").inc()
+                    sent += 1
+                    continue
+                assert link.local_dlist is not None
+                assert link.remote_dlist is not None
+                handle = await self._backend.post_read(
+                    link.local_dlist,
+                    ids.local_desc_ids,
+                    link.remote_dlist,
+                    ids.remote_desc_ids,
+                    payload,
+                )
+                xfers.append(_Xfer(rank=link.rank, handle=handle))
+                self._metrics.descriptors.observe(len(ids.local_desc_ids))
+                total += ids.num_bytes
+        except BaseException:
+            for x in xfers:
+                with contextlib.suppress(Exception):
+                    await self._backend.release_xfer(x.handle)
+            raise
+        posted = ReadPosted(reads_posted=len(xfers), notifications_sent=sent, bytes=total)
+        self._metrics.post_duration.observe(time.perf_counter() - started)
+        self._metrics.reads_started.inc()
+        if not xfers:  # full prefix hit: nothing to wait for
+            self._finish_done(cmd, 0, started)
+            return posted
+        deadline = self._clock() + cmd.deadline_s
+        self._reads[cmd.request_id] = InFlightRead(
+            cmd=cmd, peer=peer, xfers=xfers, bytes=total, started=started, deadline=deadline
+        )
+        self._metrics.reads_in_flight.set(len(self._reads))
+        return posted
+
+    async def poll(self) -> set[str]:
+        """Advance every in-flight read once. Returns engine ids of peers whose READs failed."""
+        if not self._reads:
+            return set()
+        pending = [
+            (r, x) for r in self._reads.values() for x in r.xfers if x.state is XferState.PROC
+        ]
+        states = await self._backend.poll([x.handle for _, x in pending]) if pending else ()
+        failed_peers: set[str] = set()
+        for (read, x), state in zip(pending, states, strict=True):
+            x.state = state
+            if state is XferState.ERR and read.failure is None:
+                read.failure = (
+                    FailureReason.TRANSFER_ERROR,
+                    f"READ from remote rank {x.rank} of {read.peer.engine_id!r} failed",
+                )
+                failed_peers.add(read.peer.engine_id)
+        now = self._clock()
+        for read in list(self._reads.values()):
+            in_proc = any(x.state is XferState.PROC for x in read.xfers)
+            if in_proc and now >= read.deadline:
+                read.failure = read.failure or (
+                    FailureReason.DEADLINE_EXCEEDED,
+                    f"deadline of {read.cmd.deadline_s:g}s exceeded reading from "
+                    f"{read.peer.engine_id!r}",
+                )
+                await self._close(read)
+            elif not in_proc:
+                await self._close(read)
+        return failed_peers
+
+    async def fail_peer(self, engine_id: str, reason: FailureReason, message: str) -> None:
+        """Fail (and release) every in-flight read from ``engine_id``."""
+        for read in [r for r in self._reads.values() if r.peer.engine_id == engine_id]:
+            read.failure = read.failure or (reason, message)
+            await self._close(read)
+
+    async def fail_all(self, reason: FailureReason, message: str) -> None:
+        for read in list(self._reads.values()):
+            read.failure = read.failure or (reason, message)
+            await self._close(read)
+
+    async def _close(self, read: InFlightRead) -> None:
+        """Release every handle of the read, then report it. Exactly once per read."""
+        if self._reads.pop(read.cmd.request_id, None) is None:
+            return
+        self._metrics.reads_in_flight.set(len(self._reads))
+        for x in read.xfers:
+            try:
+                await self._backend.release_xfer(x.handle)
+            except KvSidecarError as exc:
+                log.error("releasing READ handle of %r failed: %s", read.cmd.request_id, exc)
+        if read.failure is None:
+            self._finish_done(read.cmd, read.bytes, read.started)
+            return
+        reason, message = read.failure
+        self.counters["reads_failed"] += 1
+        self._metrics.reads_failed.labels(reason.name.lower()).inc()
+        log.warning("read %r failed: %s", read.cmd.request_id, message)
+        self._events.emit(
+            RecvFailed(
+                request_id=read.cmd.request_id,
+                reason=reason,
+                message=message,
+                invalid_block_ids=tuple(tuple(int(i) for i in g) for g in read.cmd.local_ids),
+            )
+        )
+
+    def _finish_done(self, cmd: ReadCommand, nbytes: int, started: float) -> None:
+        duration = time.perf_counter() - started
+        self.counters["reads_done"] += 1
+        self.counters["bytes_read"] += nbytes
+        self._metrics.reads_done.inc()
+        self._metrics.bytes_read.inc(nbytes)
+        self._metrics.read_duration.observe(duration)
+        self._events.emit(RecvDone(request_id=cmd.request_id, bytes=nbytes, duration_s=duration))

@@ -1,0 +1,241 @@
+"""Per-request block-id transforms: logical block ids -> NIXL descriptor ids (DESIGN §4).
+
+A request carries, per KV-cache group ``g``, the local (D) logical block ids ``local_ids[g]`` and the
+remote (P) ones ``remote_ids[g]``. Transforms, all vectorised (no per-block Python):
+
+* **per-group routing**: a view reads the ids of its *first* group (``View.groups[0]``); a view that
+  serves several groups is read once, through its first group's ids.
+* **partial prefix hit**: if ``len(remote_ids[g]) > len(local_ids[g])`` the local side already holds
+  the head; the request reads the **tail** of the remote ids of the local count. ``len(local) == 0``
+  for every group is a full hit: nothing is read, the producer is only notified.
+* **logical -> kernel expansion**: id ``i`` of a view with ``blocks_per_id = k`` is view blocks
+  ``i*k .. i*k+k-1``.
+* **descriptor ids** = ``row_start + kernel block``, row-major (all blocks of row 0, then row 1, ...),
+  so consecutive blocks stay consecutive ids and NIXL can merge runs.
+
+Descriptor ids are ``int32`` (:data:`~kvsidecar.plan.peer_plan.DESC_ID_DTYPE`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvsidecar.errors import BlockIdError
+
+from .geometry import EngineGeometry, View
+from .peer_plan import DESC_ID_DTYPE, PeerPlan, RankPlan
+
+__all__ = [
+    "RequestIds",
+    "expand_kernel_ids",
+    "request_descriptor_ids",
+    "request_ids",
+    "validate_request_ids",
+]
+
+IdArray = npt.NDArray[np.integer]
+DescIds = npt.NDArray[np.int32]
+_EMPTY: DescIds = np.zeros(0, dtype=DESC_ID_DTYPE)
+_EMPTY.setflags(write=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class RequestIds:
+    """Descriptor ids of one request against one remote rank; ``local_desc_ids[i]`` (in the local
+    prepared list) is written from ``remote_desc_ids[i]`` (in the remote one). ``num_bytes``: bytes
+    the read moves.
+    """
+
+    remote_rank: int
+    local_desc_ids: DescIds
+    remote_desc_ids: DescIds
+    num_bytes: int
+
+
+def expand_kernel_ids(ids: IdArray, blocks_per_id: int) -> npt.NDArray[np.int64]:
+    """Logical ids -> kernel (view) block ids: ``[2, 5]`` with 4 per id -> ``[8..11, 20..23]``."""
+    a = np.asarray(ids, dtype=np.int64)
+    if blocks_per_id == 1:
+        return a
+    return (a[:, None] * blocks_per_id + np.arange(blocks_per_id, dtype=np.int64)).ravel()
+
+
+def _checked(ids: IdArray, limit: int, field: str, g: int) -> DescIds:
+    """``ids`` as int32 after a cheap range guard (a bad id must never address another row)."""
+    a = np.asarray(ids)
+    if a.size == 0:
+        return _EMPTY
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi >= limit:
+        v = lo if lo < 0 else hi
+        i = int(np.flatnonzero(a == v)[0])
+        raise BlockIdError(f"{field}[{g}][{i}]={v} is outside [0, {limit})")
+    return a.astype(DESC_ID_DTYPE, copy=False)
+
+
+def _expand32(ids: DescIds, blocks_per_id: int) -> DescIds:
+    if blocks_per_id == 1:
+        return ids
+    k = np.arange(blocks_per_id, dtype=DESC_ID_DTYPE)
+    return (ids[:, None] * DESC_ID_DTYPE(blocks_per_id) + k).ravel()
+
+
+def _rank_ids(
+    rank_plan: RankPlan, local_ids: Sequence[IdArray], remote_ids: Sequence[IdArray]
+) -> tuple[DescIds, DescIds, int]:
+    ng = len(local_ids)
+    if ng != len(remote_ids):
+        raise BlockIdError(
+            f"local_block_ids has {ng} groups but remote_block_ids has {len(remote_ids)}"
+        )
+    locs: list[DescIds] = []
+    rems: list[DescIds] = []
+    nbytes = 0
+    for b in rank_plan.batches:
+        g = b.group
+        if g >= ng:
+            raise BlockIdError(f"local_block_ids has {ng} groups; the plan routes group {g}")
+        lids, rids = local_ids[g], remote_ids[g]
+        n, m = len(lids), len(rids)
+        if n > m:
+            raise BlockIdError(
+                f"local_block_ids[{g}] has {n} ids but remote_block_ids[{g}] has {m} "
+                f"(more local than remote blocks)"
+            )
+        if n == 0:
+            continue
+        lk = _expand32(_checked(lids, b.local_id_limit, "local_block_ids", g), b.blocks_per_id)
+        rk = _expand32(
+            _checked(rids[m - n :], b.remote_id_limit, "remote_block_ids", g), b.blocks_per_id
+        )
+        locs.append((b.local_starts + lk).ravel())
+        rems.append((b.remote_starts + rk).ravel())
+        nbytes += len(lk) * b.bytes_per_block
+    if not locs:
+        return _EMPTY, _EMPTY, 0
+    if len(locs) == 1:
+        return locs[0], rems[0], nbytes
+    return np.concatenate(locs), np.concatenate(rems), nbytes
+
+
+def request_descriptor_ids(
+    rank_plan: RankPlan, local_ids: Sequence[IdArray], remote_ids: Sequence[IdArray]
+) -> tuple[DescIds, DescIds]:
+    """(local descriptor ids, remote descriptor ids) of one request against one remote rank.
+
+    ``local_ids``/``remote_ids``: per group, logical block ids (validate them first with
+    :func:`validate_request_ids`; this fast path only checks group counts, id counts and that every
+    id stays inside its rows, raising BlockIdError). Empty arrays for a notify-only rank or a full
+    prefix hit.
+    """
+    loc, rem, _ = _rank_ids(rank_plan, local_ids, remote_ids)
+    return loc, rem
+
+
+def request_ids(
+    plan: PeerPlan, local_ids: Sequence[IdArray], remote_ids: Sequence[IdArray]
+) -> tuple[RequestIds, ...]:
+    """:func:`request_descriptor_ids` for every read rank of ``plan`` that has something to read."""
+    out = []
+    for rp in plan.ranks:
+        if rp.notify_only:
+            continue
+        loc, rem, nbytes = _rank_ids(rp, local_ids, remote_ids)
+        if len(loc):
+            out.append(
+                RequestIds(
+                    remote_rank=rp.remote_rank,
+                    local_desc_ids=loc,
+                    remote_desc_ids=rem,
+                    num_bytes=nbytes,
+                )
+            )
+    return tuple(out)
+
+
+def _as_ids(ids: object, field: str, g: int, problems: list[str]) -> npt.NDArray[np.int64] | None:
+    a = np.asarray(ids)
+    if a.ndim != 1:
+        problems.append(f"{field}[{g}] must be one-dimensional (shape {a.shape})")
+        return None
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(a.dtype, np.integer):
+        problems.append(f"{field}[{g}] has dtype {a.dtype}, not an integer type")
+        return None
+    if a.dtype == np.uint64 and int(a.max()) > np.iinfo(np.int64).max:
+        i = int(np.argmax(a))
+        problems.append(f"{field}[{g}][{i}]={int(a[i])} is too large")
+        return None
+    return a.astype(np.int64, copy=False)
+
+
+def _range_problems(
+    a: npt.NDArray[np.int64], field: str, g: int, views: Sequence[View]
+) -> list[str]:
+    if a.size == 0:
+        return []
+    neg = np.flatnonzero(a < 0)
+    if neg.size:
+        i = int(neg[0])
+        return [f"{field}[{g}][{i}]={int(a[i])} is negative"]
+    for v in views:  # views are few; the check per view is vectorised over ids
+        bad = np.flatnonzero(a >= v.num_ids)
+        if bad.size:
+            i = int(bad[0])
+            extra = f", blocks_per_id={v.blocks_per_id}" if v.blocks_per_id != 1 else ""
+            return [
+                f"{field}[{g}][{i}]={int(a[i])} is outside view {v.name} "
+                f"(num_blocks={v.num_blocks}{extra})"
+            ]
+    return []
+
+
+def validate_request_ids(
+    local: EngineGeometry,
+    local_ids: Sequence[IdArray],
+    remote_ids: Sequence[IdArray],
+    remote: EngineGeometry,
+) -> None:
+    """Raise BlockIdError (message naming field and value) unless the ids of a request are valid.
+
+    Checks: one id array per group on both sides; no group with more local than remote ids; ids are
+    integers, non-negative, inside every view they route to (on each side, against that side's
+    ``num_blocks // blocks_per_id``); no local id repeats within a group (two reads into one block).
+    ``remote`` is the geometry of any rank of the remote engine.
+    """
+    problems: list[str] = []
+    for field, ids, geom in (("local_block_ids", local_ids, local),
+                             ("remote_block_ids", remote_ids, remote)):  # fmt: skip
+        if len(ids) != geom.num_groups:
+            problems.append(
+                f"{field} has {len(ids)} groups, the {field.split('_')[0]} engine has "
+                f"num_groups={geom.num_groups}"
+            )
+    if problems:
+        raise BlockIdError("; ".join(problems))
+    for g in range(local.num_groups):
+        la = _as_ids(local_ids[g], "local_block_ids", g, problems)
+        ra = _as_ids(remote_ids[g], "remote_block_ids", g, problems)
+        if la is None or ra is None:
+            continue
+        if len(la) > len(ra):
+            problems.append(
+                f"local_block_ids[{g}] has {len(la)} ids but remote_block_ids[{g}] has "
+                f"{len(ra)} (more local than remote blocks)"
+            )
+        lv = local.limit_views(g)
+        rv = remote.limit_views(g) if g < remote.num_groups else ()
+        problems.extend(_range_problems(la, "local_block_ids", g, lv))
+        problems.extend(_range_problems(ra, "remote_block_ids", g, rv))
+        if la.size > 1:
+            s = np.sort(la)
+            dup = np.flatnonzero(s[1:] == s[:-1])
+            if dup.size:
+                problems.append(f"local_block_ids[{g}] repeats id {int(s[dup[0]])}")
+    if problems:
+        raise BlockIdError("; ".join(problems))

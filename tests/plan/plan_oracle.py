@@ -1,0 +1,208 @@
+"""Byte oracle for the planner: simulated rank memory, global-data fill, plain-numpy execution.
+
+Every (side, rank, view) gets its own uint8 buffer at a synthetic address
+``side << 44 | rank << 36 | view << 28``. Remote (P) buffers are filled with bytes that encode
+``(view, span key, global unit, block, byte within unit)`` as seen in the *unsharded* model; local (D)
+buffers start as random bytes. A request is executed by copying, per descriptor id pair, ``len`` bytes
+from the remote descriptor's address to the local one; then every local byte is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvsidecar.plan import (
+    EngineGeometry,
+    PeerPlan,
+    View,
+    build_peer_plan,
+    expand_kernel_ids,
+    request_descriptor_ids,
+    units_held,
+)
+
+LOCAL, REMOTE = 0, 1
+U8 = npt.NDArray[np.uint8]
+_M = np.uint64(0xFF51AFD7ED558CCD)
+
+
+def address(side: int, rank: int, view: int) -> int:
+    """Synthetic address of block 0 of a view."""
+    return (side << 44) | (rank << 36) | (view << 28)
+
+
+def _key_id(key: str) -> int:
+    return sum((i + 1) * ord(c) for i, c in enumerate(key)) % 65521
+
+
+def mix(view: int, key: str, unit: np.ndarray, block: np.ndarray, byte: np.ndarray) -> U8:
+    """Deterministic byte for (view, key, global unit, block, byte within unit); arrays broadcast."""
+    h = np.asarray(unit, dtype=np.uint64) * np.uint64(1_000_003)
+    h = (h + np.asarray(block, dtype=np.uint64)) * np.uint64(998_244_353)
+    h = (h + np.asarray(byte, dtype=np.uint64)) * np.uint64(1_000_000_007)
+    h = h + np.uint64(view * 131_071 + _key_id(key) * 8191 + 17)
+    h = h ^ (h >> np.uint64(29))
+    h = h * _M
+    h = h ^ (h >> np.uint64(32))
+    return (h & np.uint64(0xFF)).astype(np.uint8)
+
+
+def span_global_bytes(
+    view_id: int, view: View, geom: EngineGeometry, rank: int, blocks: np.ndarray
+) -> list[tuple[int, U8]]:
+    """(offset in block, (len(blocks), length) bytes) per span of ``view`` on ``rank``."""
+    out = []
+    b = np.asarray(blocks, dtype=np.int64)[:, None]
+    for s in view.spans:
+        j = np.arange(s.length, dtype=np.int64)
+        if s.replicated:
+            unit, byte = np.zeros_like(j), j
+        else:
+            start, stop = units_held(s.global_units, geom.tp_size, rank)
+            ub = s.length // (stop - start)
+            unit, byte = start + j // ub, j % ub
+        out.append((s.offset, mix(view_id, s.key, unit[None, :], b, byte[None, :])))
+    return out
+
+
+@dataclasses.dataclass
+class Cluster:
+    """Simulated memory of every rank of a local (D) and a remote (P) engine."""
+
+    local: EngineGeometry
+    remote: EngineGeometry
+    seed: int = 0
+    bufs: dict[int, U8] = dataclasses.field(default_factory=dict)
+    view_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        self.view_ids = {v.name: i for i, v in enumerate(self.local.views)}
+        for d in range(self.local.tp_size):
+            for i, v in enumerate(self.local.views):
+                size = v.num_blocks * v.block_stride
+                self.bufs[address(LOCAL, d, i)] = rng.integers(0, 256, size, dtype=np.uint8)
+        for p in range(self.remote.tp_size):
+            for v in self.remote.views:
+                i = self.view_ids[v.name]
+                buf = np.full(v.num_blocks * v.block_stride, 0xA5, dtype=np.uint8)
+                grid = buf.reshape(v.num_blocks, v.block_stride)
+                blocks = np.arange(v.num_blocks)
+                for off, data in span_global_bytes(i, v, self.remote, p, blocks):
+                    grid[:, off : off + data.shape[1]] = data
+                self.bufs[address(REMOTE, p, i)] = buf
+
+    def local_geom(self, d: int) -> EngineGeometry:
+        return dataclasses.replace(self.local, tp_rank=d)
+
+    def local_bases(self, d: int) -> dict[str, tuple[int, int]]:
+        return {v.name: (address(LOCAL, d, i), d) for i, v in enumerate(self.local.views)}
+
+    def remote_bases(
+        self, ranks: Sequence[int] | None = None
+    ) -> dict[int, dict[str, tuple[int, int]]]:
+        ranks = range(self.remote.tp_size) if ranks is None else ranks
+        return {
+            p: {
+                v.name: (address(REMOTE, p, self.view_ids[v.name]), 100 + p)
+                for v in self.remote.views
+            }
+            for p in ranks
+        }
+
+    def plan(self, d: int) -> PeerPlan:
+        return build_peer_plan(
+            local=self.local_geom(d),
+            remote=self.remote,
+            local_bases=self.local_bases(d),
+            remote_bases=self.remote_bases(),
+        )
+
+    def _locate(self, addr: int, length: int) -> tuple[U8, int]:
+        base = (addr >> 28) << 28
+        buf = self.bufs[base]
+        off = addr - base
+        assert off >= 0, hex(addr)
+        assert off + length <= len(buf), (hex(addr), length, len(buf))
+        return buf, off
+
+    def execute(
+        self, plan: PeerPlan, local_ids: Sequence[np.ndarray], remote_ids: Sequence[np.ndarray]
+    ) -> int:
+        """Copy every descriptor pair of the request; returns the number of descriptors."""
+        n = 0
+        for rp in plan.ranks:
+            loc, rem = request_descriptor_ids(rp, local_ids, remote_ids)
+            assert loc.dtype == np.int32
+            assert rem.dtype == np.int32
+            assert len(loc) == len(rem)
+            if rp.notify_only:
+                assert len(loc) == 0
+            for ld, rd in zip(loc.tolist(), rem.tolist(), strict=True):
+                lrow = int(np.searchsorted(rp.local_row_starts, ld, side="right")) - 1
+                rrow = int(np.searchsorted(rp.remote_row_starts, rd, side="right")) - 1
+                assert lrow == rrow, (ld, rd, lrow, rrow)
+                la, ln, _, ls, lc = (int(x) for x in rp.local_rows[lrow])
+                ra, rn, _, rs, rc = (int(x) for x in rp.remote_rows[rrow])
+                lb, rb = ld - int(rp.local_row_starts[lrow]), rd - int(rp.remote_row_starts[rrow])
+                assert ln == rn
+                assert 0 <= lb < lc
+                assert 0 <= rb < rc
+                dst, doff = self._locate(la + lb * ls, ln)
+                src, soff = self._locate(ra + rb * rs, rn)
+                dst[doff : doff + ln] = src[soff : soff + rn]
+                n += 1
+        return n
+
+    def expected_local(
+        self,
+        d: int,
+        local_ids: Sequence[np.ndarray],
+        remote_ids: Sequence[np.ndarray],
+        before: dict[int, U8],
+    ) -> dict[int, U8]:
+        """What every local buffer of rank ``d`` must hold after the request."""
+        out = {}
+        for i, v in enumerate(self.local.views):
+            key = address(LOCAL, d, i)
+            buf = before[key].copy()
+            g = v.groups[0]
+            lids = np.asarray(local_ids[g], dtype=np.int64)
+            rids = np.asarray(remote_ids[g], dtype=np.int64)
+            rids = rids[len(rids) - len(lids) :]
+            if len(lids):
+                lk = expand_kernel_ids(lids, v.blocks_per_id)
+                rk = expand_kernel_ids(rids, v.blocks_per_id)
+                grid = buf.reshape(v.num_blocks, v.block_stride)
+                for off, data in span_global_bytes(i, v, self.local, d, rk):
+                    grid[lk, off : off + data.shape[1]] = data
+            out[key] = buf
+        return out
+
+    def run_and_check(
+        self,
+        d: int,
+        plan: PeerPlan,
+        local_ids: Sequence[np.ndarray],
+        remote_ids: Sequence[np.ndarray],
+    ) -> None:
+        keys = [address(LOCAL, d, i) for i in range(len(self.local.views))]
+        before = {k: self.bufs[k].copy() for k in keys}
+        remote_before = {k: b.copy() for k, b in self.bufs.items() if k >> 44 == REMOTE}
+        self.execute(plan, local_ids, remote_ids)
+        expected = self.expected_local(d, local_ids, remote_ids, before)
+        for i, k in enumerate(keys):
+            got, want = self.bufs[k], expected[k]
+            if not np.array_equal(got, want):
+                bad = np.flatnonzero(got != want)
+                v = self.local.views[i]
+                raise AssertionError(
+                    f"rank {d} view {v.name}: {len(bad)} wrong bytes, first at block "
+                    f"{bad[0] // v.block_stride} byte {bad[0] % v.block_stride}"
+                )
+        for k, b in remote_before.items():
+            assert np.array_equal(self.bufs[k], b), "remote memory was written"

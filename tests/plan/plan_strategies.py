@@ -1,0 +1,203 @@
+"""Hypothesis strategies: random models described with every layout helper plus random span lists."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+from hypothesis import strategies as st
+
+from kvsidecar.plan import (
+    EngineGeometry,
+    Span,
+    View,
+    flashinfer_view,
+    hnd_kv_views,
+    mamba2_view,
+    mla_view,
+    nhd_token_views,
+    packed_kv_view,
+)
+
+TP_SIZES = (1, 2, 4, 8)
+KINDS = ("hnd", "flashinfer", "packed", "mla", "mamba2", "nhd", "custom")
+
+# A layer spec builds the views of one layer for (tp_size, num_blocks, rng seed for side layout).
+LayerFn = Callable[[int, int, int], tuple[View, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A random model: per layer a builder; geometry of either engine from it."""
+
+    layers: tuple[tuple[str, LayerFn], ...]
+    num_groups: int
+
+    def geometry(self, engine_id: str, tp_size: int, num_blocks: int, side: int) -> EngineGeometry:
+        views: list[View] = []
+        for _, fn in self.layers:
+            views.extend(fn(tp_size, num_blocks, side))
+        return EngineGeometry(
+            engine_id=engine_id,
+            tp_rank=0,
+            tp_size=tp_size,
+            num_groups=self.num_groups,
+            views=tuple(views),
+        )
+
+
+@st.composite
+def layer(
+    draw: st.DrawFn, index: int, num_groups: int, kinds: tuple[str, ...]
+) -> tuple[str, LayerFn]:
+    kind = draw(st.sampled_from(kinds))
+    heads = draw(st.sampled_from((1, 2, 4, 8, 16)))
+    head_dim = draw(st.integers(1, 4))
+    dtype = draw(st.sampled_from((1, 2)))
+    block_size = draw(st.integers(1, 4))
+    group = draw(st.integers(0, num_groups - 1))
+    bpi = draw(st.sampled_from((1, 1, 2, 3)))
+    name = f"layers.{index}"
+
+    def nb(num_blocks: int) -> int:
+        return num_blocks * bpi
+
+    if kind == "hnd" or kind == "nhd":
+        helper = hnd_kv_views if kind == "hnd" else nhd_token_views
+
+        def fn(tp: int, n: int, side: int) -> tuple[View, ...]:
+            return helper(
+                name=name,
+                k_memory_id="k",
+                v_memory_id="v",
+                num_blocks=nb(n),
+                block_size=block_size,
+                global_kv_heads=heads,
+                head_dim=head_dim,
+                dtype_bytes=dtype,
+                tp_size=tp,
+                groups=(group,),
+                blocks_per_id=bpi,
+            )
+
+    elif kind in ("flashinfer", "packed"):
+        helper2 = flashinfer_view if kind == "flashinfer" else packed_kv_view
+
+        def fn(tp: int, n: int, side: int) -> tuple[View, ...]:
+            return (
+                helper2(
+                    name=name,
+                    memory_id="kv",
+                    num_blocks=nb(n),
+                    block_size=block_size,
+                    global_kv_heads=heads,
+                    head_dim=head_dim,
+                    dtype_bytes=dtype,
+                    tp_size=tp,
+                    groups=(group,),
+                    blocks_per_id=bpi,
+                ),
+            )
+
+    elif kind == "mla":
+        latent = draw(st.integers(1, 12))
+
+        def fn(tp: int, n: int, side: int) -> tuple[View, ...]:
+            return (
+                mla_view(
+                    name=name,
+                    memory_id="kv",
+                    num_blocks=nb(n),
+                    block_size=block_size,
+                    latent_dim=latent,
+                    dtype_bytes=dtype,
+                    groups=(group,),
+                    blocks_per_id=bpi,
+                ),
+            )
+
+    elif kind == "mamba2":
+        n_groups = draw(st.sampled_from((1, 2, 4, 8)))
+        d_state = draw(st.integers(1, 4))
+        conv_kernel = draw(st.integers(2, 4))
+        pad = draw(st.integers(0, 7))
+
+        def fn(tp: int, n: int, side: int) -> tuple[View, ...]:
+            v = mamba2_view(
+                name=name,
+                memory_id="m",
+                num_blocks=nb(n),
+                num_heads=heads,
+                head_dim=head_dim,
+                n_groups=n_groups,
+                d_state=d_state,
+                conv_kernel=conv_kernel,
+                conv_dtype_bytes=dtype,
+                ssm_dtype_bytes=2,
+                tp_size=tp,
+                groups=(group,),
+                blocks_per_id=bpi,
+            )
+            return (dataclasses.replace(v, block_stride=v.block_stride + pad * side),)
+
+    else:  # custom: random spans, each side lays them out in its own order with gaps
+        specs = draw(
+            st.lists(
+                st.tuples(st.sampled_from((0, 1, 2, 4, 8, 16)), st.integers(1, 6)),
+                min_size=1,
+                max_size=4,
+            )
+        )
+        layout_seed = draw(st.integers(0, 2**16))
+
+        def fn(tp: int, n: int, side: int) -> tuple[View, ...]:
+            rng = np.random.default_rng(layout_seed + 7919 * side)
+            order = rng.permutation(len(specs))
+            spans, off = [], int(rng.integers(0, 3))
+            for j in order.tolist():
+                units, ub = specs[j]
+                held = 1 if units == 0 else max(units // tp, 1)
+                length = ub * held
+                spans.append(Span(key=f"s{j}", offset=off, length=length, global_units=units))
+                off += length + int(rng.integers(0, 3))
+            return (
+                View(
+                    name=name,
+                    memory_id="c",
+                    offset=0,
+                    num_blocks=nb(n),
+                    block_stride=off,
+                    spans=tuple(spans),
+                    groups=(group,),
+                    blocks_per_id=bpi,
+                ),
+            )
+
+    return kind, fn
+
+
+@st.composite
+def models(draw: st.DrawFn, kinds: tuple[str, ...] = KINDS, max_layers: int = 3) -> Model:
+    num_groups = draw(st.integers(1, 2))
+    n = draw(st.integers(1, max_layers))
+    layers = tuple(draw(layer(i, num_groups, kinds)) for i in range(n))
+    return Model(layers=layers, num_groups=num_groups)
+
+
+def request(
+    seed: int, local: EngineGeometry, remote: EngineGeometry
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Random valid request: distinct local ids, remote ids with a random prefix-hit head."""
+    rng = np.random.default_rng(seed)
+    local_ids, remote_ids = [], []
+    for g in range(local.num_groups):
+        lcap = min((v.num_ids for v in local.views if v.groups[0] == g), default=8)
+        rcap = min((v.num_ids for v in remote.views if v.groups[0] == g), default=8)
+        n = int(rng.integers(0, lcap + 1))
+        lids = rng.permutation(lcap)[:n].astype(np.int64)
+        head = int(rng.integers(0, 3))
+        rids = rng.integers(0, rcap, n + head).astype(np.int64)
+        local_ids.append(lids)
+        remote_ids.append(rids)
+    return local_ids, remote_ids
