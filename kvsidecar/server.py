@@ -44,6 +44,7 @@ _GRPC_OPTIONS = (
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 )
 _TICK_S = 0.5
+_CLOSE_CORE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,7 +152,7 @@ class Sidecar:
         if self._backend is None:
             from kvsidecar.engine.nixl_backend import NixlBackend
 
-            self._backend = NixlBackend.create(poll_delay_us=s.nixl_poll_delay_us)
+            self._backend = NixlBackend(poll_delay_us=s.nixl_poll_delay_us)
         await self._backend.start()
         config = CoreConfig(
             lease_s=s.lease_s,
@@ -174,8 +175,10 @@ class Sidecar:
             await self.core.aclose()
             self.core = None
         if self._backend is not None:
+            log.debug("closing the transfer backend")
             await self._backend.aclose()
             self._backend = None
+            log.debug("transfer backend closed")
 
     async def _start_listeners(self, s: Settings) -> BoundAddresses:
         engine = grpc.aio.server(options=_GRPC_OPTIONS)
@@ -268,7 +271,13 @@ class Sidecar:
                 )
         await self.readiness.shutdown()
         await self._close_listeners(min(grace_s, 1.0))
-        await self._close_core()
+        log.info("listeners closed; releasing transfers, peers, memory and the NIXL agent")
+        try:
+            await asyncio.wait_for(self._close_core(), _CLOSE_CORE_S)
+        except TimeoutError:
+            # A backend call stuck on a dead peer must not keep the process alive; exiting
+            # releases every registration and mapping with the process.
+            log.error("releasing backend resources took over %.0fs; exiting anyway", _CLOSE_CORE_S)
         if self._tick_task is not None:
             self._tick_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -25,6 +25,7 @@ from pathlib import Path
 from kvsidecar.client import api, toy
 from kvsidecar.client.clients import AsyncSidecarClient
 from kvsidecar.client.export import SharedMemoryExport
+from kvsidecar.plan import View
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -36,7 +37,7 @@ class Rank:
     engine_id: str
     rank: int
     tp_size: int
-    views: tuple[toy.View, ...]
+    views: tuple[View, ...]
     memory: SharedMemoryExport
     proc: subprocess.Popen[bytes]
     log_path: Path

@@ -60,11 +60,7 @@ def build_views(shape: ModelShape, tp_size: int, memory_id: str = "kv") -> tuple
     """The views of one rank of a ``tp_size`` engine, packed one after another in one memory."""
     views: list[View] = []
     offset = 0
-    common = {
-        "num_blocks": shape.num_blocks,
-        "block_size": shape.block_size,
-        "dtype_bytes": shape.dtype_bytes,
-    }
+    nb, bs, db = shape.num_blocks, shape.block_size, shape.dtype_bytes
     for layer in range(shape.layers):
         name = f"layers.{layer}"
         if shape.kind in (ModelKind.GQA, ModelKind.MAMBA):
@@ -76,7 +72,9 @@ def build_views(shape: ModelShape, tp_size: int, memory_id: str = "kv") -> tuple
                 head_dim=shape.head_dim,
                 tp_size=tp_size,
                 k_offset=offset,
-                **common,
+                num_blocks=nb,
+                block_size=bs,
+                dtype_bytes=db,
             )
             v = _at(v, offset + k.num_blocks * k.block_stride)
             views += [k, v]
@@ -89,7 +87,9 @@ def build_views(shape: ModelShape, tp_size: int, memory_id: str = "kv") -> tuple
                     global_kv_heads=shape.kv_heads,
                     head_dim=shape.head_dim,
                     tp_size=tp_size,
-                    **common,
+                    num_blocks=nb,
+                    block_size=bs,
+                    dtype_bytes=db,
                 )
             )
         elif shape.kind is ModelKind.FLASHINFER:
@@ -101,7 +101,9 @@ def build_views(shape: ModelShape, tp_size: int, memory_id: str = "kv") -> tuple
                     global_kv_heads=shape.kv_heads,
                     head_dim=shape.head_dim,
                     tp_size=tp_size,
-                    **common,
+                    num_blocks=nb,
+                    block_size=bs,
+                    dtype_bytes=db,
                 )
             )
         else:
@@ -111,7 +113,9 @@ def build_views(shape: ModelShape, tp_size: int, memory_id: str = "kv") -> tuple
                     memory_id=memory_id,
                     offset=offset,
                     latent_dim=shape.head_dim * 4,
-                    **common,
+                    num_blocks=nb,
+                    block_size=bs,
+                    dtype_bytes=db,
                 )
             )
         offset = _end(views)
@@ -181,7 +185,8 @@ def _pattern(
     h ^= h >> np.uint32(13)
     h *= np.uint32(0x5BD1E995)
     h ^= h >> np.uint32(15)
-    return (h & np.uint32(0xFF)).astype(np.uint8)
+    out: U8 = (h & np.uint32(0xFF)).astype(np.uint8)
+    return out
 
 
 def _span_units(global_units: int, tp_size: int, rank: int) -> npt.NDArray[np.int64]:
@@ -193,7 +198,8 @@ def _span_units(global_units: int, tp_size: int, rank: int) -> npt.NDArray[np.in
 
 def _span_block_view(buf: U8, view: View, offset: int, length: int) -> U8:
     region = buf[view.offset : view.offset + view.num_blocks * view.block_stride]
-    return region.reshape(view.num_blocks, view.block_stride)[:, offset : offset + length]
+    out: U8 = region.reshape(view.num_blocks, view.block_stride)[:, offset : offset + length]
+    return out
 
 
 def fill(buf: U8, views: Sequence[View], *, tp_size: int, rank: int, seed: int) -> None:

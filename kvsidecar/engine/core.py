@@ -95,6 +95,7 @@ class EngineCore:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
+        self._stopping = False
         self._posting: set[str] = set()
         self.draining = False
         self.counters: dict[str, int] = {"notifications_sent": 0, "bad_notifications": 0}
@@ -118,13 +119,21 @@ class EngineCore:
         """Fail what is left, release peers, memory and the backend; stop the poller."""
         self.draining = True
         async with self._lock:
+            log.debug("aclose: dropping the local engine")
             await self._drop_local(FailureReason.SHUTDOWN, "sidecar shutting down")
         if self._poller is not None:
+            log.debug("aclose: stopping the poller")
+            # The flag, not only cancel(): on Python < 3.12 asyncio.wait_for can swallow a
+            # cancellation that races with its inner future completing, and the loop would go on.
+            self._stopping = True
+            self._wake.set()
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
             self._poller = None
+        log.debug("aclose: closing peer channels")
         await self._link.aclose()
+        log.debug("aclose: done")
 
     # --- registration ---------------------------------------------------------------------------
 
@@ -382,7 +391,7 @@ class EngineCore:
     # --- the poller -----------------------------------------------------------------------------
 
     async def _poll_forever(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self._poll_once()
             except asyncio.CancelledError:

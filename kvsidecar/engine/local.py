@@ -105,7 +105,7 @@ class LocalEngine:
         try:
             for i, (mid, spec) in enumerate(registration.memories):
                 try:
-                    mem = import_memory(spec, allowed_roots=shm_roots)
+                    mem = import_memory(spec, allowed_roots=tuple(str(r) for r in shm_roots))
                 except MemoryImportError as exc:
                     raise MemoryImportError(f"memories[{i}] ({mid!r}): {exc}") from None
                 try:

@@ -7,6 +7,8 @@ gRPC failures become typed errors naming the endpoint.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import Any, cast
 
 import grpc
 
@@ -57,22 +59,24 @@ class PeerLink:
     ) -> peer_pb2.GetAgentResponse:
         """GetAgent from one remote rank, bounded by the handshake timeout."""
         try:
-            return await self._stub(endpoint).GetAgent(
+            call = self._stub(endpoint).GetAgent(
                 peer_pb2.GetAgentRequest(engine_id=engine_id, tp_rank=tp_rank),
                 timeout=self._timeout_s,
                 wait_for_ready=True,
             )
+            return cast(peer_pb2.GetAgentResponse, await cast(Awaitable[Any], call))
         except grpc.aio.AioRpcError as exc:
             raise _translate(endpoint, f"GetAgent({engine_id!r}, rank {tp_rank})", exc) from None
 
     async def get_engine(self, endpoint: str, engine_id: str) -> peer_pb2.GetEngineResponse:
         """GetEngine (the directory of the engine's ranks) from any one of its sidecars."""
         try:
-            return await self._stub(endpoint).GetEngine(
+            call = self._stub(endpoint).GetEngine(
                 peer_pb2.GetEngineRequest(engine_id=engine_id),
                 timeout=self._timeout_s,
                 wait_for_ready=True,
             )
+            return cast(peer_pb2.GetEngineResponse, await cast(Awaitable[Any], call))
         except grpc.aio.AioRpcError as exc:
             raise _translate(endpoint, f"GetEngine({engine_id!r})", exc) from None
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvsidecar.engine.backend import DlistHandle, MemType, TransferBackend
+from kvsidecar.engine.backend import DlistHandle, MemType, RemoteAgent, TransferBackend
 
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import (
@@ -48,7 +49,7 @@ class RankLink:
 
     rank: int
     endpoint: str
-    agent: str
+    agent: RemoteAgent
     epoch: int
     plan: RankPlan
     local_dlist: DlistHandle | None = None
@@ -153,8 +154,14 @@ class PeerRegistry:
                 )
             task = asyncio.get_running_loop().create_task(self._handshake(engine_id, endpoints))
             self._pending[engine_id] = task
-            task.add_done_callback(lambda _t, e=engine_id: self._pending.pop(e, None))
+            task.add_done_callback(functools.partial(self._handshake_done, engine_id))
         return await asyncio.shield(task)
+
+    def _handshake_done(self, engine_id: str, task: asyncio.Task[Peer]) -> None:
+        if self._pending.get(engine_id) is task:
+            del self._pending[engine_id]
+        if not task.cancelled():
+            task.exception()  # retrieved: callers that gave up must not leave it unobserved
 
     async def _resolve(self, engine_id: str, endpoints: Endpoints) -> tuple[str, ...]:
         if endpoints.ranks:
@@ -321,11 +328,16 @@ class PeerRegistry:
         for link in peer.links.values():
             for handle in (link.local_dlist, link.remote_dlist):
                 if handle is not None:
-                    with contextlib.suppress(Exception):
+                    try:
                         await self._backend.release_dlist(handle)
+                    except KvSidecarError as exc:
+                        log.error("releasing a descriptor list of %r failed: %s",
+                                  peer.engine_id, exc)
             link.local_dlist = link.remote_dlist = None
-            with contextlib.suppress(Exception):
+            try:
                 await self._backend.remove_remote_agent(link.agent)
+            except KvSidecarError as exc:
+                log.error("removing agent %r failed: %s", link.agent.name, exc)
 
     def summaries(self) -> tuple[PeerSummary, ...]:
         out = [

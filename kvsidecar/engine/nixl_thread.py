@@ -1,0 +1,103 @@
+"""One dedicated thread for every call into a transfer agent, exposed as awaitables.
+
+NIXL agents are not thread-safe by default, and some calls block (UCX ``cma`` serves same-host DRAM
+READs synchronously inside ``postXferReq``), so they must never run on the event loop. Every call is
+bounded: an awaiter waits at most ``timeout_s`` and then gets ``DeadlineExceededError`` while the call
+itself finishes on the thread (its side effects are recorded there, so nothing leaks).
+
+A plain thread + ``queue.SimpleQueue`` + ``call_soon_threadsafe`` costs about half of
+``run_in_executor`` + ``wait_for`` per call (≈40 vs 85 µs on a 2-core VM), which matters for
+notification latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kvsidecar.errors import DeadlineExceededError, ShuttingDownError
+
+T = TypeVar("T")
+
+_Job = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+
+
+def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if fut.done():  # the awaiter gave up (deadline) or was cancelled
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
+
+
+class AgentThread:
+    """A single worker thread. ``start()`` creates it, ``shutdown()`` joins it (bounded)."""
+
+    def __init__(self, name: str = "kvsidecar-nixl", *, timeout_s: float = 30.0) -> None:
+        self._name = name
+        self._timeout_s = timeout_s
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+        self._accepting = True
+        self._thread.start()
+
+    @property
+    def on_thread(self) -> bool:
+        """Whether the caller runs on the agent thread."""
+        return threading.current_thread() is self._thread
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, loop, fut = job
+            try:
+                result, ok = fn(), True
+            except BaseException as exc:
+                result, ok = exc, False
+            # RuntimeError: the loop is closed, so nobody is waiting any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, fut, ok, result)
+
+    async def call(self, fn: Callable[[], T], *, what: str, timeout_s: float | None = None) -> T:
+        """Run ``fn()`` on the thread; wait at most ``timeout_s`` seconds (default from init)."""
+        if not self._accepting:
+            raise ShuttingDownError(f"{what}: the transfer agent is not running")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        limit = self._timeout_s if timeout_s is None else timeout_s
+        self._jobs.put((fn, loop, fut))
+        timer = loop.call_later(
+            limit,
+            _settle,
+            fut,
+            False,
+            DeadlineExceededError(f"{what}: the transfer agent did not answer within {limit:g}s"),
+        )
+        try:
+            return await fut
+        finally:
+            timer.cancel()
+
+    def shutdown(self, timeout_s: float | None = None) -> bool:
+        """Stop accepting calls, let queued ones finish and join (bounded). Returns whether the
+        thread ended."""
+        thread, self._thread = self._thread, None
+        self._accepting = False
+        if thread is None:
+            return True
+        self._jobs.put(None)
+        thread.join(self._timeout_s if timeout_s is None else timeout_s)
+        return not thread.is_alive()
