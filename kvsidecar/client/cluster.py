@@ -85,21 +85,44 @@ class LocalCluster:
         name = f"{role}-{rank}"
         views = toy.build_views(self.shape, tp_size)
         memory = SharedMemoryExport.create(
-            self.shm_dir / f"kvsidecar-{self.tag}-{name}", toy.memory_size(views))
+            self.shm_dir / f"kvsidecar-{self.tag}-{name}", toy.memory_size(views)
+        )
         if role == PREFILL:
             toy.fill(memory.array, views, tp_size=tp_size, rank=rank, seed=self.seed)
         log_path = self.workdir / f"{name}.log"
         ready = self.workdir / f"{name}.ready.json"
-        args = [sys.executable, "-m", "kvsidecar.cli", "serve",
-                "--engine-socket", str(self.workdir / f"{name}.sock"),
-                "--peer-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                "--ready-file", str(ready), "--lease-s", str(self.lease_s),
-                "--shm-roots", str(self.shm_dir), *self.sidecar_args]
+        args = [
+            sys.executable,
+            "-m",
+            "kvsidecar.cli",
+            "serve",
+            "--engine-socket",
+            str(self.workdir / f"{name}.sock"),
+            "--peer-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--ready-file",
+            str(ready),
+            "--lease-s",
+            str(self.lease_s),
+            "--shm-roots",
+            str(self.shm_dir),
+            *self.sidecar_args,
+        ]
         with log_path.open("wb") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        return Rank(engine_id=role, rank=rank, tp_size=tp_size, views=views, memory=memory,
-                    proc=proc, log_path=log_path)
+            proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return Rank(
+            engine_id=role,
+            rank=rank,
+            tp_size=tp_size,
+            views=views,
+            memory=memory,
+            proc=proc,
+            log_path=log_path,
+        )
 
     async def start(self, timeout_s: float = 30.0) -> None:
         """Spawn every sidecar, wait for them (bounded), register every engine, open Watch."""
@@ -119,11 +142,28 @@ class LocalCluster:
             for rank in group:
                 rank.client = AsyncSidecarClient(rank.addresses["engine_socket"], timeout_s=30)
                 await rank.client.register_engine(
-                    engine_id=rank.engine_id, tp_rank=rank.rank, tp_size=rank.tp_size,
-                    views=rank.views, memories={"kv": rank.memory.spec},
-                    peer_endpoints=endpoints, model=f"toy-{self.shape.kind.value}",
-                    dtype=f"{self.shape.dtype_bytes}B", num_groups=self.shape.num_groups)
+                    engine_id=rank.engine_id,
+                    tp_rank=rank.rank,
+                    tp_size=rank.tp_size,
+                    views=rank.views,
+                    memories={"kv": rank.memory.spec},
+                    peer_endpoints=endpoints,
+                    model=f"toy-{self.shape.kind.value}",
+                    dtype=f"{self.shape.dtype_bytes}B",
+                    num_groups=self.shape.num_groups,
+                )
                 rank.watcher = asyncio.get_running_loop().create_task(self._watch(rank))
+        for rank in self.ranks:
+            await self.wait_watching(rank, deadline - time.monotonic())
+
+    async def wait_watching(self, rank: Rank, timeout_s: float = 10.0) -> None:
+        """Bounded wait until the sidecar reports the rank's Watch stream open."""
+        assert rank.client is not None
+        deadline = time.monotonic() + max(timeout_s, 1.0)
+        while not (await rank.client.status()).watch_connected:
+            if time.monotonic() > deadline:
+                raise SidecarFailedError(self._tail(rank, "never saw its Watch stream"))
+            await asyncio.sleep(0.01)
 
     def _tail(self, rank: Rank, what: str) -> str:
         text = rank.log_path.read_text(errors="replace") if rank.log_path.exists() else ""
@@ -204,9 +244,13 @@ async def transfer(
         assert rank.client is not None
         starts.append(time.perf_counter())
         posted = await rank.client.read(
-            local_id, remote_engine_id=PREFILL, remote_request_id=request_id,
-            local_block_ids=decode_ids, remote_block_ids=prefill_ids,
-            endpoints=cluster.prefill_endpoints)
+            local_id,
+            remote_engine_id=PREFILL,
+            remote_request_id=request_id,
+            local_block_ids=decode_ids,
+            remote_block_ids=prefill_ids,
+            endpoints=cluster.prefill_endpoints,
+        )
         posted_bytes += posted.bytes
     latencies = []
     verified = 0
@@ -215,14 +259,49 @@ async def transfer(
         latencies.append(time.perf_counter() - start)
         if not isinstance(event, api.RecvDone):
             raise RuntimeError(f"decode rank {rank.rank}: {event}")
-        verified += toy.verify(rank.memory.array, rank.views, tp_size=rank.tp_size,
-                               rank=rank.rank, seed=cluster.seed, local_ids=decode_ids,
-                               remote_ids=prefill_ids)
+        verified += toy.verify(
+            rank.memory.array,
+            rank.views,
+            tp_size=rank.tp_size,
+            rank=rank.rank,
+            seed=cluster.seed,
+            local_ids=decode_ids,
+            remote_ids=prefill_ids,
+        )
     done = []
     for fut in sends:
         event = await asyncio.wait_for(fut, timeout_s)
         if not isinstance(event, api.SendDone):
             raise RuntimeError(f"prefill: unexpected {event}")
         done.append(event)
-    return TransferResult(request_id=request_id, latencies_s=tuple(latencies),
-                          bytes_read=posted_bytes, bytes_verified=verified, send_done=tuple(done))
+    return TransferResult(
+        request_id=request_id,
+        latencies_s=tuple(latencies),
+        bytes_read=posted_bytes,
+        bytes_verified=verified,
+        send_done=tuple(done),
+    )
+
+
+def request_ids(
+    shape: toy.ModelShape,
+    prefill_blocks: Sequence[int],
+    decode_blocks: Sequence[int],
+    *,
+    hit: int = 0,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Per-group (prefill ids, decode ids) for one request over ``prefill_blocks``.
+
+    ``hit`` leading blocks are a local prefix-cache hit: the decode side reads only the tail
+    (``hit == len(prefill_blocks)`` is a full hit, nothing read). A Mamba hybrid adds group 1 with
+    the request's one state block (the first block id), read unless the hit is full.
+    """
+    n = len(prefill_blocks)
+    if not 0 <= hit <= n or len(decode_blocks) < n - hit:
+        raise ValueError(f"hit={hit} needs 0 <= hit <= {n} and >= {n - hit} decode blocks")
+    p = [list(prefill_blocks)]
+    d = [list(decode_blocks[: n - hit])]
+    if shape.num_groups == 2:
+        p.append([prefill_blocks[0]])
+        d.append([] if hit == n else [decode_blocks[0]])
+    return p, d

@@ -17,8 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsidecar.engine.backend import TransferBackend
-
+from kvsidecar.engine.backend import RemoteAgent, TransferBackend
 from kvsidecar.engine.events import Event, EventHub, FailureReason, SendDoneEvent
 from kvsidecar.engine.ledger import ConsumerId, ProducerLedger, SendDone
 from kvsidecar.engine.local import LocalEngine, Registration
@@ -32,6 +31,7 @@ from kvsidecar.errors import (
     InvalidArgumentError,
     NotFoundError,
     NotRegisteredError,
+    RemoteDisconnectedError,
     ShuttingDownError,
 )
 from kvsidecar.metrics import Metrics
@@ -230,12 +230,16 @@ class EngineCore:
             )
             if cmd.deadline_s == 0:
                 cmd = _with_deadline(cmd, self._config.read_deadline_s)
-            posted = await self.transfers.post(
-                cmd,
-                peer,
-                consumer_engine_id=local.geometry.engine_id,
-                consumer_rank=local.geometry.tp_rank,
-            )
+            try:
+                posted = await self.transfers.post(
+                    cmd,
+                    peer,
+                    consumer_engine_id=local.geometry.engine_id,
+                    consumer_rank=local.geometry.tp_rank,
+                )
+            except RemoteDisconnectedError as exc:
+                await self._quarantine(peer.engine_id, f"posting a READ failed: {exc}")
+                raise
         finally:
             self._posting.discard(cmd.request_id)
         self.counters["notifications_sent"] += posted.notifications_sent
@@ -250,7 +254,8 @@ class EngineCore:
         local = self.require_local()
         peer = await self.peer(remote_engine_id, endpoints)
         for link in peer.links.values():
-            await self._backend.send_notification(
+            await self._send(
+                peer,
                 link.agent,
                 notification(
                     kind=peer_pb2.PeerNotification.CONSUMED,
@@ -272,7 +277,8 @@ class EngineCore:
         if peer is None:
             raise NotFoundError(f"remote_engine_id={remote_engine_id!r} has no handshake")
         for link in peer.links.values():
-            await self._backend.send_notification(
+            await self._send(
+                peer,
                 link.agent,
                 notification(
                     kind=peer_pb2.PeerNotification.HEARTBEAT,
@@ -408,13 +414,23 @@ class EngineCore:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 
+    async def _quarantine(self, engine_id: str, reason: str) -> None:
+        """Fail the peer's in-flight reads (releasing their handles first), then release the peer;
+        the next request re-handshakes after backoff."""
+        await self.transfers.fail_peer(engine_id, FailureReason.PEER_DISCONNECTED, reason)
+        await self.peers.remove(engine_id, reason)
+
+    async def _send(self, peer: Peer, agent: RemoteAgent, payload: bytes) -> None:
+        try:
+            await self._backend.send_notification(agent, payload)
+        except RemoteDisconnectedError as exc:
+            await self._quarantine(peer.engine_id, f"sending a notification failed: {exc}")
+            raise
+
     async def _poll_once(self) -> None:
         failed = await self.transfers.poll()
         for engine_id in failed:
-            await self.transfers.fail_peer(
-                engine_id, FailureReason.PEER_DISCONNECTED, f"a READ from {engine_id!r} failed"
-            )
-            await self.peers.remove(engine_id, "a READ failed")
+            await self._quarantine(engine_id, f"a READ from {engine_id!r} failed")
         for agent, payload in await self._backend.drain_notifications():
             self._on_notification(agent, payload)
         before = self.ledger.counters.stale_notifications

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsidecar.engine.backend import MemoryRegistration, TransferBackend
-
 from kvsidecar.engine.model import CompatItems, compat_digest
 from kvsidecar.errors import GeometryError, MemoryImportError
 from kvsidecar.memory import ImportedMemory, MemorySpec, import_memory

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvsidecar.engine.backend import DlistHandle, MemType, RemoteAgent, TransferBackend
-
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import (
     PROTOCOL_VERSION,
@@ -331,8 +330,9 @@ class PeerRegistry:
                     try:
                         await self._backend.release_dlist(handle)
                     except KvSidecarError as exc:
-                        log.error("releasing a descriptor list of %r failed: %s",
-                                  peer.engine_id, exc)
+                        log.error(
+                            "releasing a descriptor list of %r failed: %s", peer.engine_id, exc
+                        )
             link.local_dlist = link.remote_dlist = None
             try:
                 await self._backend.remove_remote_agent(link.agent)

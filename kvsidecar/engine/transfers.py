@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsidecar.engine.backend import TransferBackend, XferHandle, XferState
-
 from kvsidecar.engine.events import EventHub, FailureReason, RecvDone, RecvFailed
 from kvsidecar.engine.model import ReadCommand, ReadPosted
 from kvsidecar.engine.peers import Peer
