@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp-setup
 SRC    := kvsidecar tests bench scripts
 
-.PHONY: setup test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend clean
+.PHONY: setup demo test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,9 @@ pytest: setup
 
 serve: setup
 	$(BIN)/kvsidecar serve
+
+demo: setup
+	$(BIN)/kvsidecar demo
 
 bench-plan: setup
 	$(BIN)/python bench/bench_plan.py

@@ -1,4 +1,4 @@
-"""The ``kvsidecar`` command: ``serve``, ``version``.
+"""The ``kvsidecar`` command: ``serve``, ``status``, ``demo``, ``bench``, ``version``.
 
 Exit codes: 0 success, 1 runtime failure (e.g. a listener could not bind, forced shutdown), 2 invalid
 configuration or usage.
@@ -7,6 +7,7 @@ configuration or usage.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -53,7 +54,37 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the sidecar daemon")
     _add_settings_flags(serve)
     sub.add_parser("version", help="print the version")
+
+    status = sub.add_parser("status", help="show a running sidecar's state")
+    status.add_argument(
+        "--socket", required=True, help="the sidecar's engine socket path (or unix:PATH, host:port)"
+    )
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--timeout-s", type=float, default=5.0, help="call timeout (s)")
+
+    demo = sub.add_parser("demo", help="run a local prefill/decode setup and verify every byte")
+    demo.add_argument("--prefill-tp", type=_positive_int, default=2)
+    demo.add_argument("--decode-tp", type=_positive_int, default=4)
+    demo.add_argument("--model", choices=sorted(_demo_presets()), default="gqa")
+    demo.add_argument("--requests", type=_positive_int, default=200)
+    demo.add_argument("--concurrency", type=_positive_int, default=8)
+    demo.add_argument(
+        "--max-blocks", type=_positive_int, default=24, help="longest prompt, in blocks"
+    )
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _demo_presets() -> tuple[str, ...]:
+    return ("gqa", "mla", "mamba")
 
 
 def _configure_logging(level: str) -> None:
@@ -91,6 +122,72 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
 
 
+def _status(args: argparse.Namespace) -> int:
+    from kvsidecar.client.clients import SidecarClient
+    from kvsidecar.client.status_view import render, status_dict
+    from kvsidecar.errors import KvSidecarError
+
+    try:
+        with SidecarClient(args.socket, timeout_s=args.timeout_s) as client:
+            status = client.status(drain=False)
+    except KvSidecarError as exc:
+        print(f"kvsidecar: cannot read status from {args.socket}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(json.dumps(status_dict(status), indent=2) if args.json else render(status))
+    return EXIT_OK
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvsidecar.demo import DemoConfig, format_report, run_demo
+
+    config = DemoConfig(
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        model=args.model,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_blocks=args.max_blocks,
+        seed=args.seed,
+    )
+    tty = sys.stderr.isatty() and not args.json
+    last = [-1]
+
+    def progress(done: int, total: int) -> None:
+        if tty:
+            filled = 30 * done // total
+            print(
+                f"\r  [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif 10 * done // total != last[0]:
+            last[0] = 10 * done // total
+            print(f"  {done}/{total} requests", file=sys.stderr, flush=True)
+
+    if not args.json:
+        print(
+            f"starting {args.prefill_tp} prefill + {args.decode_tp} decode sidecars "
+            f"({args.model} model)...",
+            file=sys.stderr,
+            flush=True,
+        )
+    try:
+        report = asyncio.run(run_demo(config, progress))
+    except KeyboardInterrupt:
+        print("\ninterrupted; every sidecar and shm file was cleaned up", file=sys.stderr)
+        return 130
+    except ValueError as exc:
+        print(f"kvsidecar demo: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if tty:
+        print(file=sys.stderr)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return EXIT_OK if report.failures == 0 else EXIT_FAILURE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -99,6 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     if args.command == "serve":
         return _serve(args)
+    if args.command == "status":
+        return _status(args)
+    if args.command == "demo":
+        return _demo(args)
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE  # pragma: no cover - parser.error exits
 

@@ -210,9 +210,14 @@ class SidecarClient:
         resp = self._call(self._stub.Notify, _heartbeat(remote_engine_id, remote_request_ids))
         return int(resp.notifications_sent)
 
-    def status(self, max_events: int = 0) -> api.SidecarStatus:
+    def status(self, max_events: int = 0, *, drain: bool = True) -> api.SidecarStatus:
+        """State, counters and (with ``drain``) queued events; ``drain=False`` leaves the events
+        for the engine (what operator tools should use)."""
         return api.status(
-            self._call(self._stub.Status, engine_pb2.StatusRequest(max_events=max_events))
+            self._call(
+                self._stub.Status,
+                engine_pb2.StatusRequest(max_events=max_events, skip_events=not drain),
+            )
         )
 
     def watch(self) -> Iterator[api.ClientEvent]:
@@ -359,9 +364,13 @@ class AsyncSidecarClient:
         resp = await self._call(self._stub.Notify, _heartbeat(remote_engine_id, remote_request_ids))
         return int(resp.notifications_sent)
 
-    async def status(self, max_events: int = 0) -> api.SidecarStatus:
+    async def status(self, max_events: int = 0, *, drain: bool = True) -> api.SidecarStatus:
+        """See ``SidecarClient.status``."""
         return api.status(
-            await self._call(self._stub.Status, engine_pb2.StatusRequest(max_events=max_events))
+            await self._call(
+                self._stub.Status,
+                engine_pb2.StatusRequest(max_events=max_events, skip_events=not drain),
+            )
         )
 
     async def watch(self) -> AsyncIterator[api.ClientEvent]:

@@ -46,6 +46,7 @@ class Rank:
     watcher: asyncio.Task[None] | None = None
     waiters: dict[str, asyncio.Future[api.ClientEvent]] = field(default_factory=dict)
     early: dict[str, api.ClientEvent] = field(default_factory=dict)
+    arrivals: dict[str, float] = field(default_factory=dict)  # request id -> perf_counter()
     events_seen: int = 0
 
     def expect(self, request_id: str) -> asyncio.Future[api.ClientEvent]:
@@ -160,7 +161,7 @@ class LocalCluster:
         """Bounded wait until the sidecar reports the rank's Watch stream open."""
         assert rank.client is not None
         deadline = time.monotonic() + max(timeout_s, 1.0)
-        while not (await rank.client.status()).watch_connected:
+        while not (await rank.client.status(drain=False)).watch_connected:
             if time.monotonic() > deadline:
                 raise SidecarFailedError(self._tail(rank, "never saw its Watch stream"))
             await asyncio.sleep(0.01)
@@ -172,6 +173,7 @@ class LocalCluster:
     async def _watch(self, rank: Rank) -> None:
         assert rank.client is not None
         async for event in rank.client.watch():
+            rank.arrivals[event.request_id] = time.perf_counter()
             rank.events_seen += 1
             fut = rank.waiters.pop(event.request_id, None)
             if fut is not None and not fut.done():
@@ -256,10 +258,12 @@ async def transfer(
     verified = 0
     for rank, fut, start in zip(cluster.decode, recvs, starts, strict=True):
         event = await asyncio.wait_for(fut, timeout_s)
-        latencies.append(time.perf_counter() - start)
+        latencies.append(rank.arrivals.pop(local_id) - start)
         if not isinstance(event, api.RecvDone):
             raise RuntimeError(f"decode rank {rank.rank}: {event}")
-        verified += toy.verify(
+        # numpy releases the GIL: verifying off the loop keeps other requests' events timely.
+        verified += await asyncio.to_thread(
+            toy.verify,
             rank.memory.array,
             rank.views,
             tp_size=rank.tp_size,
@@ -274,6 +278,8 @@ async def transfer(
         if not isinstance(event, api.SendDone):
             raise RuntimeError(f"prefill: unexpected {event}")
         done.append(event)
+    for rank in cluster.prefill:
+        rank.arrivals.pop(request_id, None)
     return TransferResult(
         request_id=request_id,
         latencies_s=tuple(latencies),

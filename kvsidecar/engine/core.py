@@ -2,8 +2,8 @@
 
 Owns the registered local engine (one epoch at a time), the peer registry, the in-flight reads, the
 producer ledger and the event hub, and one poller task that advances reads, drains NIXL notifications
-and reaps leases. The poller is fast (sub-millisecond) while reads are in flight, 1 ms while holds are
-active, and 20 ms when idle.
+and reaps leases. The poller runs immediately after a Read is posted, then every 1 ms while reads
+or holds are active, and every 20 ms when idle.
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ from kvsidecar.rpc._gen.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
 
-_FAST_S, _HOLDING_S, _IDLE_S = 0.0002, 0.001, 0.02
+# The poller runs at once when a Read is posted (same-host cma READs are already DONE then), then
+# every 1 ms while reads are in flight: event-loop timers have 1 ms granularity, so anything shorter
+# degenerates into a busy loop that starves the engines sharing the host.
+_FAST_S, _HOLDING_S, _IDLE_S = 0.001, 0.001, 0.02
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -372,7 +375,8 @@ class EngineCore:
     def count_rejected(self, code: str) -> None:
         self._metrics.reads_rejected.labels(code).inc()
 
-    def status(self, max_events: int) -> StatusSnapshot:
+    def status(self, max_events: int, *, drain: bool = True) -> StatusSnapshot:
+        """State and counters; with ``drain``, also the queued events (up to ``max_events``)."""
         ledger = self.ledger.counters
         counters = {
             **self.transfers.counters,
@@ -384,7 +388,7 @@ class EngineCore:
             "events_dropped": self.events.dropped,
         }
         return StatusSnapshot(
-            events=self.events.drain(max_events),
+            events=self.events.drain(max_events) if drain else (),
             local=self._local,
             peers=self.peers.summaries(),
             reads_in_flight=len(self.transfers),
@@ -398,6 +402,7 @@ class EngineCore:
 
     async def _poll_forever(self) -> None:
         while not self._stopping:
+            self._wake.clear()  # before polling: a Read posted meanwhile must not lose its wake-up
             try:
                 await self._poll_once()
             except asyncio.CancelledError:
@@ -410,7 +415,6 @@ class EngineCore:
                 interval = _HOLDING_S
             else:
                 interval = _IDLE_S
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 

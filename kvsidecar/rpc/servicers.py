@@ -222,7 +222,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Status(
         self, request: engine_pb2.StatusRequest, context: Any
     ) -> engine_pb2.StatusResponse:
-        snap = self._core.status(request.max_events)
+        snap = self._core.status(request.max_events, drain=not request.skip_events)
         resp = engine_pb2.StatusResponse(
             events=[event_to_proto(e) for e in snap.events],
             draining=snap.draining,

@@ -658,16 +658,20 @@ class StatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MAX_EVENTS_FIELD_NUMBER: _builtins.int
+    SKIP_EVENTS_FIELD_NUMBER: _builtins.int
     max_events: _builtins.int
     """Maximum events to drain (0 = all queued)."""
+    skip_events: _builtins.bool
+    """Report state only and leave queued events for the engine (operator tools, `kvsidecar status`)."""
     def __init__(
         self,
         *,
         max_events: _builtins.int = ...,
+        skip_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_events", b"max_events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_events", b"max_events", "skip_events", b"skip_events"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
