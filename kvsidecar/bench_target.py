@@ -59,7 +59,9 @@ async def _serve(path: str, size: int, poll_delay_us: int) -> None:
         mem.close()
 
 
-def _rows(base: int, block_bytes: int, block_stride: int, num_blocks: int) -> npt.NDArray[np.uint64]:
+def _rows(
+    base: int, block_bytes: int, block_stride: int, num_blocks: int
+) -> npt.NDArray[np.uint64]:
     """Per-block descriptor rows ``(addr, len, dev, stride, count=1)``, one per block."""
     rows = np.zeros((num_blocks, 5), dtype=np.uint64)
     rows[:, 0] = base + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_stride)
@@ -116,15 +118,18 @@ class NixlBaseline:
             raise
         return self
 
-    async def _spawn(self, src: HostShmSpec) -> dict[str, str]:
+    def _popen(self, src: HostShmSpec) -> subprocess.Popen[bytes]:
         with self._log_path.open("wb") as log:
-            self._proc = subprocess.Popen(
+            return subprocess.Popen(
                 [sys.executable, "-m", "kvsidecar.bench_target", src.path, str(src.size)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 start_new_session=True,
             )
+
+    async def _spawn(self, src: HostShmSpec) -> dict[str, str]:
+        self._proc = self._popen(src)
         assert self._proc.stdout is not None
         try:
             line = await asyncio.wait_for(
@@ -141,7 +146,8 @@ class NixlBaseline:
     async def read(self, requests: Sequence[IdPairs], notification: bytes = b"") -> int:
         """Post one READ per request (per-block descriptor ids), poll until all are DONE (bounded
         by ``timeout_s``), release them. Returns the bytes read."""
-        assert self._local is not None and self._remote is not None
+        assert self._local is not None
+        assert self._remote is not None
         backend = self._backend
         handles = []
         try:
@@ -172,7 +178,8 @@ class NixlBaseline:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdin is not None
+        assert proc.stdout is not None
         with contextlib.suppress(OSError):
             proc.stdin.close()
         try:

@@ -346,13 +346,24 @@ async def test_duplicate_request_id_in_flight_is_rejected(local_cluster: Cluster
         await server.wait_closed()
 
 
-def test_client_rejects_ids_that_do_not_fit_the_wire() -> None:
-    """Block ids travel as uint32: a negative or > 2**32 id cannot reach the daemon, and the client
-    must say which field and value instead of a bare protobuf range error."""
-    for groups, where in (([[0, -1]], "[0][1]=-1"), ([[7], [2**40]], "[1][0]=1099511627776")):
-        with pytest.raises(errors.InvalidArgumentError) as info:
-            api.block_ids(groups)
-        assert where in str(info.value), str(info.value)
+async def test_client_rejects_ids_that_do_not_fit_the_wire(tmp_path: Path) -> None:
+    """Block ids travel as uint32: a negative or >= 2**32 id cannot reach the daemon, and the client
+    must raise InvalidArgumentError naming the field and value (not a bare protobuf ValueError)."""
+    async with AsyncSidecarClient(str(tmp_path / "nobody.sock"), timeout_s=1) as c:
+        cases = (
+            ([[0, -1]], [[0, 1]], "local_block_ids[0][1]=-1"),
+            ([[7], []], [[7], [2**40]], "remote_block_ids[1][0]=1099511627776"),
+        )
+        for local, remote, where in cases:
+            with pytest.raises(errors.InvalidArgumentError) as info:
+                await c.read(
+                    "r",
+                    remote_engine_id=PREFILL,
+                    remote_request_id="r",
+                    local_block_ids=local,
+                    remote_block_ids=remote,
+                )
+            assert where in str(info.value), str(info.value)
 
 
 # --- Notify and Watch -------------------------------------------------------------------------------

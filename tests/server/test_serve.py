@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import stat
 import subprocess
+import time
+import uuid
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,6 +18,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvsidecar.client import toy
+from kvsidecar.client.clients import SidecarClient
+from kvsidecar.client.export import SharedMemoryExport
 from tests.sidecar_proc import KVSIDECAR, default_args, spawn, start
 
 
@@ -176,3 +182,68 @@ def test_version() -> None:
     out = subprocess.run([*KVSIDECAR, "version"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0
     assert out.stdout.startswith("kvsidecar ")
+
+
+def _register_with_hold(tmp_path: Path, socket_path: str) -> SharedMemoryExport:
+    views = toy.build_views(toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=8), 1)
+    memory = SharedMemoryExport.create(
+        f"/dev/shm/kvsidecar-test-{uuid.uuid4().hex}", toy.memory_size(views)
+    )
+    with SidecarClient(socket_path) as client:
+        client.register_engine(
+            engine_id="e",
+            tp_rank=0,
+            tp_size=1,
+            views=views,
+            memories={"kv": memory.spec},
+            model="m",
+            dtype="d",
+        )
+        client.hold("never-consumed", lease_s=600)
+    return memory
+
+
+def test_second_signal_forces_shutdown(tmp_path: Path) -> None:
+    sc = start(tmp_path, *default_args(tmp_path), "--grace-period-s", "60")
+    memory = _register_with_hold(tmp_path, sc.addresses["engine_socket"])
+    try:
+        sc.proc.send_signal(signal.SIGTERM)
+        for _ in range(500):  # bounded: wait until it is draining (holding for the grace period)
+            if "draining" in sc.log():
+                break
+            time.sleep(0.01)
+        assert sc.proc.poll() is None  # still waiting for the hold
+        rc = sc.stop(signal.SIGTERM, timeout=10)
+        assert rc == 1, sc.log()
+        assert "forcing shutdown" in sc.log()
+    finally:
+        memory.close()
+        memory.unlink()
+
+
+def test_status_command_shows_a_running_sidecar(tmp_path: Path) -> None:
+    sc = start(tmp_path, *default_args(tmp_path), "--grace-period-s", "0.2")
+    memory = _register_with_hold(tmp_path, sc.addresses["engine_socket"])
+    try:
+        cmd = [*KVSIDECAR, "status", "--socket", sc.addresses["engine_socket"]]
+        table = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        assert table.returncode == 0, table.stderr
+        assert "engine    e rank 0/1" in table.stdout
+        assert "holds active 1" in table.stdout
+        as_json = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=30)
+        data = json.loads(as_json.stdout)
+        assert data["engine_id"] == "e"
+        assert data["holds_active"] == 1
+        assert "reads_done" in data["counters"]
+        missing = subprocess.run(
+            [*KVSIDECAR, "status", "--socket", str(tmp_path / "nope.sock"), "--timeout-s", "1"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert missing.returncode == 1
+        assert "cannot read status" in missing.stderr
+    finally:
+        sc.stop()
+        memory.close()
+        memory.unlink()
