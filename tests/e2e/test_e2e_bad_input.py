@@ -304,9 +304,11 @@ async def test_duplicate_request_id_in_flight_is_rejected(local_cluster: Cluster
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     host, port = server.sockets[0].getsockname()[:2]
     blackhole = f"{host}:{port}"
+    stuck: asyncio.Task[api.ReadPosted] | None = None
     try:
+        # The stuck Read holds its id for the handshake timeout (2 s): ample for the two calls.
         async with local_cluster(
-            SHAPE, 1, 1, sidecar_args=(*FAST_STOP, "--handshake-timeout-s", "1")
+            SHAPE, 1, 1, sidecar_args=(*FAST_STOP, "--handshake-timeout-s", "2")
         ) as cluster:
             d = client_of(cluster, "decode")
             pids, dids = request_ids(SHAPE, [1, 2, 3], [4, 5, 6])
@@ -340,6 +342,10 @@ async def test_duplicate_request_id_in_flight_is_rejected(local_cluster: Cluster
             assert await good_transfer(cluster, "dup", seed=4) > 0
             await assert_sane(cluster, transfers=2)
     finally:
+        if stuck is not None and not stuck.done():
+            stuck.cancel()
+            with contextlib.suppress(BaseException):
+                await stuck
         for writer in writers:
             writer.close()
         server.close()
