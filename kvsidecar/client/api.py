@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from kvsidecar import errors
 from kvsidecar.memory import CudaIpcSpec, HostShmSpec, MemorySpec
@@ -208,8 +209,19 @@ def register_request(
     )
 
 
-def block_ids(groups: BlockIdGroups) -> list[geometry_pb2.BlockIds]:
-    return [geometry_pb2.BlockIds(ids=[int(i) for i in g]) for g in groups]
+def block_ids(groups: BlockIdGroups, field: str = "block_ids") -> list[geometry_pb2.BlockIds]:
+    """Per-group id lists as proto; BlockIdError (field and value named) for ids outside uint32."""
+    out = []
+    for g, ids in enumerate(groups):
+        values = np.asarray(ids, dtype=np.int64).ravel()
+        bad = np.flatnonzero((values < 0) | (values >= 2**32))
+        if bad.size:
+            j = int(bad[0])
+            raise errors.BlockIdError(
+                f"{field}[{g}][{j}]={int(values[j])} is not a block id (0 <= id < 2**32)"
+            )
+        out.append(geometry_pb2.BlockIds(ids=values.tolist()))
+    return out
 
 
 def registered(pb: engine_pb2.RegisterEngineResponse) -> Registered:

@@ -154,14 +154,14 @@ class EngineCore:
         if self.draining:
             raise ShuttingDownError("sidecar is shutting down")
         async with self._lock:
-            await self._drop_local(FailureReason.ENGINE_GONE, "engine re-registered")
-            self._epoch += 1
             local = await LocalEngine.open(
                 registration,
-                epoch=self._epoch,
+                epoch=self._epoch + 1,
                 backend=self._backend,
                 shm_roots=self._config.shm_roots,
             )
+            await self._drop_local(FailureReason.ENGINE_GONE, "engine re-registered")
+            self._epoch += 1
             self._local = local
             self.peers.bind(local)
             self._metrics.registered_bytes.set(local.registered_bytes)

@@ -28,6 +28,7 @@ from kvsidecar.engine.peer_link import PeerLink
 from kvsidecar.errors import (
     FailedPreconditionError,
     IncompatibleError,
+    InvalidArgumentError,
     KvSidecarError,
     NotFoundError,
     PeerUnavailableError,
@@ -130,6 +131,8 @@ class PeerRegistry:
         assert not self._peers
         assert not self._pending
         self._local = local
+        for known in self._known.values():  # a new registration starts with no quarantine
+            known.failures, known.retry_at, known.last_error = 0, 0.0, ""
 
     def peer(self, engine_id: str) -> Peer | None:
         return self._peers.get(engine_id)
@@ -188,6 +191,11 @@ class PeerRegistry:
         known = self._known.setdefault(engine_id, _Known())
         try:
             peer = await self._connect(local, engine_id, endpoints)
+        except (NotFoundError, FailedPreconditionError, InvalidArgumentError) as exc:
+            # A definitive answer (bad input, unknown engine, incompatible): no backoff.
+            self._metrics.handshakes.labels("error").inc()
+            log.warning("handshake with %r refused: %s", engine_id, exc)
+            raise
         except KvSidecarError as exc:
             known.failures += 1
             initial, cap = self._backoff

@@ -168,16 +168,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     @_errors_to_status
     async def Read(self, request: engine_pb2.ReadRequest, context: Any) -> engine_pb2.ReadResponse:
-        cmd = ReadCommand(
-            request_id=request.request_id,
-            remote_engine_id=request.remote_engine_id,
-            remote_request_id=request.remote_request_id,
-            local_ids=block_ids_from_proto("local_block_ids", request.local_block_ids),
-            remote_ids=block_ids_from_proto("remote_block_ids", request.remote_block_ids),
-            endpoints=_endpoints(request.remote_endpoints, request.remote_endpoint),
-            deadline_s=request.deadline_s,
-        )
         try:
+            cmd = ReadCommand(
+                request_id=request.request_id,
+                remote_engine_id=request.remote_engine_id,
+                remote_request_id=request.remote_request_id,
+                local_ids=block_ids_from_proto("local_block_ids", request.local_block_ids),
+                remote_ids=block_ids_from_proto("remote_block_ids", request.remote_block_ids),
+                endpoints=_endpoints(request.remote_endpoints, request.remote_endpoint),
+                deadline_s=request.deadline_s,
+            )
             posted = await self._core.read(cmd)
         except KvSidecarError as exc:
             self._core.count_rejected(status_for(exc).name)

@@ -1,8 +1,10 @@
 """Bad input against real sidecar processes: every case gets its status code and a message naming the
 field and value (DESIGN §5, §7), and the daemon keeps serving afterwards.
 
-Cases are grouped so that one small cluster (TP 1/1, 16 blocks) serves many bad calls; each group ends
-with a good transfer on the same sidecars whose every byte is verified, and with sane Status counters.
+Cases are grouped so that one small cluster (GQA, 16 blocks, TP 2/2 or 1/1) serves many bad calls; each
+group ends with a good transfer on the same sidecars whose every byte is verified, and with sane Status
+counters. Where a bad call could disturb state (a failed re-registration, a refused handshake), a test
+of its own checks that the state survives.
 Registration cases use an extra standalone sidecar (``tests.sidecar_proc``) that finally joins the
 cluster as a second consumer engine and reads real bytes from the prefill engine.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -103,8 +106,6 @@ async def metric_values(addresses: Mapping[str, str], name: str) -> dict[str, fl
 
 async def good_transfer(cluster: LocalCluster, request_id: str, seed: int) -> int:
     """One good request on ``cluster``; returns the bytes verified (all of them, every rank)."""
-    import random
-
     rng = random.Random(seed)
     p_blocks = rng.sample(range(SHAPE.num_blocks), 6)
     d_blocks = rng.sample(range(SHAPE.num_blocks), 6)

@@ -8,9 +8,9 @@ import socket
 import stat
 import subprocess
 import time
-import uuid
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import grpc
