@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp-setup
 SRC    := kvsidecar tests bench scripts
 
-.PHONY: setup demo test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend clean
+.PHONY: setup demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,9 @@ serve: setup
 
 demo: setup
 	$(BIN)/kvsidecar demo
+
+bench: setup
+	$(BIN)/kvsidecar bench
 
 bench-plan: setup
 	$(BIN)/python bench/bench_plan.py

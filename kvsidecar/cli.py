@@ -73,7 +73,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    bench = sub.add_parser(
+        "bench", help="measure memcpy vs raw NIXL vs kvsidecar on the same geometry"
+    )
+    bench.add_argument(
+        "--block-kib",
+        type=_int_list,
+        default=(64, 1024),
+        help="block sizes per rank in KiB, comma-separated (default 64,1024)",
+    )
+    bench.add_argument(
+        "--blocks-per-request",
+        type=_int_list,
+        default=(16,),
+        help="request (prompt) lengths in blocks, comma-separated (default 16)",
+    )
+    bench.add_argument("--requests", type=_positive_int, default=8, help="requests per measurement")
+    bench.add_argument("--repeats", type=_positive_int, default=7, help="rounds (best-of-N)")
+    bench.add_argument("--latency-samples", type=_positive_int, default=100)
+    bench.add_argument("--idle-s", type=float, default=3.0, help="idle-CPU sampling time (s)")
+    bench.add_argument("--scattered", action="store_true", help="also measure scattered ids")
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
+    return values
 
 
 def _positive_int(text: str) -> int:
@@ -188,6 +222,37 @@ def _demo(args: argparse.Namespace) -> int:
     return EXIT_OK if report.failures == 0 else EXIT_FAILURE
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvsidecar.bench import BenchConfig, format_table, run_bench
+
+    try:
+        config = BenchConfig(
+            block_kib=args.block_kib,
+            blocks_per_request=args.blocks_per_request,
+            requests=args.requests,
+            repeats=args.repeats,
+            latency_samples=args.latency_samples,
+            idle_s=args.idle_s,
+            scattered=args.scattered,
+        )
+    except ValueError as exc:
+        print(f"kvsidecar bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        report = asyncio.run(run_bench(config, progress=None if args.json else progress))
+    except KeyboardInterrupt:
+        print("\ninterrupted; every process and shm file was cleaned up", file=sys.stderr)
+        return 130
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_table(report))
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -200,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _status(args)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "bench":
+        return _bench(args)
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE  # pragma: no cover - parser.error exits
 
