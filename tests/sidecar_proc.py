@@ -31,7 +31,7 @@ class SidecarProcess:
             try:
                 return self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self.proc.kill()  # never leave a sidecar behind, even when the test fails
                 self.proc.wait(5)
                 raise
         return int(self.proc.returncode)

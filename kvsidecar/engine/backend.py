@@ -93,6 +93,9 @@ class XferHandle:
     remote_agent: str
     num_descs: int
     num_bytes: int
+    #: the READ had already completed when ``post_read`` returned (same-host ``cma`` copies
+    #: synchronously); the notification was sent and no poll is needed
+    done_at_post: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,7 +3,7 @@
 Owns the registered local engine (one epoch at a time), the peer registry, the in-flight reads, the
 producer ledger and the event hub, and one poller task that advances reads, drains NIXL notifications
 and reaps leases. The poller runs immediately after a Read is posted, then every 1 ms while reads
-or holds are active, and every 20 ms when idle.
+or holds are active, and every 50 ms when idle.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 # The poller runs at once when a Read is posted (same-host cma READs are already DONE then), then
 # every 1 ms while reads are in flight: event-loop timers have 1 ms granularity, so anything shorter
 # degenerates into a busy loop that starves the engines sharing the host.
-_FAST_S, _HOLDING_S, _IDLE_S = 0.001, 0.001, 0.02
+_FAST_S, _HOLDING_S, _IDLE_S = 0.001, 0.001, 0.05
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -409,7 +409,7 @@ class EngineCore:
                 raise
             except Exception:  # a bug here must not stop every transfer
                 log.exception("poller iteration failed")
-            if len(self.transfers):
+            if not self.transfers.idle:
                 interval = _FAST_S
             elif self.ledger.counters.holds_active:
                 interval = _HOLDING_S

@@ -271,14 +271,16 @@ class FakeBackend:
         if _covered(peer.regions(), spans_r) is not None:
             raise BackendNotFoundError(f"post_read: {peer.agent_name!r} deregistered the memory")
         x = _Xfer(remote=peer.agent_name, faults=faults, copies=copies, notification=notification)
+        synchronous = not (faults.stall or faults.err_after_polls is not None)
         h = XferHandle(
             id=self._book.new_id(),
             remote_agent=peer.agent_name,
             num_descs=int(li.size),
             num_bytes=nbytes,
+            done_at_post=synchronous,
         )
         self._book.xfers[h.id] = (h, x, local.id, remote.id)
-        if not (faults.stall or faults.err_after_polls is not None):
+        if synchronous:
             self._complete(x, peer)
         return h
 

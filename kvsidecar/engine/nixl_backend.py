@@ -10,6 +10,7 @@ place (``HandleBook``): NIXL handles are raw integers, and passing a stale one c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -366,6 +367,9 @@ class NixlBackend:
             except BaseException:
                 self._guard(lambda: self._release_xfer_sync(h))
                 raise
+            if status == b.NIXL_SUCCESS:  # completed inside the post (same-host cma)
+                h = dataclasses.replace(h, done_at_post=True)
+                book.xfers[h.id] = (h, *book.xfers[h.id][1:])
             return h
 
         return await self._call(run, "post_read")

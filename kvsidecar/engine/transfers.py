@@ -82,6 +82,7 @@ class TransferManager:
         self._metrics = metrics
         self._clock = clock
         self._reads: dict[str, InFlightRead] = {}
+        self._to_release: list[XferHandle] = []  # completed, reported, not yet released
         self.counters = {"reads_done": 0, "reads_failed": 0, "bytes_read": 0}
 
     def __len__(self) -> int:
@@ -131,7 +132,8 @@ class TransferManager:
                     ids.remote_desc_ids,
                     payload,
                 )
-                xfers.append(_Xfer(rank=link.rank, handle=handle))
+                state = XferState.DONE if handle.done_at_post else XferState.PROC
+                xfers.append(_Xfer(rank=link.rank, handle=handle, state=state))
                 self._metrics.descriptors.observe(len(ids.local_desc_ids))
                 total += ids.num_bytes
         except BaseException:
@@ -145,6 +147,11 @@ class TransferManager:
         if not xfers:  # full prefix hit: nothing to wait for
             self._finish_done(cmd, 0, started)
             return posted
+        if all(x.state is XferState.DONE for x in xfers):
+            # Completed inside the post (same-host cma): report now, release on the next tick.
+            self._finish_done(cmd, total, started)
+            self._to_release.extend(x.handle for x in xfers)
+            return posted
         deadline = self._clock() + cmd.deadline_s
         self._reads[cmd.request_id] = InFlightRead(
             cmd=cmd, peer=peer, xfers=xfers, bytes=total, started=started, deadline=deadline
@@ -154,6 +161,7 @@ class TransferManager:
 
     async def poll(self) -> set[str]:
         """Advance every in-flight read once. Returns engine ids of peers whose READs failed."""
+        await self.release_completed()
         if not self._reads:
             return set()
         pending = [
@@ -183,13 +191,29 @@ class TransferManager:
                 await self._close(read)
         return failed_peers
 
+    @property
+    def idle(self) -> bool:
+        """No read in flight and no handle waiting to be released."""
+        return not self._reads and not self._to_release
+
+    async def release_completed(self) -> None:
+        """Release the handles of reads that were reported done at post time."""
+        handles, self._to_release = self._to_release, []
+        for handle in handles:
+            try:
+                await self._backend.release_xfer(handle)
+            except KvSidecarError as exc:
+                log.error("releasing a completed READ handle failed: %s", exc)
+
     async def fail_peer(self, engine_id: str, reason: FailureReason, message: str) -> None:
         """Fail (and release) every in-flight read from ``engine_id``."""
+        await self.release_completed()  # handles go before the peer's lists and agent
         for read in [r for r in self._reads.values() if r.peer.engine_id == engine_id]:
             read.failure = read.failure or (reason, message)
             await self._close(read)
 
     async def fail_all(self, reason: FailureReason, message: str) -> None:
+        await self.release_completed()
         for read in list(self._reads.values()):
             read.failure = read.failure or (reason, message)
             await self._close(read)
@@ -199,14 +223,15 @@ class TransferManager:
         if self._reads.pop(read.cmd.request_id, None) is None:
             return
         self._metrics.reads_in_flight.set(len(self._reads))
+        if read.failure is None:  # data has landed: report first, then release
+            self._finish_done(read.cmd, read.bytes, read.started)
+            self._to_release.extend(x.handle for x in read.xfers)
+            return
         for x in read.xfers:
             try:
                 await self._backend.release_xfer(x.handle)
             except KvSidecarError as exc:
                 log.error("releasing READ handle of %r failed: %s", read.cmd.request_id, exc)
-        if read.failure is None:
-            self._finish_done(read.cmd, read.bytes, read.started)
-            return
         reason, message = read.failure
         self.counters["reads_failed"] += 1
         self._metrics.reads_failed.labels(reason.name.lower()).inc()

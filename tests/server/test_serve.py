@@ -205,8 +205,9 @@ def _register_with_hold(tmp_path: Path, socket_path: str) -> SharedMemoryExport:
 
 def test_second_signal_forces_shutdown(tmp_path: Path) -> None:
     sc = start(tmp_path, *default_args(tmp_path), "--grace-period-s", "60")
-    memory = _register_with_hold(tmp_path, sc.addresses["engine_socket"])
+    memory: SharedMemoryExport | None = None
     try:
+        memory = _register_with_hold(tmp_path, sc.addresses["engine_socket"])
         sc.proc.send_signal(signal.SIGTERM)
         for _ in range(500):  # bounded: wait until it is draining (holding for the grace period)
             if "draining" in sc.log():
@@ -217,14 +218,18 @@ def test_second_signal_forces_shutdown(tmp_path: Path) -> None:
         assert rc == 1, sc.log()
         assert "forcing shutdown" in sc.log()
     finally:
-        memory.close()
-        memory.unlink()
+        if sc.proc.poll() is None:
+            sc.stop(signal.SIGKILL)
+        if memory is not None:
+            memory.close()
+            memory.unlink()
 
 
 def test_status_command_shows_a_running_sidecar(tmp_path: Path) -> None:
     sc = start(tmp_path, *default_args(tmp_path), "--grace-period-s", "0.2")
-    memory = _register_with_hold(tmp_path, sc.addresses["engine_socket"])
+    memory: SharedMemoryExport | None = None
     try:
+        memory = _register_with_hold(tmp_path, sc.addresses["engine_socket"])
         cmd = [*KVSIDECAR, "status", "--socket", sc.addresses["engine_socket"]]
         table = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         assert table.returncode == 0, table.stderr
@@ -245,5 +250,6 @@ def test_status_command_shows_a_running_sidecar(tmp_path: Path) -> None:
         assert "cannot read status" in missing.stderr
     finally:
         sc.stop()
-        memory.close()
-        memory.unlink()
+        if memory is not None:
+            memory.close()
+            memory.unlink()

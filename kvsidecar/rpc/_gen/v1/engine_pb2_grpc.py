@@ -96,7 +96,8 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Read(self, request, context):
-        """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event.
+        """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event,
+        which may arrive before this call returns (same-host READs complete while being posted).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -38,7 +38,9 @@ class EngineServiceStub:
     Plan: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PlanRequest, _engine_pb2.PlanResponse]
     """Explain the plan against a remote engine (handshakes first if needed)."""
     Read: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ReadRequest, _engine_pb2.ReadResponse]
-    """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event."""
+    """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event,
+    which may arrive before this call returns (same-host READs complete while being posted).
+    """
     Notify: _grpc.UnaryUnaryMultiCallable[_engine_pb2.NotifyRequest, _engine_pb2.NotifyResponse]
     """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer)."""
     Status: _grpc.UnaryUnaryMultiCallable[_engine_pb2.StatusRequest, _engine_pb2.StatusResponse]
@@ -56,7 +58,9 @@ class EngineServiceAsyncStub(EngineServiceStub):
     Plan: _aio.UnaryUnaryMultiCallable[_engine_pb2.PlanRequest, _engine_pb2.PlanResponse]  # type: ignore[assignment]
     """Explain the plan against a remote engine (handshakes first if needed)."""
     Read: _aio.UnaryUnaryMultiCallable[_engine_pb2.ReadRequest, _engine_pb2.ReadResponse]  # type: ignore[assignment]
-    """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event."""
+    """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event,
+    which may arrive before this call returns (same-host READs complete while being posted).
+    """
     Notify: _aio.UnaryUnaryMultiCallable[_engine_pb2.NotifyRequest, _engine_pb2.NotifyResponse]  # type: ignore[assignment]
     """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer)."""
     Status: _aio.UnaryUnaryMultiCallable[_engine_pb2.StatusRequest, _engine_pb2.StatusResponse]  # type: ignore[assignment]
@@ -95,7 +99,9 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.ReadRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.ReadResponse, _abc.Awaitable[_engine_pb2.ReadResponse]]:
-        """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event."""
+        """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event,
+        which may arrive before this call returns (same-host READs complete while being posted).
+        """
 
     @_abc_1.abstractmethod
     def Notify(
