@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-test: setup
+test:
 	@start=$$(date +%s); \
-	$(MAKE) --no-print-directory lint typecheck proto-check pytest; rc=$$?; \
-	echo "make test: $$(( $$(date +%s) - start ))s (rc=$$rc)"; exit $$rc
+	$(MAKE) --no-print-directory setup lint typecheck proto-check pytest; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start ))s including setup (rc=$$rc)"; exit $$rc
 
 lint: setup
 	$(BIN)/ruff check $(SRC)
@@ -37,7 +37,7 @@ proto: setup
 	$(BIN)/python scripts/gen_proto.py
 
 proto-check: setup
-	$(BIN)/pytest -q -p no:randomly tests/test_proto_drift.py
+	$(BIN)/pytest -q tests/test_proto_drift.py
 
 pytest: setup
 	$(BIN)/pytest -q
