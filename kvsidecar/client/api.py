@@ -59,6 +59,20 @@ class ReadPosted:
     bytes: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadSpec:
+    """One read of a ``read_batch`` call (the arguments of ``read``)."""
+
+    request_id: str
+    remote_engine_id: str
+    remote_request_id: str
+    local_block_ids: BlockIdGroups
+    remote_block_ids: BlockIdGroups
+    endpoints: tuple[str, ...] = ()
+    endpoint: str = ""
+    deadline_s: float = 0.0
+
+
 class FailReason(enum.Enum):
     UNSPECIFIED = 0
     TRANSFER_ERROR = 1
@@ -134,12 +148,33 @@ _CODES: dict[grpc.StatusCode, type[errors.KvSidecarError]] = {
 }
 
 
+def error_from_code(code: grpc.StatusCode, details: str) -> errors.KvSidecarError:
+    """The kvsidecar error type of a status code (KvSidecarError for codes without one)."""
+    cls = _CODES.get(code, errors.KvSidecarError)
+    return cls(f"{code.name}: {details}")
+
+
+_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def read_results(
+    pb: engine_pb2.ReadBatchResponse,
+) -> tuple[ReadPosted | errors.KvSidecarError, ...]:
+    """Per read of a batch: what was posted, or the error it got (in request order)."""
+    out: list[ReadPosted | errors.KvSidecarError] = []
+    for r in pb.results:
+        if r.code == 0:
+            out.append(read_posted(r.posted))
+        else:
+            out.append(error_from_code(_BY_NUMBER.get(r.code, grpc.StatusCode.UNKNOWN), r.message))
+    return tuple(out)
+
+
 def error_from_rpc(exc: grpc.RpcError) -> errors.KvSidecarError:
     """The kvsidecar error type of a failed call (KvSidecarError for codes without one)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    cls = _CODES.get(code, errors.KvSidecarError)
-    return cls(f"{code.name}: {details}")
+    return error_from_code(code, details or "")
 
 
 def target_for(socket_or_target: str) -> str:

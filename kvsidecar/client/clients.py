@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from kvsidecar.client import api
+from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory import MemorySpec
 from kvsidecar.plan import View
 from kvsidecar.rpc._gen.v1 import engine_pb2, engine_pb2_grpc
@@ -44,6 +45,24 @@ def _read_request(
         remote_endpoints=list(endpoints),
         remote_endpoint=endpoint,
         deadline_s=deadline_s,
+    )
+
+
+def _batch(reads: Sequence[api.ReadSpec]) -> engine_pb2.ReadBatchRequest:
+    return engine_pb2.ReadBatchRequest(
+        reads=[
+            _read_request(
+                r.request_id,
+                r.remote_engine_id,
+                r.remote_request_id,
+                r.local_block_ids,
+                r.remote_block_ids,
+                r.endpoints,
+                r.endpoint,
+                r.deadline_s,
+            )
+            for r in reads
+        ]
     )
 
 
@@ -184,6 +203,13 @@ class SidecarClient:
                 ),
             )
         )
+
+    def read_batch(
+        self, reads: Sequence[api.ReadSpec]
+    ) -> tuple[api.ReadPosted | KvSidecarError, ...]:
+        """Several reads in one call; per read, what was posted or the error it got (a failing
+        read never affects the others). Completions arrive as events, as for ``read``."""
+        return api.read_results(self._call(self._stub.ReadBatch, _batch(reads)))
 
     def hold(
         self, request_id: str, *, block_ids: api.BlockIdGroups = (), lease_s: float = 0.0
@@ -338,6 +364,12 @@ class AsyncSidecarClient:
                 ),
             )
         )
+
+    async def read_batch(
+        self, reads: Sequence[api.ReadSpec]
+    ) -> tuple[api.ReadPosted | KvSidecarError, ...]:
+        """See ``SidecarClient.read_batch``."""
+        return api.read_results(await self._call(self._stub.ReadBatch, _batch(reads)))
 
     async def hold(
         self, request_id: str, *, block_ids: api.BlockIdGroups = (), lease_s: float = 0.0

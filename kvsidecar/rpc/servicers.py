@@ -35,6 +35,8 @@ from kvsidecar.rpc.status import status_for
 
 log = logging.getLogger(__name__)
 
+MAX_BATCH = 4096  # reads per ReadBatch call
+
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 Handler = Callable[[Any, _Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[_Resp]]
@@ -166,8 +168,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         local = self._core.require_local()
         return plan_to_proto(peer.plan, local.epoch, peer.epoch)
 
-    @_errors_to_status
-    async def Read(self, request: engine_pb2.ReadRequest, context: Any) -> engine_pb2.ReadResponse:
+    async def _read_one(self, request: engine_pb2.ReadRequest) -> engine_pb2.ReadResponse:
+        """Parse and post one read; counts a rejection (by status code) before re-raising."""
         try:
             cmd = ReadCommand(
                 request_id=request.request_id,
@@ -187,6 +189,33 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             notifications_sent=posted.notifications_sent,
             bytes=posted.bytes,
         )
+
+    @_errors_to_status
+    async def Read(self, request: engine_pb2.ReadRequest, context: Any) -> engine_pb2.ReadResponse:
+        return await self._read_one(request)
+
+    @_errors_to_status
+    async def ReadBatch(
+        self, request: engine_pb2.ReadBatchRequest, context: Any
+    ) -> engine_pb2.ReadBatchResponse:
+        if len(request.reads) > MAX_BATCH:
+            raise InvalidArgumentError(
+                f"reads has {len(request.reads)} entries (at most {MAX_BATCH} per ReadBatch)"
+            )
+        results = []
+        for i, read in enumerate(request.reads):
+            try:
+                posted = await self._read_one(read)
+            except KvSidecarError as exc:
+                code = status_for(exc)
+                results.append(
+                    engine_pb2.ReadResult(
+                        request_id=read.request_id, code=code.value[0], message=f"reads[{i}]: {exc}"
+                    )
+                )
+            else:
+                results.append(engine_pb2.ReadResult(request_id=read.request_id, posted=posted))
+        return engine_pb2.ReadBatchResponse(results=results)
 
     @_errors_to_status
     async def Notify(

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvsidecar.rpc._gen.v1 import geometry_pb2 as kvsidecar_dot_v1_dot_geometry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/engine.proto\x12\x0ckvsidecar.v1\x1a\x1bkvsidecar/v1/geometry.proto\"\xe9\x01\n\x15RegisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12!\n\x05views\x18\x04 \x03(\x0b\x32\x12.kvsidecar.v1.View\x12&\n\x08memories\x18\x05 \x03(\x0b\x32\x14.kvsidecar.v1.Memory\x12\x16\n\x0epeer_endpoints\x18\x06 \x03(\t\x12$\n\x06\x63ompat\x18\x07 \x01(\x0b\x32\x14.kvsidecar.v1.Compat\x12\x12\n\nnum_groups\x18\x08 \x01(\r\"l\n\x16RegisterEngineResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rcompat_digest\x18\x03 \x01(\t\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\"_\n\x10HandshakeRequest\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\x12\x18\n\x10remote_endpoints\x18\x02 \x03(\t\x12\x17\n\x0fremote_endpoint\x18\x03 \x01(\t\"}\n\x0eRemoteRankPlan\x12\x13\n\x0bremote_rank\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x04\x12\x13\n\x0bnotify_only\x18\x04 \x01(\x08\x12\x1a\n\x12\x65xpected_consumers\x18\x05 \x01(\r\"\x83\x02\n\x0cPlanResponse\x12\x17\n\x0flocal_engine_id\x18\x01 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x02 \x01(\t\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x15\n\rlocal_tp_size\x18\x04 \x01(\r\x12\x16\n\x0eremote_tp_size\x18\x05 \x01(\r\x12\x13\n\x0blocal_epoch\x18\x06 \x01(\x04\x12\x14\n\x0cremote_epoch\x18\x07 \x01(\x04\x12+\n\x05ranks\x18\x08 \x03(\x0b\x32\x1c.kvsidecar.v1.RemoteRankPlan\x12\x10\n\x08warnings\x18\t \x03(\t\x12\x13\n\x0b\x64\x65scription\x18\n \x01(\t\"=\n\x11HandshakeResponse\x12(\n\x04plan\x18\x01 \x01(\x0b\x32\x1a.kvsidecar.v1.PlanResponse\"\'\n\x0bPlanRequest\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\"\x80\x02\n\x0bReadRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x02 \x01(\t\x12\x19\n\x11remote_request_id\x18\x03 \x01(\t\x12/\n\x0flocal_block_ids\x18\x04 \x03(\x0b\x32\x16.kvsidecar.v1.BlockIds\x12\x30\n\x10remote_block_ids\x18\x05 \x03(\x0b\x32\x16.kvsidecar.v1.BlockIds\x12\x18\n\x10remote_endpoints\x18\x06 \x03(\t\x12\x17\n\x0fremote_endpoint\x18\x07 \x01(\t\x12\x12\n\ndeadline_s\x18\x08 \x01(\x01\"O\n\x0cReadResponse\x12\x14\n\x0creads_posted\x18\x01 \x01(\r\x12\x1a\n\x12notifications_sent\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"V\n\x04Hold\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\tblock_ids\x18\x02 \x03(\x0b\x32\x16.kvsidecar.v1.BlockIds\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"\x1d\n\x07Release\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"r\n\x08\x43onsumed\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\x12\x19\n\x11remote_request_id\x18\x02 \x01(\t\x12\x18\n\x10remote_endpoints\x18\x03 \x03(\t\x12\x17\n\x0fremote_endpoint\x18\x04 \x01(\t\"A\n\tHeartbeat\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\x12\x1a\n\x12remote_request_ids\x18\x02 \x03(\t\"\xbf\x01\n\rNotifyRequest\x12\"\n\x04hold\x18\x01 \x01(\x0b\x32\x12.kvsidecar.v1.HoldH\x00\x12(\n\x07release\x18\x02 \x01(\x0b\x32\x15.kvsidecar.v1.ReleaseH\x00\x12*\n\x08\x63onsumed\x18\x03 \x01(\x0b\x32\x16.kvsidecar.v1.ConsumedH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.kvsidecar.v1.HeartbeatH\x00\x42\x06\n\x04kind\",\n\x0eNotifyResponse\x12\x1a\n\x12notifications_sent\x18\x01 \x01(\r\"A\n\x08RecvDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nduration_s\x18\x03 \x01(\x01\"\x99\x02\n\nRecvFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x06reason\x18\x02 \x01(\x0e\x32\x1f.kvsidecar.v1.RecvFailed.Reason\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x31\n\x11invalid_block_ids\x18\x04 \x03(\x0b\x32\x16.kvsidecar.v1.BlockIds\"\x81\x01\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x12\n\x0eTRANSFER_ERROR\x10\x01\x12\x15\n\x11\x44\x45\x41\x44LINE_EXCEEDED\x10\x02\x12\x15\n\x11PEER_DISCONNECTED\x10\x03\x12\x0f\n\x0b\x45NGINE_GONE\x10\x04\x12\x0c\n\x08SHUTDOWN\x10\x05\"^\n\x08SendDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tconsumers\x18\x02 \x01(\r\x12\x1a\n\x12\x65xpected_consumers\x18\x03 \x01(\r\x12\x0f\n\x07\x65xpired\x18\x04 \x01(\x08\"\xba\x01\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12+\n\trecv_done\x18\x03 \x01(\x0b\x32\x16.kvsidecar.v1.RecvDoneH\x00\x12/\n\x0brecv_failed\x18\x04 \x01(\x0b\x32\x18.kvsidecar.v1.RecvFailedH\x00\x12+\n\tsend_done\x18\x05 \x01(\x0b\x32\x16.kvsidecar.v1.SendDoneH\x00\x42\x06\n\x04kind\"\x0e\n\x0cWatchRequest\"8\n\rStatusRequest\x12\x12\n\nmax_events\x18\x01 \x01(\r\x12\x13\n\x0bskip_events\x18\x02 \x01(\x08\"{\n\nPeerStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x17\n\x0franks_connected\x18\x05 \x01(\r\x12\x12\n\nlast_error\x18\x06 \x01(\t\"\x8e\x03\n\x0eStatusResponse\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.kvsidecar.v1.Event\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\r\n\x05ready\x18\x06 \x01(\x08\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\'\n\x05peers\x18\x08 \x03(\x0b\x32\x18.kvsidecar.v1.PeerStatus\x12\x17\n\x0freads_in_flight\x18\t \x01(\r\x12\x14\n\x0cholds_active\x18\n \x01(\r\x12<\n\x08\x63ounters\x18\x0b \x03(\x0b\x32*.kvsidecar.v1.StatusResponse.CountersEntry\x12\x12\n\nagent_name\x18\x0c \x01(\t\x12\x17\n\x0fwatch_connected\x18\r \x01(\x08\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xfe\x03\n\rEngineService\x12[\n\x0eRegisterEngine\x12#.kvsidecar.v1.RegisterEngineRequest\x1a$.kvsidecar.v1.RegisterEngineResponse\x12L\n\tHandshake\x12\x1e.kvsidecar.v1.HandshakeRequest\x1a\x1f.kvsidecar.v1.HandshakeResponse\x12=\n\x04Plan\x12\x19.kvsidecar.v1.PlanRequest\x1a\x1a.kvsidecar.v1.PlanResponse\x12=\n\x04Read\x12\x19.kvsidecar.v1.ReadRequest\x1a\x1a.kvsidecar.v1.ReadResponse\x12\x43\n\x06Notify\x12\x1b.kvsidecar.v1.NotifyRequest\x1a\x1c.kvsidecar.v1.NotifyResponse\x12\x43\n\x06Status\x12\x1b.kvsidecar.v1.StatusRequest\x1a\x1c.kvsidecar.v1.StatusResponse\x12:\n\x05Watch\x12\x1a.kvsidecar.v1.WatchRequest\x1a\x13.kvsidecar.v1.Event0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/engine.proto\x12\x0ckvsidecar.v1\x1a\x1bkvsidecar/v1/geometry.proto\"\xe9\x01\n\x15RegisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12!\n\x05views\x18\x04 \x03(\x0b\x32\x12.kvsidecar.v1.View\x12&\n\x08memories\x18\x05 \x03(\x0b\x32\x14.kvsidecar.v1.Memory\x12\x16\n\x0epeer_endpoints\x18\x06 \x03(\t\x12$\n\x06\x63ompat\x18\x07 \x01(\x0b\x32\x14.kvsidecar.v1.Compat\x12\x12\n\nnum_groups\x18\x08 \x01(\r\"l\n\x16RegisterEngineResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rcompat_digest\x18\x03 \x01(\t\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\"_\n\x10HandshakeRequest\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\x12\x18\n\x10remote_endpoints\x18\x02 \x03(\t\x12\x17\n\x0fremote_endpoint\x18\x03 \x01(\t\"}\n\x0eRemoteRankPlan\x12\x13\n\x0bremote_rank\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x04\x12\x13\n\x0bnotify_only\x18\x04 \x01(\x08\x12\x1a\n\x12\x65xpected_consumers\x18\x05 \x01(\r\"\x83\x02\n\x0cPlanResponse\x12\x17\n\x0flocal_engine_id\x18\x01 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x02 \x01(\t\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x15\n\rlocal_tp_size\x18\x04 \x01(\r\x12\x16\n\x0eremote_tp_size\x18\x05 \x01(\r\x12\x13\n\x0blocal_epoch\x18\x06 \x01(\x04\x12\x14\n\x0cremote_epoch\x18\x07 \x01(\x04\x12+\n\x05ranks\x18\x08 \x03(\x0b\x32\x1c.kvsidecar.v1.RemoteRankPlan\x12\x10\n\x08warnings\x18\t \x03(\t\x12\x13\n\x0b\x64\x65scription\x18\n \x01(\t\"=\n\x11HandshakeResponse\x12(\n\x04plan\x18\x01 \x01(\x0b\x32\x1a.kvsidecar.v1.PlanResponse\"\'\n\x0bPlanRequest\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\"\x80\x02\n\x0bReadRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x02 \x01(\t\x12\x19\n\x11remote_request_id\x18\x03 \x01(\t\x12/\n\x0flocal_block_ids\x18\x04 \x03(\x0b\x32\x16.kvsidecar.v1.BlockIds\x12\x30\n\x10remote_block_ids\x18\x05 \x03(\x0b\x32\x16.kvsidecar.v1.BlockIds\x12\x18\n\x10remote_endpoints\x18\x06 \x03(\t\x12\x17\n\x0fremote_endpoint\x18\x07 \x01(\t\x12\x12\n\ndeadline_s\x18\x08 \x01(\x01\"O\n\x0cReadResponse\x12\x14\n\x0creads_posted\x18\x01 \x01(\r\x12\x1a\n\x12notifications_sent\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"<\n\x10ReadBatchRequest\x12(\n\x05reads\x18\x01 \x03(\x0b\x32\x19.kvsidecar.v1.ReadRequest\"k\n\nReadResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12*\n\x06posted\x18\x04 \x01(\x0b\x32\x1a.kvsidecar.v1.ReadResponse\">\n\x11ReadBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvsidecar.v1.ReadResult\"V\n\x04Hold\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\tblock_ids\x18\x02 \x03(\x0b\x32\x16.kvsidecar.v1.BlockIds\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"\x1d\n\x07Release\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"r\n\x08\x43onsumed\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\x12\x19\n\x11remote_request_id\x18\x02 \x01(\t\x12\x18\n\x10remote_endpoints\x18\x03 \x03(\t\x12\x17\n\x0fremote_endpoint\x18\x04 \x01(\t\"A\n\tHeartbeat\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\x12\x1a\n\x12remote_request_ids\x18\x02 \x03(\t\"\xbf\x01\n\rNotifyRequest\x12\"\n\x04hold\x18\x01 \x01(\x0b\x32\x12.kvsidecar.v1.HoldH\x00\x12(\n\x07release\x18\x02 \x01(\x0b\x32\x15.kvsidecar.v1.ReleaseH\x00\x12*\n\x08\x63onsumed\x18\x03 \x01(\x0b\x32\x16.kvsidecar.v1.ConsumedH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.kvsidecar.v1.HeartbeatH\x00\x42\x06\n\x04kind\",\n\x0eNotifyResponse\x12\x1a\n\x12notifications_sent\x18\x01 \x01(\r\"A\n\x08RecvDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nduration_s\x18\x03 \x01(\x01\"\x99\x02\n\nRecvFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x06reason\x18\x02 \x01(\x0e\x32\x1f.kvsidecar.v1.RecvFailed.Reason\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x31\n\x11invalid_block_ids\x18\x04 \x03(\x0b\x32\x16.kvsidecar.v1.BlockIds\"\x81\x01\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x12\n\x0eTRANSFER_ERROR\x10\x01\x12\x15\n\x11\x44\x45\x41\x44LINE_EXCEEDED\x10\x02\x12\x15\n\x11PEER_DISCONNECTED\x10\x03\x12\x0f\n\x0b\x45NGINE_GONE\x10\x04\x12\x0c\n\x08SHUTDOWN\x10\x05\"^\n\x08SendDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tconsumers\x18\x02 \x01(\r\x12\x1a\n\x12\x65xpected_consumers\x18\x03 \x01(\r\x12\x0f\n\x07\x65xpired\x18\x04 \x01(\x08\"\xba\x01\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12+\n\trecv_done\x18\x03 \x01(\x0b\x32\x16.kvsidecar.v1.RecvDoneH\x00\x12/\n\x0brecv_failed\x18\x04 \x01(\x0b\x32\x18.kvsidecar.v1.RecvFailedH\x00\x12+\n\tsend_done\x18\x05 \x01(\x0b\x32\x16.kvsidecar.v1.SendDoneH\x00\x42\x06\n\x04kind\"\x0e\n\x0cWatchRequest\"8\n\rStatusRequest\x12\x12\n\nmax_events\x18\x01 \x01(\r\x12\x13\n\x0bskip_events\x18\x02 \x01(\x08\"{\n\nPeerStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x17\n\x0franks_connected\x18\x05 \x01(\r\x12\x12\n\nlast_error\x18\x06 \x01(\t\"\x8e\x03\n\x0eStatusResponse\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.kvsidecar.v1.Event\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\r\n\x05ready\x18\x06 \x01(\x08\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\'\n\x05peers\x18\x08 \x03(\x0b\x32\x18.kvsidecar.v1.PeerStatus\x12\x17\n\x0freads_in_flight\x18\t \x01(\r\x12\x14\n\x0cholds_active\x18\n \x01(\r\x12<\n\x08\x63ounters\x18\x0b \x03(\x0b\x32*.kvsidecar.v1.StatusResponse.CountersEntry\x12\x12\n\nagent_name\x18\x0c \x01(\t\x12\x17\n\x0fwatch_connected\x18\r \x01(\x08\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xcc\x04\n\rEngineService\x12[\n\x0eRegisterEngine\x12#.kvsidecar.v1.RegisterEngineRequest\x1a$.kvsidecar.v1.RegisterEngineResponse\x12L\n\tHandshake\x12\x1e.kvsidecar.v1.HandshakeRequest\x1a\x1f.kvsidecar.v1.HandshakeResponse\x12=\n\x04Plan\x12\x19.kvsidecar.v1.PlanRequest\x1a\x1a.kvsidecar.v1.PlanResponse\x12=\n\x04Read\x12\x19.kvsidecar.v1.ReadRequest\x1a\x1a.kvsidecar.v1.ReadResponse\x12L\n\tReadBatch\x12\x1e.kvsidecar.v1.ReadBatchRequest\x1a\x1f.kvsidecar.v1.ReadBatchResponse\x12\x43\n\x06Notify\x12\x1b.kvsidecar.v1.NotifyRequest\x1a\x1c.kvsidecar.v1.NotifyResponse\x12\x43\n\x06Status\x12\x1b.kvsidecar.v1.StatusRequest\x1a\x1c.kvsidecar.v1.StatusResponse\x12:\n\x05Watch\x12\x1a.kvsidecar.v1.WatchRequest\x1a\x13.kvsidecar.v1.Event0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,38 +52,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_READREQUEST']._serialized_end=1265
   _globals['_READRESPONSE']._serialized_start=1267
   _globals['_READRESPONSE']._serialized_end=1346
-  _globals['_HOLD']._serialized_start=1348
-  _globals['_HOLD']._serialized_end=1434
-  _globals['_RELEASE']._serialized_start=1436
-  _globals['_RELEASE']._serialized_end=1465
-  _globals['_CONSUMED']._serialized_start=1467
-  _globals['_CONSUMED']._serialized_end=1581
-  _globals['_HEARTBEAT']._serialized_start=1583
-  _globals['_HEARTBEAT']._serialized_end=1648
-  _globals['_NOTIFYREQUEST']._serialized_start=1651
-  _globals['_NOTIFYREQUEST']._serialized_end=1842
-  _globals['_NOTIFYRESPONSE']._serialized_start=1844
-  _globals['_NOTIFYRESPONSE']._serialized_end=1888
-  _globals['_RECVDONE']._serialized_start=1890
-  _globals['_RECVDONE']._serialized_end=1955
-  _globals['_RECVFAILED']._serialized_start=1958
-  _globals['_RECVFAILED']._serialized_end=2239
-  _globals['_RECVFAILED_REASON']._serialized_start=2110
-  _globals['_RECVFAILED_REASON']._serialized_end=2239
-  _globals['_SENDDONE']._serialized_start=2241
-  _globals['_SENDDONE']._serialized_end=2335
-  _globals['_EVENT']._serialized_start=2338
-  _globals['_EVENT']._serialized_end=2524
-  _globals['_WATCHREQUEST']._serialized_start=2526
-  _globals['_WATCHREQUEST']._serialized_end=2540
-  _globals['_STATUSREQUEST']._serialized_start=2542
-  _globals['_STATUSREQUEST']._serialized_end=2598
-  _globals['_PEERSTATUS']._serialized_start=2600
-  _globals['_PEERSTATUS']._serialized_end=2723
-  _globals['_STATUSRESPONSE']._serialized_start=2726
-  _globals['_STATUSRESPONSE']._serialized_end=3124
-  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_start=3077
-  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_end=3124
-  _globals['_ENGINESERVICE']._serialized_start=3127
-  _globals['_ENGINESERVICE']._serialized_end=3637
+  _globals['_READBATCHREQUEST']._serialized_start=1348
+  _globals['_READBATCHREQUEST']._serialized_end=1408
+  _globals['_READRESULT']._serialized_start=1410
+  _globals['_READRESULT']._serialized_end=1517
+  _globals['_READBATCHRESPONSE']._serialized_start=1519
+  _globals['_READBATCHRESPONSE']._serialized_end=1581
+  _globals['_HOLD']._serialized_start=1583
+  _globals['_HOLD']._serialized_end=1669
+  _globals['_RELEASE']._serialized_start=1671
+  _globals['_RELEASE']._serialized_end=1700
+  _globals['_CONSUMED']._serialized_start=1702
+  _globals['_CONSUMED']._serialized_end=1816
+  _globals['_HEARTBEAT']._serialized_start=1818
+  _globals['_HEARTBEAT']._serialized_end=1883
+  _globals['_NOTIFYREQUEST']._serialized_start=1886
+  _globals['_NOTIFYREQUEST']._serialized_end=2077
+  _globals['_NOTIFYRESPONSE']._serialized_start=2079
+  _globals['_NOTIFYRESPONSE']._serialized_end=2123
+  _globals['_RECVDONE']._serialized_start=2125
+  _globals['_RECVDONE']._serialized_end=2190
+  _globals['_RECVFAILED']._serialized_start=2193
+  _globals['_RECVFAILED']._serialized_end=2474
+  _globals['_RECVFAILED_REASON']._serialized_start=2345
+  _globals['_RECVFAILED_REASON']._serialized_end=2474
+  _globals['_SENDDONE']._serialized_start=2476
+  _globals['_SENDDONE']._serialized_end=2570
+  _globals['_EVENT']._serialized_start=2573
+  _globals['_EVENT']._serialized_end=2759
+  _globals['_WATCHREQUEST']._serialized_start=2761
+  _globals['_WATCHREQUEST']._serialized_end=2775
+  _globals['_STATUSREQUEST']._serialized_start=2777
+  _globals['_STATUSREQUEST']._serialized_end=2833
+  _globals['_PEERSTATUS']._serialized_start=2835
+  _globals['_PEERSTATUS']._serialized_end=2958
+  _globals['_STATUSRESPONSE']._serialized_start=2961
+  _globals['_STATUSRESPONSE']._serialized_end=3359
+  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_start=3312
+  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_end=3359
+  _globals['_ENGINESERVICE']._serialized_start=3362
+  _globals['_ENGINESERVICE']._serialized_end=3950
 # @@protoc_insertion_point(module_scope)

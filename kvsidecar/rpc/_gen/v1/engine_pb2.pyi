@@ -337,6 +337,83 @@ class ReadResponse(_message.Message):
 Global___ReadResponse: _TypeAlias = ReadResponse  # noqa: Y015
 
 @_typing.final
+class ReadBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    READS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def reads(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReadRequest]:
+        """At most 4096 reads."""
+
+    def __init__(
+        self,
+        *,
+        reads: _abc.Iterable[Global___ReadRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reads", b"reads"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadBatchRequest: _TypeAlias = ReadBatchRequest  # noqa: Y015
+
+@_typing.final
+class ReadResult(_message.Message):
+    """The outcome of one read of a batch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    POSTED_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    code: _builtins.int
+    """gRPC status code of this read (0 = OK: posted; completion arrives as an Event)."""
+    message: _builtins.str
+    """The error message when code != 0 (names the field and value, as for Read)."""
+    @_builtins.property
+    def posted(self) -> Global___ReadResponse: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        posted: Global___ReadResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["posted", b"posted"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "posted", b"posted", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadResult: _TypeAlias = ReadResult  # noqa: Y015
+
+@_typing.final
+class ReadBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReadResult]:
+        """One result per request, in request order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___ReadResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadBatchResponse: _TypeAlias = ReadBatchResponse  # noqa: Y015
+
+@_typing.final
 class Hold(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -54,6 +54,11 @@ class EngineServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.ReadRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.ReadResponse.FromString,
                 _registered_method=True)
+        self.ReadBatch = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/ReadBatch',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.ReadBatchRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.ReadBatchResponse.FromString,
+                _registered_method=True)
         self.Notify = channel.unary_unary(
                 '/kvsidecar.v1.EngineService/Notify',
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.NotifyRequest.SerializeToString,
@@ -103,6 +108,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadBatch(self, request, context):
+        """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
+        and posted on its own, in order; one failing never affects the others. Saves one gRPC round
+        trip per read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Notify(self, request, context):
         """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer).
         """
@@ -146,6 +160,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Read,
                     request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.ReadRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_engine__pb2.ReadResponse.SerializeToString,
+            ),
+            'ReadBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadBatch,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.ReadBatchRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.ReadBatchResponse.SerializeToString,
             ),
             'Notify': grpc.unary_unary_rpc_method_handler(
                     servicer.Notify,
@@ -271,6 +290,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/Read',
             kvsidecar_dot_v1_dot_engine__pb2.ReadRequest.SerializeToString,
             kvsidecar_dot_v1_dot_engine__pb2.ReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/ReadBatch',
+            kvsidecar_dot_v1_dot_engine__pb2.ReadBatchRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.ReadBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,11 @@ class EngineServiceStub:
     """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event,
     which may arrive before this call returns (same-host READs complete while being posted).
     """
+    ReadBatch: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ReadBatchRequest, _engine_pb2.ReadBatchResponse]
+    """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
+    and posted on its own, in order; one failing never affects the others. Saves one gRPC round
+    trip per read.
+    """
     Notify: _grpc.UnaryUnaryMultiCallable[_engine_pb2.NotifyRequest, _engine_pb2.NotifyResponse]
     """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer)."""
     Status: _grpc.UnaryUnaryMultiCallable[_engine_pb2.StatusRequest, _engine_pb2.StatusResponse]
@@ -60,6 +65,11 @@ class EngineServiceAsyncStub(EngineServiceStub):
     Read: _aio.UnaryUnaryMultiCallable[_engine_pb2.ReadRequest, _engine_pb2.ReadResponse]  # type: ignore[assignment]
     """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event,
     which may arrive before this call returns (same-host READs complete while being posted).
+    """
+    ReadBatch: _aio.UnaryUnaryMultiCallable[_engine_pb2.ReadBatchRequest, _engine_pb2.ReadBatchResponse]  # type: ignore[assignment]
+    """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
+    and posted on its own, in order; one failing never affects the others. Saves one gRPC round
+    trip per read.
     """
     Notify: _aio.UnaryUnaryMultiCallable[_engine_pb2.NotifyRequest, _engine_pb2.NotifyResponse]  # type: ignore[assignment]
     """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer)."""
@@ -101,6 +111,17 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_engine_pb2.ReadResponse, _abc.Awaitable[_engine_pb2.ReadResponse]]:
         """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event,
         which may arrive before this call returns (same-host READs complete while being posted).
+        """
+
+    @_abc_1.abstractmethod
+    def ReadBatch(
+        self,
+        request: _engine_pb2.ReadBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.ReadBatchResponse, _abc.Awaitable[_engine_pb2.ReadBatchResponse]]:
+        """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
+        and posted on its own, in order; one failing never affects the others. Saves one gRPC round
+        trip per read.
         """
 
     @_abc_1.abstractmethod
