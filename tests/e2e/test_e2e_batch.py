@@ -48,23 +48,12 @@ async def test_read_batch_posts_good_reads_and_reports_bad_ones(
                     remote_block_ids=[[1]],
                 ),
             )
-            specs.append(
-                api.ReadSpec(
-                    request_id="g0@d",
-                    remote_engine_id=PREFILL,
-                    remote_request_id="g0",
-                    local_block_ids=[[30]],
-                    remote_block_ids=[[0]],
-                )
-            )
             recvs = {rid: d.expect(f"{rid}@d") for rid in good}
             results = await d.client.read_batch(specs)
             assert len(results) == len(specs)
             bad = results[1]
             assert isinstance(bad, errors.InvalidArgumentError)
             assert "reads[1]: local_block_ids[0][0]=99 is outside view" in str(bad)
-            dup = results[-1]
-            assert isinstance(dup, errors.AlreadyExistsError) or isinstance(dup, api.ReadPosted)
             for r in (results[0], results[2], results[3]):
                 assert isinstance(r, api.ReadPosted)
                 assert r.bytes > 0
