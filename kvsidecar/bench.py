@@ -11,7 +11,8 @@ rounds (medians too), the three methods interleaved within each round:
    block, one READ per request, polled until DONE (``kvsidecar.bench_target``);
 3. ``sidecar``: a ``LocalCluster`` (real sidecar processes, TP ``tp``->``tp``, a packed-KV toy
    model whose block is the configured size): gRPC Read on every decode rank -> RECV_DONE events.
-   HOLDs (before) and SEND_DONEs (after) are untimed.
+   HOLDs (before) and SEND_DONEs (after) are untimed. ``batch``: the same, with each decode rank's
+   reads of a measurement in one ReadBatch call (how an engine issues a scheduler step's reads).
 
 Destination blocks are zeroed before every measurement and compared with the source after the
 warm-up of every method and after the last sidecar round (plus ``toy.verify`` of one request), all
@@ -191,6 +192,7 @@ class BenchReport:
             row["ratios"] = {
                 "sidecar_vs_nixl": r.ratio("sidecar", "nixl"),
                 "sidecar_vs_memcpy": r.ratio("sidecar", "memcpy"),
+                "batch_vs_nixl": r.ratio("batch", "nixl"),
             }
             rows.append(row)
         return {
@@ -220,7 +222,7 @@ def format_table(report: BenchReport) -> str:
         f"kvsidecar bench: TP {c.tp}->{c.tp}, {c.requests} requests per measurement, best of "
         f"{c.repeats} (median), {report.cpus} CPUs; GB/s = 1e9 B/s",
         f"{'block':>8} {'request':>9} {'pattern':<10} {'memcpy':>14} {'raw NIXL':>14} "
-        f"{'sidecar':>14} {'sc/NIXL':>7} {'sc/memcpy':>9}",
+        f"{'sidecar':>14} {'batch':>14} {'sc/NIXL':>7} {'sc/memcpy':>9} {'batch/NIXL':>10}",
     ]
     for r in report.rows:
         cells = [f"{m.best_gbps:6.2f} ({m.median_gbps:5.2f})" for m in r.methods.values()]
@@ -228,6 +230,7 @@ def format_table(report: BenchReport) -> str:
             f"{r.block_kib:>4} KiB {_size(r.request_bytes):>9} {r.pattern:<10} "
             + " ".join(f"{x:>14}" for x in cells)
             + f" {r.ratio('sidecar', 'nixl'):7.2f} {r.ratio('sidecar', 'memcpy'):9.2f}"
+            + f" {r.ratio('batch', 'nixl'):10.2f}"
         )
     cp = report.control
     idle = ", ".join(f"{k} {v:.1f} %" for k, v in cp.idle_cpu_pct.items())
@@ -304,6 +307,7 @@ async def _row(
         "memcpy": run.memcpy,
         "nixl": run.nixl,
         "sidecar": functools.partial(run.sidecar, concurrent=cfg.concurrent_reads),
+        "batch": run.sidecar_batch,
     }
     verified = 0
     for name, method in methods.items():
@@ -317,7 +321,7 @@ async def _row(
         for name, method in methods.items():
             run.zero()
             times[name].append(await method(reqs))
-    verified += run.check(reqs, "sidecar") + run.verify_pattern(reqs[0])
+    verified += run.check(reqs, "batch") + run.verify_pattern(reqs[0])
     request_bytes = bpr * view.block_stride
     measured = request_bytes * cfg.requests * cfg.tp
     row = Row(

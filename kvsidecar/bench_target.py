@@ -376,6 +376,47 @@ class Runner:
         await self._sent(sends)
         return elapsed
 
+    async def sidecar_batch(self, reqs: Sequence[IdPairs]) -> float:
+        """Like ``sidecar``, but every decode rank gets the measurement's reads in one ReadBatch
+        call (how an engine issues a scheduler step's reads)."""
+        c = self.cluster
+        self._seq += 1
+        ids = [
+            (f"batch-{self._seq}-{i}", [lo.tolist()], [ro.tolist()])
+            for i, (lo, ro) in enumerate(reqs)
+        ]
+        sends = [f for rid, _, remote in ids for f in await self._hold(rid, remote)]
+        recvs = [d.expect(f"{rid}@d") for rid, _, _ in ids for d in c.decode]
+        t0 = time.perf_counter()
+
+        async def one(d: Rank) -> None:
+            assert d.client is not None
+            specs = [
+                api.ReadSpec(
+                    request_id=f"{rid}@d",
+                    remote_engine_id=PREFILL,
+                    remote_request_id=rid,
+                    local_block_ids=local,
+                    remote_block_ids=remote,
+                    endpoints=tuple(c.prefill_endpoints),
+                )
+                for rid, local, remote in ids
+            ]
+            failed = [
+                r for r in await d.client.read_batch(specs) if not isinstance(r, api.ReadPosted)
+            ]
+            if failed:
+                raise RuntimeError(f"sidecar batch: {failed[0]}")
+
+        await asyncio.gather(*(one(d) for d in c.decode))
+        events = await asyncio.wait_for(asyncio.gather(*recvs), self.timeout_s)
+        elapsed = time.perf_counter() - t0
+        bad = [e for e in events if not isinstance(e, api.RecvDone)]
+        if bad:
+            raise RuntimeError(f"sidecar batch transfer failed: {bad[0]}")
+        await self._sent(sends)
+        return elapsed
+
     def zero(self) -> None:
         """Zero every decode block (untimed, before each measurement)."""
         for d in self.cluster.decode:

@@ -63,11 +63,11 @@ def _processes_mentioning(text: str) -> list[str]:
 def _check_report(doc: dict[str, Any], *, rows: int) -> None:
     assert len(doc["rows"]) == rows
     for row in doc["rows"]:
-        assert set(row["methods"]) == {"memcpy", "nixl", "sidecar"}
+        assert set(row["methods"]) == {"memcpy", "nixl", "sidecar", "batch"}
         for method in row["methods"].values():
             assert method["best_gbps"] > 0
             assert method["median_gbps"] > 0
-        assert set(row["ratios"]) == {"sidecar_vs_nixl", "sidecar_vs_memcpy"}
+        assert set(row["ratios"]) == {"sidecar_vs_nixl", "sidecar_vs_memcpy", "batch_vs_nixl"}
         assert all(v > 0 for v in row["ratios"].values())
         assert row["request_bytes"] == row["blocks_per_request"] * row["block_kib"] * 1024
     cp = doc["control_plane"]
@@ -96,8 +96,8 @@ async def test_tiny_run_reports_three_methods_and_cleans_up(tmp_path: Path, shm_
     report = await run_bench(config, progress=messages.append)
     doc = json.loads(json.dumps(report.as_dict(), allow_nan=False))
     _check_report(doc, rows=1)
-    # warm-up of 3 methods + the last sidecar round (5 x 4 blocks of 64 KiB each) + toy.verify
-    assert report.verified_bytes == 4 * 5 * 4 * 64 * 1024 + 4 * 64 * 1024
+    # warm-up of 4 methods + the last batch round (5 x 4 blocks of 64 KiB each) + toy.verify
+    assert report.verified_bytes == 5 * 5 * 4 * 64 * 1024 + 4 * 64 * 1024
     assert messages
     table = format_table(report)
     assert "raw NIXL" in table
@@ -174,7 +174,7 @@ def test_format_and_targets_of_a_synthetic_report() -> None:
         pattern="contiguous",
         request_bytes=16 << 20,
         measured_bytes=128 << 20,
-        methods={"memcpy": tp(10.0), "nixl": tp(4.0), "sidecar": tp(3.9)},
+        methods={"memcpy": tp(10.0), "nixl": tp(4.0), "sidecar": tp(3.9), "batch": tp(3.95)},
         read_call_p50_us=900.0,
     )
     report = BenchReport(
