@@ -193,25 +193,41 @@ class LocalCluster:
         return plans
 
     async def aclose(self) -> None:
-        """Close clients, stop sidecars (SIGTERM, then SIGKILL after 10 s), unlink shm files."""
+        """Close clients, stop every sidecar, unlink shm files; bounded (about 6 s at most).
+
+        SIGTERM lets a sidecar drain; a second SIGTERM after 3 s skips the drain (holds that no
+        consumer will complete, e.g. after Ctrl-C); SIGKILL after 3 s more.
+        """
         for rank in self.ranks:
             if rank.watcher is not None:
                 rank.watcher.cancel()
                 with contextlib.suppress(BaseException):
                     await rank.watcher
             if rank.client is not None:
-                await rank.client.aclose()
+                with contextlib.suppress(Exception):
+                    await rank.client.aclose()
+        for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):
+            running = [r for r in self.ranks if r.proc.poll() is None]
+            if not running:
+                break
+            for rank in running:
+                with contextlib.suppress(ProcessLookupError):
+                    if sig == signal.SIGKILL:
+                        os.killpg(rank.proc.pid, sig)
+                    else:
+                        rank.proc.send_signal(sig)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_exited(running), 3.0)
         for rank in self.ranks:
-            if rank.proc.poll() is None:
-                rank.proc.send_signal(signal.SIGTERM)
-        for rank in self.ranks:
-            try:
-                await asyncio.to_thread(rank.proc.wait, 10)
-            except subprocess.TimeoutExpired:
-                os.killpg(rank.proc.pid, signal.SIGKILL)
-                rank.proc.wait(5)
             rank.memory.close()
             rank.memory.unlink()
+
+
+async def _exited(ranks: Sequence[Rank]) -> None:
+    """Wait until every process in ``ranks`` has exited (the caller bounds the wait)."""
+    for rank in ranks:
+        while rank.proc.poll() is None:  # noqa: ASYNC110 - a child process has no awaitable exit
+            await asyncio.sleep(0.02)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +71,46 @@ def test_demo_rejects_impossible_settings() -> None:
     )
     assert out.returncode == 2
     assert "concurrency x max_blocks" in out.stderr
+
+
+def test_ctrl_c_cleans_up_every_sidecar_and_shm_file() -> None:
+    before = _shm_files()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvsidecar.cli", "demo", "--requests", "100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        # a shell's background job may ignore SIGINT; the user's terminal does not
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:  # bounded by the demo's own progress output
+            if b"requests" in line and b"/100000" in line:
+                break
+        children = _sidecars()
+        assert children, "the demo started no sidecar"
+        assert _shm_files() - before, "the demo created no shm file"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130, out.decode(errors="replace")[-2000:]
+    assert b"cleaned up" in out
+    assert not (children & _sidecars())
+    assert _shm_files() <= before
+
+
+def _shm_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("kvsidecar-")}
+
+
+def _sidecars() -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if b"kvsidecar.cli\x00serve" in (entry / "cmdline").read_bytes():
+                    found.add(int(entry.name))
+    return found
