@@ -84,7 +84,10 @@ class FailReason(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RecvDone:
+    """Consumer side: every READ of ``request_id`` completed (``bytes`` moved)."""
+
     seq: int
+    timestamp: float  # sidecar's Unix time when it emitted the event (s)
     request_id: str
     bytes: int
     duration_s: float
@@ -92,7 +95,10 @@ class RecvDone:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RecvFailed:
+    """Consumer side: the read failed; ``invalid_block_ids`` (per group) may hold garbage."""
+
     seq: int
+    timestamp: float
     request_id: str
     reason: FailReason
     message: str
@@ -101,7 +107,10 @@ class RecvFailed:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SendDone:
+    """Producer side: all expected consumers notified (or the lease ``expired``)."""
+
     seq: int
+    timestamp: float
     request_id: str
     consumers: int
     expected_consumers: int
@@ -302,11 +311,18 @@ def event(pb: engine_pb2.Event) -> ClientEvent:
     kind = pb.WhichOneof("kind")
     if kind == "recv_done":
         d = pb.recv_done
-        return RecvDone(seq=pb.seq, request_id=d.request_id, bytes=d.bytes, duration_s=d.duration_s)
+        return RecvDone(
+            seq=pb.seq,
+            timestamp=pb.timestamp,
+            request_id=d.request_id,
+            bytes=d.bytes,
+            duration_s=d.duration_s,
+        )
     if kind == "recv_failed":
         f = pb.recv_failed
         return RecvFailed(
             seq=pb.seq,
+            timestamp=pb.timestamp,
             request_id=f.request_id,
             reason=FailReason(f.reason),
             message=f.message,
@@ -315,6 +331,7 @@ def event(pb: engine_pb2.Event) -> ClientEvent:
     s = pb.send_done
     return SendDone(
         seq=pb.seq,
+        timestamp=pb.timestamp,
         request_id=s.request_id,
         consumers=s.consumers,
         expected_consumers=s.expected_consumers,
