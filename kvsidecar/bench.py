@@ -8,7 +8,7 @@ rounds (medians too), the three methods interleaved within each round:
    blocks merged), the physical limit on this host;
 2. ``nixl``: raw NIXL READs as an in-process connector (vLLM NixlConnector) issues them: an
    initiator agent in this process, the source memory in a target process, one descriptor per
-   block, one READ per request, polled until DONE (``kvsidecar.bench_target``);
+   block, one READ per request, polled until DONE (``kvsidecar.bench_nixl``);
 3. ``sidecar``: a ``LocalCluster`` (real sidecar processes, TP ``tp``->``tp``, a packed-KV toy
    model whose block is the configured size): gRPC Read on every decode rank -> RECV_DONE events.
    HOLDs (before) and SEND_DONEs (after) are untimed. ``batch``: the same, with each decode rank's
@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from kvsidecar.bench_target import IdPairs, Runner, TimedCluster
+from kvsidecar.bench_nixl import IdPairs
+from kvsidecar.bench_target import Runner, TimedCluster
 from kvsidecar.client import toy
 
 KIB = 1024

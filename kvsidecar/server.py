@@ -267,7 +267,7 @@ class Sidecar:
                 log.warning(
                     "grace period over with %d reads in flight and %d holds",
                     len(self.core.transfers),
-                    self.core.ledger.counters.holds_active,
+                    self.core.producer.holds_active,
                 )
         await self.readiness.shutdown()
         await self._close_listeners(min(grace_s, 1.0))

@@ -173,13 +173,17 @@ class LocalCluster:
     async def _watch(self, rank: Rank) -> None:
         assert rank.client is not None
         async for event in rank.client.watch():
-            rank.arrivals[event.request_id] = time.perf_counter()
-            rank.events_seen += 1
-            fut = rank.waiters.pop(event.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(event)
-            else:
-                rank.early[event.request_id] = event
+            self._dispatch(rank, event)
+
+    def _dispatch(self, rank: Rank, event: api.ClientEvent) -> None:
+        """Hand an event to whoever waits for its request (or keep it until someone does)."""
+        rank.arrivals[event.request_id] = time.perf_counter()
+        rank.events_seen += 1
+        fut = rank.waiters.pop(event.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(event)
+        else:
+            rank.early[event.request_id] = event
 
     @property
     def prefill_endpoints(self) -> list[str]:

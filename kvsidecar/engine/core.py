@@ -1,7 +1,7 @@
 """The engine core: what EngineService and PeerService do, on one event loop.
 
 Owns the registered local engine (one epoch at a time), the peer registry, the in-flight reads, the
-producer ledger and the event hub, and one poller task that advances reads, drains NIXL notifications
+producer side (holds and their notifications) and the event hub, and one poller task that advances reads, drains NIXL notifications
 and reaps leases. The poller runs immediately after a Read is posted, then every 1 ms while reads
 or holds are active, and every 50 ms when idle.
 """
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsidecar.engine.backend import RemoteAgent, TransferBackend
-from kvsidecar.engine.events import Event, EventHub, FailureReason, SendDoneEvent
-from kvsidecar.engine.ledger import ConsumerId, ProducerLedger, SendDone
+from kvsidecar.engine.events import Event, EventHub, FailureReason
 from kvsidecar.engine.local import LocalEngine, Registration
 from kvsidecar.engine.model import Endpoints, PeerSummary, ReadCommand, ReadPosted
 from kvsidecar.engine.peer_link import PeerLink
 from kvsidecar.engine.peers import Peer, PeerRegistry
+from kvsidecar.engine.producer import Producer
 from kvsidecar.engine.transfers import TransferManager, notification
 from kvsidecar.errors import (
     AlreadyExistsError,
@@ -92,7 +92,7 @@ class EngineCore:
         self._link = PeerLink(timeout_s=config.handshake_timeout_s)
         self.peers = PeerRegistry(backend=backend, link=self._link, metrics=metrics)
         self.transfers = TransferManager(backend=backend, events=self.events, metrics=metrics)
-        self.ledger = ProducerLedger(default_lease_s=config.lease_s, clock=time.monotonic)
+        self.producer = Producer(lease_s=config.lease_s, events=self.events, metrics=metrics)
         self._local: LocalEngine | None = None
         self._epoch = int(time.time() * 1000)  # survives restarts as "newer"
         self._lock = asyncio.Lock()
@@ -101,7 +101,7 @@ class EngineCore:
         self._stopping = False
         self._posting: set[str] = set()
         self.draining = False
-        self.counters: dict[str, int] = {"notifications_sent": 0, "bad_notifications": 0}
+        self.counters: dict[str, int] = {"notifications_sent": 0}
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -113,10 +113,10 @@ class EngineCore:
         self.draining = True
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            if not len(self.transfers) and not self.ledger.counters.holds_active:
+            if self.transfers.idle and not self.producer.holds_active:
                 return True
             await asyncio.sleep(0.01)
-        return not len(self.transfers) and not self.ledger.counters.holds_active
+        return self.transfers.idle and not self.producer.holds_active
 
     async def aclose(self) -> None:
         """Fail what is left, release peers, memory and the backend; stop the poller."""
@@ -192,10 +192,9 @@ class EngineCore:
 
     async def _drop_local(self, reason: FailureReason, why: str) -> None:
         await self.transfers.fail_all(reason, why)
-        dropped = self.ledger.drop_all()
+        dropped = self.producer.drop_all()
         if dropped:
             log.info("dropped %d holds (%s)", dropped, why)
-        self._metrics.holds_active.set(0)
         await self.peers.release_all()
         self.peers.bind(None)
         local, self._local = self._local, None
@@ -303,64 +302,11 @@ class EngineCore:
         self.require_local()
         if self.draining:
             raise ShuttingDownError("sidecar is shutting down; no new holds")
-        done = self.ledger.hold(request_id, lease_s=lease_s or None, block_ids=block_ids)
-        self._after_ledger(done)
+        self.producer.hold(request_id, lease_s, block_ids)
         self._wake.set()
 
     def release(self, request_id: str) -> None:
-        _check_id("request_id", request_id)
-        if not self.ledger.release(request_id):
-            raise NotFoundError(f"request_id={request_id!r} is not held")
-        self._metrics.holds_active.set(self.ledger.counters.holds_active)
-
-    def _after_ledger(self, done: SendDone | None) -> None:
-        if done is not None:
-            if done.expired:
-                self._metrics.leases_expired.inc()
-            else:
-                self._metrics.sends_done.inc()
-            self.events.emit(
-                SendDoneEvent(
-                    request_id=done.request_id,
-                    consumers=done.consumers,
-                    expected_consumers=done.expected_consumers,
-                    expired=done.expired,
-                )
-            )
-        self._metrics.holds_active.set(self.ledger.counters.holds_active)
-
-    def _on_notification(self, agent: str, payload: bytes) -> None:
-        msg = peer_pb2.PeerNotification()
-        try:
-            msg.ParseFromString(payload)
-        except Exception:  # peer data: never trust, never crash
-            self.counters["bad_notifications"] += 1
-            log.warning("undecodable notification (%d bytes) from agent %r", len(payload), agent)
-            return
-        self._metrics.notifications_received.inc()
-        local = self._local
-        if local is None or msg.epoch != local.epoch:
-            self._metrics.stale_notifications.inc()
-            log.warning(
-                "stale notification for %r from %s rank %d: epoch %d, ours %s",
-                msg.remote_request_id,
-                msg.consumer_engine_id,
-                msg.consumer_rank,
-                msg.epoch,
-                local.epoch if local else None,
-            )
-            return
-        if msg.kind == peer_pb2.PeerNotification.HEARTBEAT:
-            self.ledger.heartbeat(tuple(msg.heartbeat_request_ids))
-            return
-        before = self.ledger.counters.stale_notifications
-        _, done = self.ledger.notify(
-            msg.remote_request_id,
-            expected_consumers=msg.expected_consumers,
-            consumer=ConsumerId(engine_id=msg.consumer_engine_id, rank=msg.consumer_rank),
-        )
-        self._metrics.stale_notifications.inc(self.ledger.counters.stale_notifications - before)
-        self._after_ledger(done)
+        self.producer.release(request_id)
 
     # --- introspection --------------------------------------------------------------------------
 
@@ -377,7 +323,7 @@ class EngineCore:
 
     def status(self, max_events: int, *, drain: bool = True) -> StatusSnapshot:
         """State and counters; with ``drain``, also the queued events (up to ``max_events``)."""
-        ledger = self.ledger.counters
+        ledger = self.producer.ledger.counters
         counters = {
             **self.transfers.counters,
             **self.counters,
@@ -385,6 +331,7 @@ class EngineCore:
             "leases_expired": ledger.leases_expired,
             "stale_notifications": ledger.stale_notifications,
             "duplicate_notifications": ledger.duplicate_notifications,
+            "bad_notifications": self.producer.bad_notifications,
             "events_dropped": self.events.dropped,
         }
         return StatusSnapshot(
@@ -411,7 +358,7 @@ class EngineCore:
                 log.exception("poller iteration failed")
             if not self.transfers.idle:
                 interval = _FAST_S
-            elif self.ledger.counters.holds_active:
+            elif self.producer.holds_active:
                 interval = _HOLDING_S
             else:
                 interval = _IDLE_S
@@ -435,12 +382,10 @@ class EngineCore:
         failed = await self.transfers.poll()
         for engine_id in failed:
             await self._quarantine(engine_id, f"a READ from {engine_id!r} failed")
+        epoch = self._local.epoch if self._local is not None else None
         for agent, payload in await self._backend.drain_notifications():
-            self._on_notification(agent, payload)
-        before = self.ledger.counters.stale_notifications
-        for done in self.ledger.reap():
-            self._after_ledger(done)
-        self._metrics.stale_notifications.inc(self.ledger.counters.stale_notifications - before)
+            self.producer.on_notification(agent, payload, epoch)
+        self.producer.reap()
 
 
 def _with_deadline(cmd: ReadCommand, deadline_s: float) -> ReadCommand:
