@@ -13,9 +13,10 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from kvsidecar.engine.backend import RemoteAgent, TransferBackend
 from kvsidecar.engine.events import Event, EventHub, FailureReason
@@ -27,10 +28,13 @@ from kvsidecar.engine.producer import Producer
 from kvsidecar.engine.transfers import TransferManager, notification
 from kvsidecar.errors import (
     AlreadyExistsError,
+    BackendNotFoundError,
     FailedPreconditionError,
     InvalidArgumentError,
+    KvSidecarError,
     NotFoundError,
     NotRegisteredError,
+    PeerUnavailableError,
     RemoteDisconnectedError,
     ShuttingDownError,
 )
@@ -39,6 +43,8 @@ from kvsidecar.plan import validate_request_ids
 from kvsidecar.rpc._gen.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # The poller runs at once when a Read is posted (same-host cma READs are already DONE then), then
 # every 1 ms while reads are in flight: event-loop timers have 1 ms granularity, so anything shorter
@@ -90,12 +96,15 @@ class EngineCore:
         self._on_registered = on_registered
         self.events = EventHub()
         self._link = PeerLink(timeout_s=config.handshake_timeout_s)
-        self.peers = PeerRegistry(backend=backend, link=self._link, metrics=metrics)
+        self.peers = PeerRegistry(
+            backend=backend, link=self._link, metrics=metrics, evict=self._quarantine
+        )
         self.transfers = TransferManager(backend=backend, events=self.events, metrics=metrics)
         self.producer = Producer(lease_s=config.lease_s, events=self.events, metrics=metrics)
         self._local: LocalEngine | None = None
         self._epoch = int(time.time() * 1000)  # survives restarts as "newer"
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # registration changes
+        self._post_lock = asyncio.Lock()  # posting vs releasing a peer's or engine's handles
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
         self._stopping = False
@@ -150,9 +159,15 @@ class EngineCore:
         return self._local
 
     async def register(self, registration: Registration) -> LocalEngine:
-        """Import and register memory; replaces (and releases) any earlier registration."""
+        """Import and register memory; replaces (and releases) any earlier registration.
+
+        Runs to completion even if the calling RPC is cancelled: a half-done registration would
+        leave backend handles nobody owns."""
         if self.draining:
             raise ShuttingDownError("sidecar is shutting down")
+        return await _shielded(self._register(registration))
+
+    async def _register(self, registration: Registration) -> LocalEngine:
         async with self._lock:
             local = await LocalEngine.open(
                 registration,
@@ -160,10 +175,15 @@ class EngineCore:
                 backend=self._backend,
                 shm_roots=self._config.shm_roots,
             )
-            await self._drop_local(FailureReason.ENGINE_GONE, "engine re-registered")
+            try:
+                await self._drop_local(FailureReason.ENGINE_GONE, "engine re-registered")
+            except BaseException:
+                await local.aclose(self._backend)
+                raise
             self._epoch += 1
             self._local = local
             self.peers.bind(local)
+            self.events.rebind(local.epoch)
             self._metrics.registered_bytes.set(local.registered_bytes)
         await self._on_registered(True)
         log.info(
@@ -177,10 +197,11 @@ class EngineCore:
         )
         return local
 
-    async def engine_gone(self, why: str) -> None:
-        """The engine's Watch stream dropped: fail reads, drop holds, release its memory."""
+    async def engine_gone(self, why: str, epoch: int | None) -> None:
+        """The Watch stream of registration ``epoch`` dropped: fail reads, drop holds, release
+        memory. A stream of an older registration (a restarted engine's) changes nothing."""
         async with self._lock:
-            if self._local is None:
+            if self._local is None or (epoch is not None and epoch != self._local.epoch):
                 return
             log.warning(
                 "engine %r gone (%s): releasing its reads, holds and memory",
@@ -191,16 +212,19 @@ class EngineCore:
         await self._on_registered(False)
 
     async def _drop_local(self, reason: FailureReason, why: str) -> None:
-        await self.transfers.fail_all(reason, why)
-        dropped = self.producer.drop_all()
-        if dropped:
-            log.info("dropped %d holds (%s)", dropped, why)
-        await self.peers.release_all()
-        self.peers.bind(None)
+        # Unbind first: RPCs arriving from here on see no engine and start no handshake.
         local, self._local = self._local, None
-        if local is not None:
-            await local.aclose(self._backend)
-            self._metrics.registered_bytes.set(0)
+        self.peers.bind(None)
+        await self.peers.wait_pending()  # before the post lock: a handshake may evict a peer
+        async with self._post_lock:  # no Read is mid-post while its handles go
+            await self.transfers.fail_all(reason, why)
+            dropped = self.producer.drop_all()
+            if dropped:
+                log.info("dropped %d holds (%s)", dropped, why)
+            await self.peers.release_all()
+            if local is not None:
+                await local.aclose(self._backend)
+                self._metrics.registered_bytes.set(0)
 
     # --- consumer side --------------------------------------------------------------------------
 
@@ -232,21 +256,38 @@ class EngineCore:
             )
             if cmd.deadline_s == 0:
                 cmd = _with_deadline(cmd, self._config.read_deadline_s)
-            try:
-                posted = await self.transfers.post(
-                    cmd,
-                    peer,
-                    consumer_engine_id=local.geometry.engine_id,
-                    consumer_rank=local.geometry.tp_rank,
-                )
-            except RemoteDisconnectedError as exc:
-                await self._quarantine(peer.engine_id, f"posting a READ failed: {exc}")
-                raise
+            # Shielded: a cancelled RPC must not orphan a READ the backend already posted.
+            posted = await _shielded(self._post(cmd, local, peer))
         finally:
             self._posting.discard(cmd.request_id)
         self.counters["notifications_sent"] += posted.notifications_sent
         self._wake.set()
         return posted
+
+    async def _post(self, cmd: ReadCommand, local: LocalEngine, peer: Peer) -> ReadPosted:
+        lost: KvSidecarError | None = None
+        async with self._post_lock:
+            self._check_usable(local, peer)
+            try:
+                return await self.transfers.post(
+                    cmd,
+                    peer,
+                    consumer_engine_id=local.geometry.engine_id,
+                    consumer_rank=local.geometry.tp_rank,
+                )
+            except (RemoteDisconnectedError, BackendNotFoundError) as exc:
+                lost = exc  # the remote agent or its memory is gone: re-handshake next time
+        await self._quarantine(peer.engine_id, f"posting a READ failed: {lost}")
+        raise PeerUnavailableError(f"remote engine {peer.engine_id!r}: {lost}")
+
+    def _check_usable(self, local: LocalEngine, peer: Peer) -> None:
+        """After waiting for the post lock: the registration and the peer may have gone."""
+        if self._local is not local:
+            raise FailedPreconditionError("the engine re-registered or went away; retry")
+        if peer.released or self.peers.peer(peer.engine_id) is not peer:
+            raise PeerUnavailableError(
+                f"remote engine {peer.engine_id!r} was quarantined meanwhile; retry"
+            )
 
     async def consumed(
         self, remote_engine_id: str, remote_request_id: str, endpoints: Endpoints
@@ -329,7 +370,8 @@ class EngineCore:
             **self.counters,
             "sends_done": ledger.sends_done,
             "leases_expired": ledger.leases_expired,
-            "stale_notifications": ledger.stale_notifications,
+            "stale_notifications": ledger.stale_notifications
+            + self.producer.stale_epoch_notifications,
             "duplicate_notifications": ledger.duplicate_notifications,
             "bad_notifications": self.producer.bad_notifications,
             "events_dropped": self.events.dropped,
@@ -368,24 +410,45 @@ class EngineCore:
     async def _quarantine(self, engine_id: str, reason: str) -> None:
         """Fail the peer's in-flight reads (releasing their handles first), then release the peer;
         the next request re-handshakes after backoff."""
-        await self.transfers.fail_peer(engine_id, FailureReason.PEER_DISCONNECTED, reason)
-        await self.peers.remove(engine_id, reason)
+        async with self._post_lock:
+            await self.transfers.fail_peer(engine_id, FailureReason.PEER_DISCONNECTED, reason)
+            await self.peers.remove(engine_id, reason)
 
     async def _send(self, peer: Peer, agent: RemoteAgent, payload: bytes) -> None:
-        try:
-            await self._backend.send_notification(agent, payload)
-        except RemoteDisconnectedError as exc:
-            await self._quarantine(peer.engine_id, f"sending a notification failed: {exc}")
-            raise
+        lost: KvSidecarError | None = None
+        async with self._post_lock:
+            if peer.released:
+                raise PeerUnavailableError(f"remote engine {peer.engine_id!r} was quarantined")
+            try:
+                await self._backend.send_notification(agent, payload)
+                return
+            except (RemoteDisconnectedError, BackendNotFoundError) as exc:
+                lost = exc
+        await self._quarantine(peer.engine_id, f"sending a notification failed: {lost}")
+        raise PeerUnavailableError(f"remote engine {peer.engine_id!r}: {lost}")
 
     async def _poll_once(self) -> None:
-        failed = await self.transfers.poll()
+        # Three independent duties: a failure in one must not stop the others.
+        try:
+            failed = await self.transfers.poll()
+        except KvSidecarError:
+            log.exception("polling transfers failed")
+            failed = set()
         for engine_id in failed:
             await self._quarantine(engine_id, f"a READ from {engine_id!r} failed")
         epoch = self._local.epoch if self._local is not None else None
-        for agent, payload in await self._backend.drain_notifications():
-            self.producer.on_notification(agent, payload, epoch)
+        try:
+            for agent, payload in await self._backend.drain_notifications():
+                self.producer.on_notification(agent, payload, epoch)
+        except KvSidecarError:
+            log.exception("draining notifications failed")
         self.producer.reap()
+
+
+async def _shielded(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion even if the caller is cancelled (the caller still sees the
+    cancellation; the work and its cleanup finish)."""
+    return await asyncio.shield(asyncio.ensure_future(coro))
 
 
 def _with_deadline(cmd: ReadCommand, deadline_s: float) -> ReadCommand:

@@ -61,6 +61,17 @@ class WatchBusyError(Exception):
     """Raised by ``EventHub.subscribe`` when a Watch stream is already open."""
 
 
+class WatchBinding:
+    """The registration (epoch) a Watch stream belongs to; ``None`` until the first
+    RegisterEngine. ``evicted``: a newer registration ended the stream (not an engine death)."""
+
+    __slots__ = ("epoch", "evicted")
+
+    def __init__(self, epoch: int | None) -> None:
+        self.epoch = epoch
+        self.evicted = False
+
+
 class EventHub:
     """Sequences events and delivers them to the one Watch subscriber or the drain buffer.
 
@@ -71,7 +82,7 @@ class EventHub:
     def __init__(self, *, max_buffered: int = 65536) -> None:
         self._seq = itertools.count(1)
         self._buffer: collections.deque[Event] = collections.deque(maxlen=max_buffered)
-        self._subscriber: asyncio.Queue[Event] | None = None
+        self._subscriber: tuple[asyncio.Queue[Event | None], WatchBinding] | None = None
         self.dropped = 0
 
     @property
@@ -81,7 +92,7 @@ class EventHub:
     def emit(self, body: EventBody) -> Event:
         event = Event(seq=next(self._seq), timestamp=time.time(), body=body)
         if self._subscriber is not None:
-            self._subscriber.put_nowait(event)
+            self._subscriber[0].put_nowait(event)
         else:
             if len(self._buffer) == self._buffer.maxlen:
                 self.dropped += 1
@@ -93,20 +104,48 @@ class EventHub:
         count = len(self._buffer) if max_events <= 0 else min(max_events, len(self._buffer))
         return tuple(self._buffer.popleft() for _ in range(count))
 
-    def subscribe(self) -> asyncio.Queue[Event]:
-        """Open the Watch stream; buffered events are delivered first. WatchBusyError if open."""
+    def subscribe(self, epoch: int | None) -> tuple[asyncio.Queue[Event | None], WatchBinding]:
+        """Open the Watch stream for registration ``epoch``; buffered events come first.
+
+        A ``None`` item in the queue ends the stream (evicted). WatchBusyError if a stream of the
+        same registration is open; a stream of an older registration is evicted instead.
+        """
         if self._subscriber is not None:
-            raise WatchBusyError("a Watch stream is already open")
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+            bound = self._subscriber[1].epoch
+            if bound is None or epoch is None or bound == epoch:
+                raise WatchBusyError("a Watch stream is already open")
+            self._evict()
+        queue: asyncio.Queue[Event | None] = asyncio.Queue()
         while self._buffer:
             queue.put_nowait(self._buffer.popleft())
-        self._subscriber = queue
-        return queue
+        binding = WatchBinding(epoch)
+        self._subscriber = (queue, binding)
+        return queue, binding
 
-    def unsubscribe(self, queue: asyncio.Queue[Event]) -> None:
+    def rebind(self, epoch: int) -> None:
+        """A registration succeeded: an open stream opened before any registration now belongs to
+        it; a stream of an older registration is ended (the engine opens a new one)."""
+        if self._subscriber is None:
+            return
+        binding = self._subscriber[1]
+        if binding.epoch is None:
+            binding.epoch = epoch
+        elif binding.epoch != epoch:
+            self._evict()
+
+    def _evict(self) -> None:
+        assert self._subscriber is not None
+        queue, binding = self._subscriber
+        binding.evicted = True
+        queue.put_nowait(None)
+        self._subscriber = None
+
+    def unsubscribe(self, queue: asyncio.Queue[Event | None]) -> None:
         """Close the Watch stream; events it did not deliver go back to the drain buffer."""
-        if self._subscriber is not queue:
+        if self._subscriber is None or self._subscriber[0] is not queue:
             return
         self._subscriber = None
         while not queue.empty():
-            self._buffer.append(queue.get_nowait())
+            item = queue.get_nowait()
+            if item is not None:
+                self._buffer.append(item)

@@ -303,7 +303,12 @@ class FakeBackend:
     async def poll(self, xfers: Sequence[XferHandle]) -> tuple[XferState, ...]:
         out = []
         for h in xfers:
-            x = self._book.xfer(h)
+            try:
+                x = self._book.xfer(h)
+            except BackendNotFoundError as exc:  # released elsewhere: report, never raise
+                self._book.errors[h.id] = exc
+                out.append(XferState.ERR)
+                continue
             if x.state is XferState.PROC:
                 x.polls += 1
                 try:

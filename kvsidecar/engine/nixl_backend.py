@@ -382,8 +382,8 @@ class NixlBackend:
             if x.id in book.errors:
                 out.append(XferState.ERR)
                 continue
-            raw = book.xfer(x)
             try:
+                raw = book.xfer(x)
                 status = self._run(
                     "getXferStatus", functools.partial(self._agent.getXferStatus, raw)
                 )

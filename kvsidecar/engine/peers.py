@@ -8,11 +8,10 @@ caller fails the peer's in-flight reads first (their transfer handles must go be
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from kvsidecar.engine.backend import DlistHandle, MemType, RemoteAgent, TransferBackend
@@ -115,7 +114,9 @@ class PeerRegistry:
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        evict: Callable[[str, str], Awaitable[None]] | None = None,
     ) -> None:
+        self._evict = evict  # quarantines another peer (failing its reads first)
         self._backend = backend
         self._link = link
         self._metrics = metrics
@@ -127,9 +128,11 @@ class PeerRegistry:
         self._pending: dict[str, asyncio.Task[Peer]] = {}
 
     def bind(self, local: LocalEngine | None) -> None:
-        """Plan against ``local`` from now on (callers ``release_all`` before rebinding)."""
-        assert not self._peers
-        assert not self._pending
+        """Plan against ``local`` from now on. ``None`` first (no new handshakes start), then
+        ``release_all``, then the new registration."""
+        if local is not None:
+            assert not self._peers
+            assert not self._pending
         self._local = local
         for known in self._known.values():  # a new registration starts with no quarantine
             known.failures, known.retry_at, known.last_error = 0, 0.0, ""
@@ -157,7 +160,13 @@ class PeerRegistry:
             task = asyncio.get_running_loop().create_task(self._handshake(engine_id, endpoints))
             self._pending[engine_id] = task
             task.add_done_callback(functools.partial(self._handshake_done, engine_id))
-        return await asyncio.shield(task)
+        await asyncio.wait({task})  # our cancellation propagates; the handshake goes on
+        if task.cancelled():
+            raise FailedPreconditionError(
+                f"the handshake with {engine_id!r} was abandoned (the engine re-registered or went "
+                "away); retry"
+            )
+        return task.result()
 
     def _handshake_done(self, engine_id: str, task: asyncio.Task[Peer]) -> None:
         if self._pending.get(engine_id) is task:
@@ -253,6 +262,7 @@ class PeerRegistry:
             r: {rv.view.name: (rv.base_address, rv.device_id) for rv in resp.views}
             for r, resp in agents.items()
         }
+        await self._evict_stale(engine_id, {resp.agent_name for resp in agents.values()})
         plan = build_peer_plan(
             local=me, remote=geometry, local_bases=local.view_bases, remote_bases=bases
         )
@@ -280,6 +290,19 @@ class PeerRegistry:
             await self._release(peer)
             raise
         return peer
+
+    async def _evict_stale(self, engine_id: str, agent_names: set[str]) -> None:
+        """A sidecar whose engine restarted under a new engine id keeps its NIXL agent: a peer
+        still holding that agent is stale and goes before the agent is loaded again."""
+        for other in list(self._peers.values()):
+            if other.engine_id != engine_id and any(
+                link.agent.name in agent_names for link in other.links.values()
+            ):
+                reason = f"its sidecar now serves engine {engine_id!r}"
+                if self._evict is not None:
+                    await self._evict(other.engine_id, reason)
+                else:
+                    await self.remove(other.engine_id, reason)
 
     @staticmethod
     def _check_agent(
@@ -317,12 +340,15 @@ class PeerRegistry:
         self._publish_states()
         log.warning("remote engine %r quarantined: %s", engine_id, reason)
 
+    async def wait_pending(self) -> None:
+        """Let handshakes in progress finish (each is bounded by its timeouts). Cancelling one
+        instead could orphan a backend handle created on the agent thread meanwhile."""
+        while self._pending:
+            await asyncio.wait(list(self._pending.values()))
+
     async def release_all(self) -> None:
         """Release every peer (local re-registration, engine gone, shutdown)."""
-        for task in list(self._pending.values()):
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await self.wait_pending()
         peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
             await self._release(peer)

@@ -26,6 +26,7 @@ class Producer:
         self._events = events
         self._metrics = metrics
         self.bad_notifications = 0
+        self.stale_epoch_notifications = 0
 
     @property
     def holds_active(self) -> int:
@@ -67,6 +68,7 @@ class Producer:
             return
         self._metrics.notifications_received.inc()
         if epoch is None or msg.epoch != epoch:
+            self.stale_epoch_notifications += 1
             self._metrics.stale_notifications.inc()
             log.warning(
                 "stale notification for %r from %s rank %d: epoch %d, ours %s",

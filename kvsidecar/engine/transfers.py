@@ -105,23 +105,13 @@ class TransferManager:
         sent = 0
         total = 0
         by_rank = {r.remote_rank: r for r in request_ids(peer.plan, cmd.local_ids, cmd.remote_ids)}
+        notify_only = []
         try:
+            # READs first: if one cannot be posted, no notify-only rank has been told yet.
             for link in peer.links.values():
                 ids = by_rank.get(link.rank)
-                payload = notification(
-                    kind=peer_pb2.PeerNotification.READ_DONE
-                    if ids is not None
-                    else peer_pb2.PeerNotification.CONSUMED,
-                    remote_request_id=cmd.remote_request_id,
-                    expected_consumers=link.plan.expected_consumers,
-                    epoch=link.epoch,
-                    consumer_engine_id=consumer_engine_id,
-                    consumer_rank=consumer_rank,
-                )
                 if ids is None:  # notify-only rank, or nothing to read (full prefix hit)
-                    await self._backend.send_notification(link.agent, payload)
-                    self._metrics.notifications_sent.labels("consumed").inc()
-                    sent += 1
+                    notify_only.append(link)
                     continue
                 assert link.local_dlist is not None
                 assert link.remote_dlist is not None
@@ -130,12 +120,33 @@ class TransferManager:
                     ids.local_desc_ids,
                     link.remote_dlist,
                     ids.remote_desc_ids,
-                    payload,
+                    self._payload(
+                        peer_pb2.PeerNotification.READ_DONE,
+                        cmd,
+                        link.plan.expected_consumers,
+                        link.epoch,
+                        consumer_engine_id,
+                        consumer_rank,
+                    ),
                 )
                 state = XferState.DONE if handle.done_at_post else XferState.PROC
                 xfers.append(_Xfer(rank=link.rank, handle=handle, state=state))
                 self._metrics.descriptors.observe(len(ids.local_desc_ids))
                 total += ids.num_bytes
+            for link in notify_only:
+                await self._backend.send_notification(
+                    link.agent,
+                    self._payload(
+                        peer_pb2.PeerNotification.CONSUMED,
+                        cmd,
+                        link.plan.expected_consumers,
+                        link.epoch,
+                        consumer_engine_id,
+                        consumer_rank,
+                    ),
+                )
+                self._metrics.notifications_sent.labels("consumed").inc()
+                sent += 1
         except BaseException:
             for x in xfers:
                 with contextlib.suppress(Exception):
@@ -158,6 +169,24 @@ class TransferManager:
         )
         self._metrics.reads_in_flight.set(len(self._reads))
         return posted
+
+    @staticmethod
+    def _payload(
+        kind: peer_pb2.PeerNotification.Kind.ValueType,
+        cmd: ReadCommand,
+        expected: int,
+        epoch: int,
+        engine_id: str,
+        rank: int,
+    ) -> bytes:
+        return notification(
+            kind=kind,
+            remote_request_id=cmd.remote_request_id,
+            expected_consumers=expected,
+            epoch=epoch,
+            consumer_engine_id=engine_id,
+            consumer_rank=rank,
+        )
 
     async def poll(self) -> set[str]:
         """Advance every in-flight read once. Returns engine ids of peers whose READs failed."""

@@ -282,25 +282,31 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Watch(
         self, request: engine_pb2.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[engine_pb2.Event]:
+        local = self._core.local
         try:
-            queue = self._core.events.subscribe()
+            queue, binding = self._core.events.subscribe(local.epoch if local else None)
         except WatchBusyError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
             return
-        log.info("engine Watch stream opened")
+        log.info("engine Watch stream opened (epoch %s)", binding.epoch)
         clean = False
         try:
             while True:
                 event = await queue.get()
+                if event is None:  # a newer registration ended this stream
+                    log.info("Watch stream of epoch %s ended by a new registration", binding.epoch)
+                    return
                 yield event_to_proto(event)
         except asyncio.CancelledError:
             clean = self._core.draining  # shutdown closes streams; that is not an engine death
             raise
         finally:
             self._core.events.unsubscribe(queue)
-            if not clean:
+            if not clean and not binding.evicted:
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(self._core.engine_gone("Watch stream closed"))
+                    await asyncio.shield(
+                        self._core.engine_gone("Watch stream closed", binding.epoch)
+                    )
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
