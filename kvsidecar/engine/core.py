@@ -215,7 +215,7 @@ class EngineCore:
         # Unbind first: RPCs arriving from here on see no engine and start no handshake.
         local, self._local = self._local, None
         self.peers.bind(None)
-        await self.peers.wait_pending()  # before the post lock: a handshake may evict a peer
+        await self.peers.abandon_pending()  # before the post lock: a handshake may evict a peer
         async with self._post_lock:  # no Read is mid-post while its handles go
             await self.transfers.fail_all(reason, why)
             dropped = self.producer.drop_all()

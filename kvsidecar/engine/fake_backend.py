@@ -150,6 +150,10 @@ class FakeBackend:
         """``(start, end)`` of every registered region (end exclusive)."""
         return tuple(r for _, r in self._book.regs.values())
 
+    def remote_agents(self) -> tuple[str, ...]:
+        """Names of the remote agents loaded now (what a leak check counts)."""
+        return tuple(a.name for a, _ in self._book.agents.values())
+
     async def local_metadata(self) -> bytes:
         self._check_open("local_metadata")
         doc = {"fabric": self._fabric.token, "agent": self._name, "regions": self.regions()}

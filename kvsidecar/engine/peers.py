@@ -126,6 +126,7 @@ class PeerRegistry:
         self._peers: dict[str, Peer] = {}
         self._known: dict[str, _Known] = {}
         self._pending: dict[str, asyncio.Task[Peer]] = {}
+        self._orphans: set[asyncio.Task[Peer]] = set()  # backend phases of abandoned handshakes
 
     def bind(self, local: LocalEngine | None) -> None:
         """Plan against ``local`` from now on. ``None`` first (no new handshakes start), then
@@ -228,6 +229,22 @@ class PeerRegistry:
         return peer
 
     async def _connect(self, local: LocalEngine, engine_id: str, endpoints: Endpoints) -> Peer:
+        """Network phase (cancellable at any await), then the backend phase, which is shielded:
+        its calls run on the agent thread and a handle created there must reach an owner."""
+        ranks, geometry, agents = await self._fetch(local, engine_id, endpoints)
+        attach = asyncio.get_running_loop().create_task(
+            self._attach(local, engine_id, ranks, geometry, agents)
+        )
+        try:
+            return await asyncio.shield(attach)
+        except asyncio.CancelledError:
+            self._orphans.add(attach)  # ``abandon_pending`` releases what it builds
+            raise
+
+    async def _fetch(
+        self, local: LocalEngine, engine_id: str, endpoints: Endpoints
+    ) -> tuple[tuple[str, ...], EngineGeometry, dict[int, peer_pb2.GetAgentResponse]]:
+        """Resolve endpoints, fetch and check the agents of every rank the plan needs."""
         ranks = await self._resolve(engine_id, endpoints)
         tp = len(ranks)
         me = local.geometry
@@ -258,13 +275,25 @@ class PeerRegistry:
                 raise IncompatibleError(
                     compat_mismatches(local, resp, None) or [f"rank {r}: compat_digest differs"]
                 )
+        return ranks, geometry, agents
+
+    async def _attach(
+        self,
+        local: LocalEngine,
+        engine_id: str,
+        ranks: tuple[str, ...],
+        geometry: EngineGeometry,
+        agents: dict[int, peer_pb2.GetAgentResponse],
+    ) -> Peer:
+        """Load the remote agents and prepare both lists of every read rank; on failure release
+        what was built before raising."""
         bases = {
             r: {rv.view.name: (rv.base_address, rv.device_id) for rv in resp.views}
             for r, resp in agents.items()
         }
         await self._evict_stale(engine_id, {resp.agent_name for resp in agents.values()})
         plan = build_peer_plan(
-            local=me, remote=geometry, local_bases=local.view_bases, remote_bases=bases
+            local=local.geometry, remote=geometry, local_bases=local.view_bases, remote_bases=bases
         )
         peer = Peer(engine_id=engine_id, endpoints=ranks, plan=plan, remote_geometry=geometry)
         try:
@@ -340,15 +369,30 @@ class PeerRegistry:
         self._publish_states()
         log.warning("remote engine %r quarantined: %s", engine_id, reason)
 
-    async def wait_pending(self) -> None:
-        """Let handshakes in progress finish (each is bounded by its timeouts). Cancelling one
-        instead could orphan a backend handle created on the agent thread meanwhile."""
+    async def abandon_pending(self) -> None:
+        """Cancel handshakes in progress and release what their backend phase built.
+
+        Bounded by backend calls (agent thread), never by a remote's timeouts: a handshake stuck
+        on a silent endpoint ends now, and its waiting RPCs get FAILED_PRECONDITION."""
         while self._pending:
-            await asyncio.wait(list(self._pending.values()))
+            pending = list(self._pending.items())
+            for _, task in pending:
+                task.cancel()
+            await asyncio.wait([task for _, task in pending])
+            for engine_id, task in pending:
+                if self._pending.get(engine_id) is task:
+                    del self._pending[engine_id]
+        while self._orphans:
+            orphans, self._orphans = self._orphans, set()
+            await asyncio.wait(orphans)
+            for attach in orphans:
+                if not attach.cancelled() and attach.exception() is None:
+                    await self._release(attach.result())
+        self._publish_states()
 
     async def release_all(self) -> None:
         """Release every peer (local re-registration, engine gone, shutdown)."""
-        await self.wait_pending()
+        await self.abandon_pending()
         peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
             await self._release(peer)

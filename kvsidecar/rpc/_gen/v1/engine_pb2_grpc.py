@@ -80,7 +80,9 @@ class EngineServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def RegisterEngine(self, request, context):
-        """Import memory, register it with NIXL, build local rows. Re-registering bumps the epoch.
+        """Import memory, register it with NIXL, build local rows. Re-registering bumps the epoch: the
+        old registration's reads fail (RECV_FAILED), its holds and pending handshakes are dropped,
+        and its Watch stream ends with OK; the engine opens a new Watch for the new registration.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,7 +134,9 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """Stream of events. Holding it open is the engine's liveness lock.
+        """Stream of events. Holding it open is the engine's liveness lock: when it drops, the
+        registration it was opened for is released. One stream at a time (ALREADY_EXISTS otherwise);
+        a newer RegisterEngine ends it with OK, which does not count as the engine going away.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

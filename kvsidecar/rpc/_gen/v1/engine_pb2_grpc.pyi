@@ -32,7 +32,10 @@ class EngineServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> EngineServiceAsyncStub: ...
     RegisterEngine: _grpc.UnaryUnaryMultiCallable[_engine_pb2.RegisterEngineRequest, _engine_pb2.RegisterEngineResponse]
-    """Import memory, register it with NIXL, build local rows. Re-registering bumps the epoch."""
+    """Import memory, register it with NIXL, build local rows. Re-registering bumps the epoch: the
+    old registration's reads fail (RECV_FAILED), its holds and pending handshakes are dropped,
+    and its Watch stream ends with OK; the engine opens a new Watch for the new registration.
+    """
     Handshake: _grpc.UnaryUnaryMultiCallable[_engine_pb2.HandshakeRequest, _engine_pb2.HandshakeResponse]
     """Connect to a remote engine now (pre-warm). Idempotent; concurrent callers share one handshake."""
     Plan: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PlanRequest, _engine_pb2.PlanResponse]
@@ -51,13 +54,19 @@ class EngineServiceStub:
     Status: _grpc.UnaryUnaryMultiCallable[_engine_pb2.StatusRequest, _engine_pb2.StatusResponse]
     """Drain events and read state (polling alternative to Watch)."""
     Watch: _grpc.UnaryStreamMultiCallable[_engine_pb2.WatchRequest, _engine_pb2.Event]
-    """Stream of events. Holding it open is the engine's liveness lock."""
+    """Stream of events. Holding it open is the engine's liveness lock: when it drops, the
+    registration it was opened for is released. One stream at a time (ALREADY_EXISTS otherwise);
+    a newer RegisterEngine ends it with OK, which does not count as the engine going away.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterEngine: _aio.UnaryUnaryMultiCallable[_engine_pb2.RegisterEngineRequest, _engine_pb2.RegisterEngineResponse]  # type: ignore[assignment]
-    """Import memory, register it with NIXL, build local rows. Re-registering bumps the epoch."""
+    """Import memory, register it with NIXL, build local rows. Re-registering bumps the epoch: the
+    old registration's reads fail (RECV_FAILED), its holds and pending handshakes are dropped,
+    and its Watch stream ends with OK; the engine opens a new Watch for the new registration.
+    """
     Handshake: _aio.UnaryUnaryMultiCallable[_engine_pb2.HandshakeRequest, _engine_pb2.HandshakeResponse]  # type: ignore[assignment]
     """Connect to a remote engine now (pre-warm). Idempotent; concurrent callers share one handshake."""
     Plan: _aio.UnaryUnaryMultiCallable[_engine_pb2.PlanRequest, _engine_pb2.PlanResponse]  # type: ignore[assignment]
@@ -76,7 +85,10 @@ class EngineServiceAsyncStub(EngineServiceStub):
     Status: _aio.UnaryUnaryMultiCallable[_engine_pb2.StatusRequest, _engine_pb2.StatusResponse]  # type: ignore[assignment]
     """Drain events and read state (polling alternative to Watch)."""
     Watch: _aio.UnaryStreamMultiCallable[_engine_pb2.WatchRequest, _engine_pb2.Event]  # type: ignore[assignment]
-    """Stream of events. Holding it open is the engine's liveness lock."""
+    """Stream of events. Holding it open is the engine's liveness lock: when it drops, the
+    registration it was opened for is released. One stream at a time (ALREADY_EXISTS otherwise);
+    a newer RegisterEngine ends it with OK, which does not count as the engine going away.
+    """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -85,7 +97,10 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.RegisterEngineRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.RegisterEngineResponse, _abc.Awaitable[_engine_pb2.RegisterEngineResponse]]:
-        """Import memory, register it with NIXL, build local rows. Re-registering bumps the epoch."""
+        """Import memory, register it with NIXL, build local rows. Re-registering bumps the epoch: the
+        old registration's reads fail (RECV_FAILED), its holds and pending handshakes are dropped,
+        and its Watch stream ends with OK; the engine opens a new Watch for the new registration.
+        """
 
     @_abc_1.abstractmethod
     def Handshake(
@@ -146,6 +161,9 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.WatchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_engine_pb2.Event], _abc.AsyncIterator[_engine_pb2.Event]]:
-        """Stream of events. Holding it open is the engine's liveness lock."""
+        """Stream of events. Holding it open is the engine's liveness lock: when it drops, the
+        registration it was opened for is released. One stream at a time (ALREADY_EXISTS otherwise);
+        a newer RegisterEngine ends it with OK, which does not count as the engine going away.
+        """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
