@@ -3,8 +3,9 @@
 The prefill sidecar keeps one :class:`ProducerLedger`. ``HOLD`` starts a lease for a request whose
 blocks the engine keeps; each consumer rank's notification (decoded from NIXL by the caller) counts
 once per distinct :class:`ConsumerId`; when the distinct count reaches the expected count the ledger
-returns ``SendDone(expired=False)`` and forgets the hold. ``reap()`` is called on the caller's timer;
-it scans every entry (no ordering trick) and returns ``SendDone(expired=True)`` for expired leases.
+returns ``SendDone(expired=False)`` and forgets the hold. ``reap()`` is called on the caller's timer
+(every poll tick) and returns ``SendDone(expired=True)`` for expired leases; it costs O(expired x
+log n), not O(n): deadlines live in a heap whose outdated items are skipped lazily.
 
 Pure Python, not thread-safe (one event loop owns it). All times are seconds on the injected
 ``clock`` (e.g. ``time.monotonic``); expiry takes effect only in :meth:`ProducerLedger.reap`.
@@ -14,6 +15,8 @@ Peer data (notifications, heartbeats) never raises; only the local engine's call
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 import logging
 import math
 from collections import OrderedDict
@@ -124,6 +127,10 @@ class ProducerLedger:
         self._holds: dict[str, _Entry] = {}
         self._early: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
         self._closed: OrderedDict[str, None] = OrderedDict()  # LRU of ended holds, oldest first
+        # (deadline, tie-break, request id) of every entry; items whose entry is gone or whose
+        # deadline moved are outdated and skipped (or compacted away).
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._tiebreak = itertools.count()
         self._sends_done = 0
         self._leases_expired = 0
         self._stale = 0
@@ -168,6 +175,7 @@ class ProducerLedger:
                 self._sends_done += 1
                 return entry.done(request_id, expired=False)
         self._holds[request_id] = entry
+        self._schedule(request_id, entry)
         return None
 
     def release(self, request_id: str) -> bool:
@@ -190,6 +198,7 @@ class ProducerLedger:
         for request_id, entry in self._early.items():
             self._stale_early(request_id, entry, "engine dropped")
         self._early.clear()
+        self._deadlines.clear()
         return dropped
 
     # --- peer calls (never raise) ---------------------------------------------------------------
@@ -218,6 +227,7 @@ class ProducerLedger:
                     self._stale_early(oldest_id, oldest, "early table full")
                 entry = _Entry(deadline=self._clock() + self._early_ttl_s)
                 self._early[request_id] = entry
+                self._schedule(request_id, entry)
         if consumer in entry.consumers:
             self._duplicates += 1
             return NotificationOutcome.DUPLICATE, None
@@ -250,35 +260,45 @@ class ProducerLedger:
             entry = self._holds.get(request_id)
             if entry is not None:
                 length = entry.lease_s if extend_s is None else extend_s
-                entry.deadline = max(entry.deadline, now + length)
+                if now + length > entry.deadline:
+                    entry.deadline = now + length
+                    self._schedule(request_id, entry)
                 extended += 1
         return extended
 
     # --- timer ----------------------------------------------------------------------------------
 
     def reap(self) -> tuple[SendDone, ...]:
-        """Expire every hold and early entry whose deadline is ``<= clock()``; scans all entries.
+        """Expire every hold and early entry whose deadline is ``<= clock()``.
 
-        Returns SendDone(expired=True) per expired hold; expired early entries count as stale.
+        Returns SendDone(expired=True) per expired hold, earliest deadline first; expired early
+        entries count as stale.
         """
         now = self._clock()
-        expired = [rid for rid, entry in self._holds.items() if entry.deadline <= now]
         out: list[SendDone] = []
-        for request_id in expired:
-            entry = self._holds.pop(request_id)
-            self._close(request_id)
-            self._leases_expired += 1
-            out.append(entry.done(request_id, expired=True))
-            logger.warning("request %r: lease expired (%s)", request_id, out[-1])
-        for request_id in [rid for rid, entry in self._early.items() if entry.deadline <= now]:
-            self._stale_early(request_id, self._early.pop(request_id), "no HOLD within TTL")
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, _, request_id = heapq.heappop(heap)
+            entry = self._holds.get(request_id)
+            if entry is not None and entry.deadline == deadline:
+                del self._holds[request_id]
+                self._close(request_id)
+                self._leases_expired += 1
+                out.append(entry.done(request_id, expired=True))
+                logger.warning("request %r: lease expired (%s)", request_id, out[-1])
+                continue
+            entry = self._early.get(request_id)
+            if entry is not None and entry.deadline == deadline:
+                del self._early[request_id]
+                self._stale_early(request_id, entry, "no HOLD within TTL")
         return tuple(out)
 
     def next_deadline(self) -> float | None:
         """Earliest lease or early-TTL deadline (clock seconds), or None when both tables are empty."""
-        deadlines = [e.deadline for e in self._holds.values()]
-        deadlines.extend(e.deadline for e in self._early.values())
-        return min(deadlines, default=None)
+        heap = self._deadlines
+        while heap and not self._current(heap[0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     # --- inspection -----------------------------------------------------------------------------
 
@@ -301,6 +321,19 @@ class ProducerLedger:
         )
 
     # --- internals ------------------------------------------------------------------------------
+
+    def _schedule(self, request_id: str, entry: _Entry) -> None:
+        heapq.heappush(self._deadlines, (entry.deadline, next(self._tiebreak), request_id))
+        live = len(self._holds) + len(self._early)
+        if len(self._deadlines) > 2 * live + 1024:  # ended holds left many outdated items
+            self._deadlines = [item for item in self._deadlines if self._current(item)]
+            heapq.heapify(self._deadlines)
+
+    def _current(self, item: tuple[float, int, str]) -> bool:
+        """Whether a heap item is still the deadline of a live hold or early entry."""
+        deadline, _, request_id = item
+        entry = self._holds.get(request_id) or self._early.get(request_id)
+        return entry is not None and entry.deadline == deadline
 
     def _close(self, request_id: str) -> None:
         """Remember an ended hold so that late notifications for it are stale at once."""

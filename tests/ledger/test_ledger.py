@@ -167,7 +167,7 @@ def test_lease_expiry_without_notifications(clock: FakeClock, ledger: ProducerLe
     assert ledger.reap() == (done("r", 0, 0, expired=True),)
 
 
-def test_reap_scans_all_entries(clock: FakeClock, ledger: ProducerLedger) -> None:
+def test_reap_expires_by_deadline_not_insertion_order(clock: FakeClock, ledger: ProducerLedger) -> None:
     # Insertion order differs from deadline order: a long lease first must not hide short ones.
     ledger.hold("long", lease_s=100.0)
     ledger.hold("short-1", lease_s=1.0)
@@ -381,6 +381,7 @@ def test_every_hold_ends_exactly_once(
     clock = FakeClock()
     ledger = ProducerLedger(default_lease_s=5.0, clock=clock, early_ttl_s=4.0, max_early=max_early)
     live = dict.fromkeys(REQUESTS, False)  # the model: is the request held now?
+    deadline_of: dict[str, tuple[float, float]] = {}  # the model: (deadline, lease) of a live hold
     holds = dict.fromkeys(REQUESTS, 0)  # successful HOLDs per request
     endings = dict.fromkeys(REQUESTS, 0)  # SendDones + successful RELEASEs per request
     dones: list[SendDone] = []
@@ -402,6 +403,8 @@ def test_every_hold_ends_exactly_once(
                 continue
             holds[a] += 1
             live[a] = True
+            lease = 5.0 if b is None else b
+            deadline_of[a] = (clock.now + lease, lease)
             event = ledger.hold(a, lease_s=b)
             if event is not None:
                 end(a, event)
@@ -419,7 +422,10 @@ def test_every_hold_ends_exactly_once(
         elif kind == "advance":
             assert isinstance(a, float)
             clock.advance(a)
-            for event in ledger.reap():
+            due = {r for r, held in live.items() if held and deadline_of[r][0] <= clock.now}
+            reaped = ledger.reap()
+            assert {event.request_id for event in reaped} == due  # exactly the due leases
+            for event in reaped:
                 assert event.expired
                 end(event.request_id, event)
             deadline = ledger.next_deadline()
@@ -427,6 +433,9 @@ def test_every_hold_ends_exactly_once(
         elif kind == "heartbeat":
             assert isinstance(a, str)
             assert ledger.heartbeat([a]) == int(live[a])
+            if live[a]:
+                deadline, lease = deadline_of[a]
+                deadline_of[a] = (max(deadline, clock.now + lease), lease)
         else:
             assert isinstance(a, str)
             if ledger.release(a):
