@@ -167,7 +167,9 @@ def test_lease_expiry_without_notifications(clock: FakeClock, ledger: ProducerLe
     assert ledger.reap() == (done("r", 0, 0, expired=True),)
 
 
-def test_reap_expires_by_deadline_not_insertion_order(clock: FakeClock, ledger: ProducerLedger) -> None:
+def test_reap_expires_by_deadline_not_insertion_order(
+    clock: FakeClock, ledger: ProducerLedger
+) -> None:
     # Insertion order differs from deadline order: a long lease first must not hide short ones.
     ledger.hold("long", lease_s=100.0)
     ledger.hold("short-1", lease_s=1.0)
