@@ -154,6 +154,10 @@ class FakeBackend:
         """Names of the remote agents loaded now (what a leak check counts)."""
         return tuple(a.name for a, _ in self._book.agents.values())
 
+    def open_handles(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Ids of the remote agents and of the prepared lists open now, each sorted."""
+        return tuple(sorted(self._book.agents)), tuple(sorted(self._book.dlists))
+
     async def local_metadata(self) -> bytes:
         self._check_open("local_metadata")
         doc = {"fabric": self._fabric.token, "agent": self._name, "regions": self.regions()}

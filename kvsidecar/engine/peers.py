@@ -144,6 +144,11 @@ class PeerRegistry:
     def peers(self) -> tuple[Peer, ...]:
         return tuple(self._peers.values())
 
+    @property
+    def handshakes_in_progress(self) -> int:
+        """Handshakes under way, including abandoned ones whose backend phase is still running."""
+        return len(self._pending) + len(self._orphans)
+
     async def get(self, engine_id: str, endpoints: Endpoints) -> Peer:
         """The ready peer, handshaking first if needed; concurrent callers share one handshake."""
         peer = self._peers.get(engine_id)
@@ -383,15 +388,20 @@ class PeerRegistry:
                 if self._pending.get(engine_id) is task:
                     del self._pending[engine_id]
         while self._orphans:
-            orphans, self._orphans = self._orphans, set()
+            orphans = tuple(self._orphans)  # stay tracked until released: we may be cancelled
             await asyncio.wait(orphans)
             for attach in orphans:
+                if attach not in self._orphans:
+                    continue
                 if not attach.cancelled() and attach.exception() is None:
-                    await self._release(attach.result())
+                    await asyncio.shield(self._release(attach.result()))
+                self._orphans.discard(attach)
         self._publish_states()
 
     async def release_all(self) -> None:
-        """Release every peer (local re-registration, engine gone, shutdown)."""
+        """Release every peer (local re-registration, engine gone, shutdown). Callers abandon
+        pending handshakes first, outside the post lock: an abandoned handshake's backend phase
+        may evict a stale peer, which takes that lock."""
         await self.abandon_pending()
         peers, self._peers = list(self._peers.values()), {}
         for peer in peers:

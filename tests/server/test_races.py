@@ -284,3 +284,75 @@ async def test_stale_watch_closing_late_keeps_the_new_registration(tmp_path: Pat
             )
             await old.aclose()
             await new.aclose()
+
+
+async def test_cancelled_abandon_keeps_the_orphaned_handshake_tracked(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shutdown under a timeout can cancel `abandon_pending` while it waits for a handshake's
+    backend phase; a later call must still release what that phase built."""
+    decode = pair.decode
+    peers = decode.sidecar.core.peers
+    added = asyncio.Event()
+
+    async def result_travels_back() -> None:
+        added.set()
+        await asyncio.sleep(0.2)
+
+    hop(monkeypatch, decode.backend, "add_remote_agent", after=result_travels_back)
+    handshake = asyncio.ensure_future(decode.client.handshake("prefill", endpoints=pair.endpoints))
+    await asyncio.wait_for(added.wait(), 5)
+    abandon = asyncio.ensure_future(peers.abandon_pending())
+    await asyncio.sleep(0.05)  # the handshake is cancelled; its backend phase is still running
+    abandon.cancel()
+    await asyncio.gather(abandon, handshake, return_exceptions=True)
+    await asyncio.sleep(0.5)  # the backend phase finishes and builds a peer nobody holds
+    monkeypatch.undo()
+    await asyncio.wait_for(peers.abandon_pending(), 5)
+    assert decode.backend.remote_agents() == ()
+    assert peers.peers() == ()
+
+
+def _owned_handles(node: Node) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Ids of the agents and prepared lists the registered peers own (what the backend must hold)."""
+    links = [link for peer in node.sidecar.core.peers.peers() for link in peer.links.values()]
+    agents = sorted(link.agent.id for link in links)
+    dlists = sorted(
+        h.id for link in links for h in (link.local_dlist, link.remote_dlist) if h is not None
+    )
+    return tuple(agents), tuple(dlists)
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["add_remote_agent", "prep_local_dlist", "prep_remote_dlist", "release_dlist", "release_xfer"],
+)
+@pytest.mark.parametrize("register_after_s", [0.0, 0.02])
+@pytest.mark.parametrize("stale", [False, True], ids=["same-engine", "evicts-stale-peer"])
+async def test_handshake_racing_reregistration_leaves_exactly_the_owned_handles(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    method: str,
+    register_after_s: float,
+    stale: bool,
+) -> None:
+    """A handshake (optionally one that must evict a stale peer first) races RegisterEngine with a
+    slow backend call: afterwards the backend holds exactly what the registered peers own."""
+    async with open_pair(tmp_path) as pair:
+        decode = pair.decode
+        await _warm(pair)
+        target = "prefill"
+        if stale:  # the producer restarted under a new id; the old peer holds its agent
+            await pair.prefill.register("prefill-2", pair.prefill.new_memory(seed=5))
+            target = "prefill-2"
+        hop(monkeypatch, decode.backend, method, before=lambda: asyncio.sleep(0.03))
+        handshake = asyncio.ensure_future(decode.client.handshake(target, endpoints=pair.endpoints))
+        await asyncio.sleep(register_after_s)
+        await asyncio.wait_for(decode.register(), 10)
+        (outcome,) = await asyncio.gather(handshake, return_exceptions=True)
+        assert isinstance(outcome, (api.PlanInfo, errors.FailedPreconditionError)), outcome
+        monkeypatch.undo()
+        assert decode.sidecar.core.peers.handshakes_in_progress == 0
+        assert decode.backend.open_handles() == _owned_handles(decode)
+        await _read_eventually(pair, "after", engine=target)
+        assert decode.backend.open_handles() == _owned_handles(decode)
