@@ -108,6 +108,9 @@ async def test_read_scattered_blocks_delivers_bytes_and_notification(pair: Pair)
     await b.release_xfer(x)
     with pytest.raises(BackendNotFoundError):
         await b.release_xfer(x)  # exactly once
+    (state,) = await b.poll([x])  # a poller racing the release sees ERR, never an exception
+    assert state is XferState.ERR
+    assert isinstance(b.xfer_error(x), BackendNotFoundError)
 
 
 async def test_contiguous_ids_read_whole_runs(pair: Pair) -> None:
