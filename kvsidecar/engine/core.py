@@ -265,24 +265,43 @@ class EngineCore:
         return posted
 
     async def _post(self, cmd: ReadCommand, local: LocalEngine, peer: Peer) -> ReadPosted:
+        return await self._with_peer(
+            peer,
+            "posting a READ",
+            lambda: self.transfers.post(
+                cmd,
+                peer,
+                consumer_engine_id=local.geometry.engine_id,
+                consumer_rank=local.geometry.tp_rank,
+            ),
+            local=local,
+        )
+
+    async def _with_peer(
+        self,
+        peer: Peer,
+        what: str,
+        op: Callable[[], Awaitable[T]],
+        *,
+        local: LocalEngine | None = None,
+    ) -> T:
+        """Run ``op`` (a backend call using ``peer``'s handles) under the post lock, so that no
+        quarantine or drop releases those handles meanwhile. A lost remote agent or memory
+        quarantines the peer (re-handshake next time) and raises PeerUnavailableError."""
         lost: KvSidecarError | None = None
         async with self._post_lock:
             self._check_usable(local, peer)
             try:
-                return await self.transfers.post(
-                    cmd,
-                    peer,
-                    consumer_engine_id=local.geometry.engine_id,
-                    consumer_rank=local.geometry.tp_rank,
-                )
+                return await op()
             except (RemoteDisconnectedError, BackendNotFoundError) as exc:
-                lost = exc  # the remote agent or its memory is gone: re-handshake next time
-        await self._quarantine(peer.engine_id, f"posting a READ failed: {lost}")
+                lost = exc
+        await self._quarantine(peer.engine_id, f"{what} failed: {lost}")
         raise PeerUnavailableError(f"remote engine {peer.engine_id!r}: {lost}")
 
-    def _check_usable(self, local: LocalEngine, peer: Peer) -> None:
-        """After waiting for the post lock: the registration and the peer may have gone."""
-        if self._local is not local:
+    def _check_usable(self, local: LocalEngine | None, peer: Peer) -> None:
+        """After waiting for the post lock: the registration (if given) and the peer may have
+        gone."""
+        if local is not None and self._local is not local:
             raise FailedPreconditionError("the engine re-registered or went away; retry")
         if peer.released or self.peers.peer(peer.engine_id) is not peer:
             raise PeerUnavailableError(
@@ -415,17 +434,11 @@ class EngineCore:
             await self.peers.remove(engine_id, reason)
 
     async def _send(self, peer: Peer, agent: RemoteAgent, payload: bytes) -> None:
-        lost: KvSidecarError | None = None
-        async with self._post_lock:
-            if peer.released:
-                raise PeerUnavailableError(f"remote engine {peer.engine_id!r} was quarantined")
-            try:
-                await self._backend.send_notification(agent, payload)
-                return
-            except (RemoteDisconnectedError, BackendNotFoundError) as exc:
-                lost = exc
-        await self._quarantine(peer.engine_id, f"sending a notification failed: {lost}")
-        raise PeerUnavailableError(f"remote engine {peer.engine_id!r}: {lost}")
+        await self._with_peer(
+            peer,
+            "sending a notification",
+            lambda: self._backend.send_notification(agent, payload),
+        )
 
     async def _poll_once(self) -> None:
         # Three independent duties: a failure in one must not stop the others.

@@ -61,15 +61,13 @@ class WatchBusyError(Exception):
     """Raised by ``EventHub.subscribe`` when a Watch stream is already open."""
 
 
+@dataclass(slots=True)
 class WatchBinding:
     """The registration (epoch) a Watch stream belongs to; ``None`` until the first
     RegisterEngine. ``evicted``: a newer registration ended the stream (not an engine death)."""
 
-    __slots__ = ("epoch", "evicted")
-
-    def __init__(self, epoch: int | None) -> None:
-        self.epoch = epoch
-        self.evicted = False
+    epoch: int | None
+    evicted: bool = False
 
 
 class EventHub:

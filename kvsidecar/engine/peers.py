@@ -114,7 +114,7 @@ class PeerRegistry:
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
-        evict: Callable[[str, str], Awaitable[None]] | None = None,
+        evict: Callable[[str, str], Awaitable[None]],
     ) -> None:
         self._evict = evict  # quarantines another peer (failing its reads first)
         self._backend = backend
@@ -332,11 +332,7 @@ class PeerRegistry:
             if other.engine_id != engine_id and any(
                 link.agent.name in agent_names for link in other.links.values()
             ):
-                reason = f"its sidecar now serves engine {engine_id!r}"
-                if self._evict is not None:
-                    await self._evict(other.engine_id, reason)
-                else:
-                    await self.remove(other.engine_id, reason)
+                await self._evict(other.engine_id, f"its sidecar now serves engine {engine_id!r}")
 
     @staticmethod
     def _check_agent(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from kvsidecar.engine.backend import TransferBackend, XferHandle, XferState
 from kvsidecar.engine.events import EventHub, FailureReason, RecvDone, RecvFailed
 from kvsidecar.engine.model import ReadCommand, ReadPosted
-from kvsidecar.engine.peers import Peer
+from kvsidecar.engine.peers import Peer, RankLink
 from kvsidecar.errors import AlreadyExistsError, KvSidecarError
 from kvsidecar.metrics import Metrics
 from kvsidecar.plan import request_ids
@@ -106,6 +106,17 @@ class TransferManager:
         total = 0
         by_rank = {r.remote_rank: r for r in request_ids(peer.plan, cmd.local_ids, cmd.remote_ids)}
         notify_only = []
+
+        def payload(kind: peer_pb2.PeerNotification.Kind.ValueType, link: RankLink) -> bytes:
+            return notification(
+                kind=kind,
+                remote_request_id=cmd.remote_request_id,
+                expected_consumers=link.plan.expected_consumers,
+                epoch=link.epoch,
+                consumer_engine_id=consumer_engine_id,
+                consumer_rank=consumer_rank,
+            )
+
         try:
             # READs first: if one cannot be posted, no notify-only rank has been told yet.
             for link in peer.links.values():
@@ -120,14 +131,7 @@ class TransferManager:
                     ids.local_desc_ids,
                     link.remote_dlist,
                     ids.remote_desc_ids,
-                    self._payload(
-                        peer_pb2.PeerNotification.READ_DONE,
-                        cmd,
-                        link.plan.expected_consumers,
-                        link.epoch,
-                        consumer_engine_id,
-                        consumer_rank,
-                    ),
+                    payload(peer_pb2.PeerNotification.READ_DONE, link),
                 )
                 state = XferState.DONE if handle.done_at_post else XferState.PROC
                 xfers.append(_Xfer(rank=link.rank, handle=handle, state=state))
@@ -135,15 +139,7 @@ class TransferManager:
                 total += ids.num_bytes
             for link in notify_only:
                 await self._backend.send_notification(
-                    link.agent,
-                    self._payload(
-                        peer_pb2.PeerNotification.CONSUMED,
-                        cmd,
-                        link.plan.expected_consumers,
-                        link.epoch,
-                        consumer_engine_id,
-                        consumer_rank,
-                    ),
+                    link.agent, payload(peer_pb2.PeerNotification.CONSUMED, link)
                 )
                 self._metrics.notifications_sent.labels("consumed").inc()
                 sent += 1
@@ -169,24 +165,6 @@ class TransferManager:
         )
         self._metrics.reads_in_flight.set(len(self._reads))
         return posted
-
-    @staticmethod
-    def _payload(
-        kind: peer_pb2.PeerNotification.Kind.ValueType,
-        cmd: ReadCommand,
-        expected: int,
-        epoch: int,
-        engine_id: str,
-        rank: int,
-    ) -> bytes:
-        return notification(
-            kind=kind,
-            remote_request_id=cmd.remote_request_id,
-            expected_consumers=expected,
-            epoch=epoch,
-            consumer_engine_id=engine_id,
-            consumer_rank=rank,
-        )
 
     async def poll(self) -> set[str]:
         """Advance every in-flight read once. Returns engine ids of peers whose READs failed."""

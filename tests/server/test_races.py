@@ -63,6 +63,25 @@ async def _read_eventually(
     pytest.fail(f"{engine!r} never became readable again: {last!r}")
 
 
+async def _handshake_inside_add_agent(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> asyncio.Task[api.PlanInfo]:
+    """Start a Handshake and return once its agent is loaded in the backend while the result is
+    still on its way back to the loop (0.2 s)."""
+    added = asyncio.Event()
+
+    async def result_travels_back() -> None:
+        added.set()
+        await asyncio.sleep(0.2)
+
+    hop(monkeypatch, pair.decode.backend, "add_remote_agent", after=result_travels_back)
+    handshake = asyncio.ensure_future(
+        pair.decode.client.handshake("prefill", endpoints=pair.endpoints)
+    )
+    await asyncio.wait_for(added.wait(), 5)
+    return handshake
+
+
 async def _warm(pair: Pair) -> None:
     await pair.read("warm", [1], [1])
     assert isinstance(await next_event(pair.decode.client), api.RecvDone)
@@ -185,15 +204,7 @@ async def test_handshake_cancelled_mid_add_agent_leaks_no_agent(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     decode = pair.decode
-    added = asyncio.Event()
-
-    async def result_travels_back() -> None:
-        added.set()
-        await asyncio.sleep(0.2)
-
-    hop(monkeypatch, decode.backend, "add_remote_agent", after=result_travels_back)
-    handshake = asyncio.ensure_future(decode.client.handshake("prefill", endpoints=pair.endpoints))
-    await asyncio.wait_for(added.wait(), 5)
+    handshake = await _handshake_inside_add_agent(pair, monkeypatch)
     await decode.register()  # re-registration cancels the pending handshake
     outcome = (await asyncio.gather(handshake, return_exceptions=True))[0]
     assert isinstance(outcome, (api.PlanInfo, errors.KvSidecarError)), outcome
@@ -293,15 +304,7 @@ async def test_cancelled_abandon_keeps_the_orphaned_handshake_tracked(
     backend phase; a later call must still release what that phase built."""
     decode = pair.decode
     peers = decode.sidecar.core.peers
-    added = asyncio.Event()
-
-    async def result_travels_back() -> None:
-        added.set()
-        await asyncio.sleep(0.2)
-
-    hop(monkeypatch, decode.backend, "add_remote_agent", after=result_travels_back)
-    handshake = asyncio.ensure_future(decode.client.handshake("prefill", endpoints=pair.endpoints))
-    await asyncio.wait_for(added.wait(), 5)
+    handshake = await _handshake_inside_add_agent(pair, monkeypatch)
     abandon = asyncio.ensure_future(peers.abandon_pending())
     await asyncio.sleep(0.05)  # the handshake is cancelled; its backend phase is still running
     abandon.cancel()
