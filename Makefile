@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp-setup
-SRC    := kvsidecar tests bench scripts
+SRC    := kvsidecar tests scripts
 
 .PHONY: setup demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend clean
 
@@ -52,10 +52,10 @@ bench: setup
 	$(BIN)/kvsidecar bench
 
 bench-plan: setup
-	$(BIN)/python bench/bench_plan.py
+	$(BIN)/python -m kvsidecar.tools.bench_plan
 
 bench-backend: setup
-	$(BIN)/python bench/bench_backend.py
+	$(BIN)/python -m kvsidecar.tools.bench_backend
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

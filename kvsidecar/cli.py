@@ -157,9 +157,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvsidecar.client.clients import SidecarClient
-    from kvsidecar.client.status_view import render, status_dict
+    from kvsidecar.client import SidecarClient
     from kvsidecar.errors import KvSidecarError
+    from kvsidecar.tools.status_view import render, status_dict
 
     try:
         with SidecarClient(args.socket, timeout_s=args.timeout_s) as client:
@@ -174,7 +174,7 @@ def _status(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvsidecar.demo import DemoConfig, format_report, run_demo
+    from kvsidecar.tools.demo import DemoConfig, format_report, run_demo
 
     config = DemoConfig(
         prefill_tp=args.prefill_tp,
@@ -225,7 +225,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvsidecar.bench import BenchConfig, format_table, run_bench
+    from kvsidecar.tools.bench import run_bench
+    from kvsidecar.tools.bench_report import BenchConfig, format_table
 
     try:
         config = BenchConfig(

@@ -62,6 +62,10 @@ class AlreadyExistsError(KvSidecarError):
     """A request id is already in flight, or a thing is created twice (maps to ALREADY_EXISTS)."""
 
 
+class WatchBusyError(AlreadyExistsError):
+    """A Watch stream of the current registration is already open (maps to ALREADY_EXISTS)."""
+
+
 # --- FAILED_PRECONDITION -------------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 
 from grpc_health.v1 import health_pb2
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,9 @@ class Readiness:
         self._held: set[Condition] = set()
         self._draining = False
         self._on_change = on_change
-        self._servicers: list[HealthServicer] = []
+        self._servicers: list[health_aio.HealthServicer] = []
 
-    def attach(self, servicer: HealthServicer) -> None:
+    def attach(self, servicer: health_aio.HealthServicer) -> None:
         self._servicers.append(servicer)
 
     @property

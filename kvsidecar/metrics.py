@@ -1,51 +1,172 @@
 """Prometheus metrics of one sidecar, on an injected registry (tests read samples back from it).
 
+Engine metrics come from one custom collector that reads ``EngineCore.stats()`` at scrape time: the
+same snapshot the ``Status`` RPC reports, so the two cannot disagree. The process-level metrics the
+server owns (readiness, event-loop lag, build info, process and platform) are plain instruments.
 Names use the ``kvsidecar_`` prefix, base units (seconds, bytes) and ``_total`` for counters; labels
 are bounded (no request ids, no engine ids).
 """
 
 from __future__ import annotations
 
+import math
 import platform
+from collections.abc import Callable, Iterator, Mapping
+from typing import cast
 
 from prometheus_client import (
     CollectorRegistry,
-    Counter,
     Gauge,
     Histogram,
     PlatformCollector,
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvsidecar import __version__
+from kvsidecar.engine.stats import POST_BUCKETS, EngineStats, HistogramSnapshot
 
-# Read durations span 100 µs (small local reads) to tens of seconds (deadline-bound reads).
-_DURATION_BUCKETS = (
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    1e-2,
-    2.5e-2,
-    5e-2,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
-_POST_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0)
-_DESC_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+StatsSource = Callable[[], EngineStats]
+_le = cast(Callable[[float], str], floatToGoString)  # the client's own `le` label format
+
+
+def _counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _labelled(name: str, doc: str, label: str, values: Mapping[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _histogram(name: str, doc: str, h: HistogramSnapshot) -> HistogramMetricFamily:
+    buckets: list[tuple[str, float]] = []
+    total = 0
+    for bound, count in zip((*h.bounds, math.inf), h.counts, strict=True):
+        total += count
+        buckets.append((_le(bound), total))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h.sum)
+
+
+class EngineCollector(Collector):
+    """Every engine metric, from the stats source attached by the server (none: no samples)."""
+
+    def __init__(self) -> None:
+        self.source: StatsSource | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        s = self.source()
+        t, c, p, peers = s.transfers, s.consumer, s.producer, s.peers
+        yield _counter(
+            "kvsidecar_reads_started", "Read requests accepted and posted.", t.reads_started
+        )
+        yield _counter("kvsidecar_reads_done", "Read requests completed (RECV_DONE).", t.reads_done)
+        yield _labelled(
+            "kvsidecar_reads_failed",
+            "Read requests failed (RECV_FAILED), by reason.",
+            "reason",
+            t.reads_failed,
+        )
+        yield _labelled(
+            "kvsidecar_reads_rejected",
+            "Read calls rejected before posting, by status code.",
+            "code",
+            c.reads_rejected,
+        )
+        yield _counter("kvsidecar_read_bytes", "Bytes read by completed requests.", t.bytes_read)
+        yield _histogram(
+            "kvsidecar_read_duration_seconds", "Read call to completion.", t.read_duration
+        )
+        yield _histogram(
+            "kvsidecar_read_post_duration_seconds",
+            "Read call to all READs posted.",
+            t.post_duration,
+        )
+        yield _histogram(
+            "kvsidecar_read_descriptors", "Descriptors per posted READ.", t.descriptors
+        )
+        yield _gauge(
+            "kvsidecar_reads_in_flight",
+            "Read requests posted and not yet completed.",
+            t.reads_in_flight,
+        )
+        yield _labelled(
+            "kvsidecar_handshakes",
+            "Handshakes with remote engines, by result.",
+            "result",
+            peers.handshakes,
+        )
+        yield _histogram(
+            "kvsidecar_handshake_duration_seconds", "Handshake latency.", peers.handshake_duration
+        )
+        by_state = GaugeMetricFamily(
+            "kvsidecar_peers", "Remote engines by state.", labels=["state"]
+        )
+        for state, n in peers.by_state.items():
+            by_state.add_metric([state.value], n)
+        yield by_state
+        yield _labelled(
+            "kvsidecar_notifications_sent",
+            "Notifications sent to remote sidecars, by kind.",
+            "kind",
+            c.notifications_sent,
+        )
+        yield _counter(
+            "kvsidecar_notifications_received",
+            "Consumer notifications received.",
+            p.notifications_received,
+        )
+        yield _gauge("kvsidecar_holds_active", "Producer holds awaiting consumers.", p.holds_active)
+        yield _counter(
+            "kvsidecar_sends_done", "Holds completed by all expected consumers.", p.sends_done
+        )
+        yield _counter("kvsidecar_leases_expired", "Holds whose lease ran out.", p.leases_expired)
+        yield _counter(
+            "kvsidecar_stale_notifications",
+            "Consumer notifications for unknown, released, expired or stale-epoch requests.",
+            p.stale_notifications,
+        )
+        yield _counter(
+            "kvsidecar_duplicate_notifications",
+            "Consumer notifications repeated by a consumer already counted.",
+            p.duplicate_notifications,
+        )
+        yield _counter(
+            "kvsidecar_bad_notifications",
+            "Notification payloads that could not be decoded.",
+            p.bad_notifications,
+        )
+        yield _counter(
+            "kvsidecar_events_dropped",
+            "Engine events dropped from a full buffer (no Watch stream and no Status polling).",
+            s.events_dropped,
+        )
+        yield _gauge(
+            "kvsidecar_registered_bytes",
+            "Engine memory registered with the backend.",
+            s.registered_bytes,
+        )
 
 
 class Metrics:
-    """Every metric the sidecar exports. Construct once per process (or per test) with a registry."""
+    """Every metric the sidecar exports. Construct once per process (or per test) with a registry;
+    the server attaches the engine's stats with ``attach`` once the core exists."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -60,94 +181,18 @@ class Metrics:
         )
         self.build_info.labels(__version__, platform.python_version()).set(1)
         self.ready = Gauge("kvsidecar_ready", "1 when /readyz would answer 200.", registry=r)
-
-        self.reads_started = Counter(
-            "kvsidecar_reads_started_total", "Read requests accepted and posted.", registry=r
-        )
-        self.reads_done = Counter(
-            "kvsidecar_reads_done_total", "Read requests completed (RECV_DONE).", registry=r
-        )
-        self.reads_failed = Counter(
-            "kvsidecar_reads_failed_total",
-            "Read requests failed (RECV_FAILED), by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.reads_rejected = Counter(
-            "kvsidecar_reads_rejected_total",
-            "Read calls rejected before posting, by status code.",
-            ["code"],
-            registry=r,
-        )
-        self.bytes_read = Counter(
-            "kvsidecar_read_bytes_total", "Bytes read by completed requests.", registry=r
-        )
-        self.read_duration = Histogram(
-            "kvsidecar_read_duration_seconds",
-            "Read call to completion.",
-            buckets=_DURATION_BUCKETS,
-            registry=r,
-        )
-        self.post_duration = Histogram(
-            "kvsidecar_read_post_duration_seconds",
-            "Read call to all READs posted.",
-            buckets=_POST_BUCKETS,
-            registry=r,
-        )
-        self.descriptors = Histogram(
-            "kvsidecar_read_descriptors",
-            "Descriptors per posted READ.",
-            buckets=_DESC_BUCKETS,
-            registry=r,
-        )
-        self.reads_in_flight = Gauge(
-            "kvsidecar_reads_in_flight", "Read requests posted and not yet completed.", registry=r
-        )
-        self.handshakes = Counter(
-            "kvsidecar_handshakes_total",
-            "Handshakes with remote engines, by result.",
-            ["result"],
-            registry=r,
-        )
-        self.handshake_duration = Histogram(
-            "kvsidecar_handshake_duration_seconds",
-            "Handshake latency.",
-            buckets=_DURATION_BUCKETS,
-            registry=r,
-        )
-        self.peers = Gauge("kvsidecar_peers", "Remote engines by state.", ["state"], registry=r)
-        self.notifications_sent = Counter(
-            "kvsidecar_notifications_sent_total",
-            "Notifications sent to remote sidecars, by kind.",
-            ["kind"],
-            registry=r,
-        )
-        self.notifications_received = Counter(
-            "kvsidecar_notifications_received_total", "Consumer notifications received.", registry=r
-        )
-        self.holds_active = Gauge(
-            "kvsidecar_holds_active", "Producer holds awaiting consumers.", registry=r
-        )
-        self.sends_done = Counter(
-            "kvsidecar_sends_done_total", "Holds completed by all expected consumers.", registry=r
-        )
-        self.leases_expired = Counter(
-            "kvsidecar_leases_expired_total", "Holds whose lease ran out.", registry=r
-        )
-        self.stale_notifications = Counter(
-            "kvsidecar_stale_notifications_total",
-            "Consumer notifications for unknown, released or expired requests.",
-            registry=r,
-        )
-        self.registered_bytes = Gauge(
-            "kvsidecar_registered_bytes", "Engine memory registered with the backend.", registry=r
-        )
         self.poll_lag = Histogram(
             "kvsidecar_poll_loop_lag_seconds",
             "Delay of the event loop's periodic tick.",
-            buckets=_POST_BUCKETS,
+            buckets=POST_BUCKETS,
             registry=r,
         )
+        self._engine = EngineCollector()
+        r.register(self._engine)
+
+    def attach(self, source: StatsSource | None) -> None:
+        """Read engine metrics from ``source`` from now on (``None``: export none)."""
+        self._engine.source = source
 
     def render(self) -> bytes:
         """The exposition text of every metric."""

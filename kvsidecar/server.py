@@ -22,18 +22,20 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvsidecar.engine.backend import TransferBackend
-from kvsidecar.engine.core import CoreConfig, EngineCore
+from kvsidecar.engine.core import EngineCore
+from kvsidecar.engine.model import CoreConfig
 from kvsidecar.errors import ListenError
 from kvsidecar.health import ENGINE_SERVICE, PEER_SERVICE, Condition, HttpEndpoint, Readiness
 from kvsidecar.metrics import Metrics
-from kvsidecar.rpc._gen.v1 import engine_pb2_grpc, peer_pb2_grpc
-from kvsidecar.rpc.servicers import EngineServicer, PeerServicer
+from kvsidecar.rpc.engine_service import EngineServicer
+from kvsidecar.rpc.peer_service import PeerServicer
 from kvsidecar.settings import Settings, parse_host_port
 from kvsidecar.systemd import SystemdNotifier
+from kvsidecar.v1 import engine_pb2_grpc, peer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +166,8 @@ class Sidecar:
         async def on_registered(held: bool) -> None:
             await self.readiness.set(Condition.ENGINE_REGISTERED, held)
 
-        self.core = EngineCore(
-            backend=self._backend, config=config, metrics=self.metrics, on_registered=on_registered
-        )
+        self.core = EngineCore(backend=self._backend, config=config, on_registered=on_registered)
+        self.metrics.attach(self.core.stats)
         await self.core.start()
         await self.readiness.set(Condition.BACKEND_READY, True)
 
@@ -185,13 +186,11 @@ class Sidecar:
         peer = grpc.aio.server(options=_GRPC_OPTIONS)
         self._engine_server, self._peer_server = engine, peer
         assert self.core is not None
-        engine_pb2_grpc.add_EngineServiceServicer_to_server(
-            EngineServicer(self.core, default_lease_s=s.lease_s), engine
-        )
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self.core), engine)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self.core), peer)
         service_names = [reflection.SERVICE_NAME]
         for server in (engine, peer):
-            health = HealthServicer()
+            health = health_aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health, server)
             self.readiness.attach(health)
         reflection.enable_server_reflection(
@@ -262,13 +261,7 @@ class Sidecar:
         await self.readiness.start_draining()
         log.info("kvsidecar draining (grace %.1fs)", grace_s)
         if self.core is not None:
-            drained = await self.core.drain(grace_s)
-            if not drained:
-                log.warning(
-                    "grace period over with %d reads in flight and %d holds",
-                    len(self.core.transfers),
-                    self.core.producer.holds_active,
-                )
+            await self.core.drain(grace_s)
         await self.readiness.shutdown()
         await self._close_listeners(min(grace_s, 1.0))
         log.info("listeners closed; releasing transfers, peers, memory and the NIXL agent")

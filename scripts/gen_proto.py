@@ -1,12 +1,15 @@
-"""Generate Python code (+ .pyi stubs) from proto/ into kvsidecar/rpc/_gen/.
+"""Generate Python code (+ .pyi stubs) from proto/ into kvsidecar/v1/.
 
-Usage: gen_proto.py [OUT_DIR]   (default: kvsidecar/rpc/_gen). The drift test runs it into a temporary
+The proto package is ``kvsidecar.v1``, so protoc's output lives at exactly that import path and needs
+no rewriting: a framework that uses the installed package imports ``kvsidecar.v1.engine_pb2`` (and
+need not generate its own copy, which would collide with the installed package).
+
+Usage: gen_proto.py [OUT_DIR]   (default: kvsidecar/v1). The drift test runs it into a temporary
 directory and compares the result byte for byte with the committed files.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 import tempfile
@@ -16,8 +19,9 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
-PACKAGE = "kvsidecar.rpc._gen"
-_IMPORT_RE = re.compile(r"^from kvsidecar\.v1 import ", re.MULTILINE)
+INIT = (
+    '"""Generated from proto/kvsidecar/v1 by scripts/gen_proto.py (`make proto`); do not edit."""\n'
+)
 
 
 def _bin(name: str) -> str:
@@ -43,24 +47,19 @@ def generate(out_dir: Path) -> list[Path]:
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         src = Path(tmp) / "kvsidecar" / "v1"
-        dst = out_dir / "v1"
-        if dst.exists():
-            shutil.rmtree(dst)
-        dst.mkdir(parents=True)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        out_dir.mkdir(parents=True)
         written = []
         for f in sorted(src.iterdir()):
-            text = _IMPORT_RE.sub(f"from {PACKAGE}.v1 import ", f.read_text())
-            (dst / f.name).write_text(text)
-            written.append(dst / f.name)
-        (dst / "__init__.py").write_text("")
-        (out_dir / "__init__.py").write_text(
-            '"""Generated from proto/ by scripts/gen_proto.py."""\n'
-        )
-        written += [dst / "__init__.py", out_dir / "__init__.py"]
+            shutil.copyfile(f, out_dir / f.name)
+            written.append(out_dir / f.name)
+        (out_dir / "__init__.py").write_text(INIT)
+        written.append(out_dir / "__init__.py")
     return written
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "kvsidecar" / "rpc" / "_gen"
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "kvsidecar" / "v1"
     for path in generate(out):
         print(path.relative_to(out.parent) if out.parent in path.parents else path)

@@ -22,19 +22,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvsidecar.bench import (
+from kvsidecar.testing import toy
+from kvsidecar.tools.bench import _shape, run_bench
+from kvsidecar.tools.bench_report import (
     BenchConfig,
     BenchReport,
     ControlPlane,
     Percentiles,
     Row,
     Throughput,
-    _shape,
     format_table,
-    run_bench,
 )
-from kvsidecar.bench_target import copy_runs
-from kvsidecar.client import toy
+from kvsidecar.tools.bench_target import copy_runs
 
 TINY = ("--block-kib", "64", "--blocks-per-request", "4", "--requests", "5", "--repeats", "1")
 

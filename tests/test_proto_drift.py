@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMITTED = ROOT / "kvsidecar" / "rpc" / "_gen"
+COMMITTED = ROOT / "kvsidecar" / "v1"
 
 
 def test_generated_code_matches_proto(tmp_path: Path) -> None:
-    out = tmp_path / "_gen"
+    out = tmp_path / "v1"
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), str(out)],
         check=True,

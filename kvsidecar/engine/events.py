@@ -1,4 +1,4 @@
-"""Events the sidecar reports to its engine, and their delivery (Watch stream or Status drain).
+"""Delivery of the events the sidecar reports to its engine (Watch stream or Status drain).
 
 An event goes to the open Watch stream if there is one, otherwise into a bounded buffer that
 ``Status`` drains. At most one Watch stream is open at a time: it is the engine's liveness lock.
@@ -8,57 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
 
-
-class FailureReason(enum.Enum):
-    """Why a Read failed (mirrors ``RecvFailed.Reason``)."""
-
-    TRANSFER_ERROR = 1
-    DEADLINE_EXCEEDED = 2
-    PEER_DISCONNECTED = 3
-    ENGINE_GONE = 4
-    SHUTDOWN = 5
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RecvDone:
-    request_id: str
-    bytes: int
-    duration_s: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RecvFailed:
-    request_id: str
-    reason: FailureReason
-    message: str
-    invalid_block_ids: tuple[tuple[int, ...], ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendDoneEvent:
-    request_id: str
-    consumers: int
-    expected_consumers: int
-    expired: bool
-
-
-EventBody = RecvDone | RecvFailed | SendDoneEvent
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Event:
-    seq: int
-    timestamp: float
-    body: EventBody
-
-
-class WatchBusyError(Exception):
-    """Raised by ``EventHub.subscribe`` when a Watch stream is already open."""
+from kvsidecar.errors import WatchBusyError
+from kvsidecar.types import Event
 
 
 @dataclass(slots=True)
@@ -87,8 +43,9 @@ class EventHub:
     def watching(self) -> bool:
         return self._subscriber is not None
 
-    def emit(self, body: EventBody) -> Event:
-        event = Event(seq=next(self._seq), timestamp=time.time(), body=body)
+    def emit(self, event: Event) -> Event:
+        """Stamp ``event`` with the next sequence number and the time, and deliver it."""
+        event = dataclasses.replace(event, seq=next(self._seq), timestamp=time.time())
         if self._subscriber is not None:
             self._subscriber[0].put_nowait(event)
         else:

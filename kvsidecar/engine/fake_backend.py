@@ -22,16 +22,14 @@ import numpy.typing as npt
 from kvsidecar.engine.backend import (
     DlistHandle,
     DlistSide,
-    HandleBook,
     MemoryRegistration,
     Notification,
     RemoteAgent,
-    StridedRows,
     XferHandle,
     XferState,
     XferTelemetry,
-    check_pairs,
 )
+from kvsidecar.engine.handles import HandleBook, StridedRows, check_pairs
 from kvsidecar.errors import (
     BackendError,
     BackendInvalidParamError,

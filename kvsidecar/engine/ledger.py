@@ -3,9 +3,10 @@
 The prefill sidecar keeps one :class:`ProducerLedger`. ``HOLD`` starts a lease for a request whose
 blocks the engine keeps; each consumer rank's notification (decoded from NIXL by the caller) counts
 once per distinct :class:`ConsumerId`; when the distinct count reaches the expected count the ledger
-returns ``SendDone(expired=False)`` and forgets the hold. ``reap()`` is called on the caller's timer
-(every poll tick) and returns ``SendDone(expired=True)`` for expired leases; it costs O(expired x
-log n), not O(n): deadlines live in a heap whose outdated items are skipped lazily.
+returns ``SendDone(expired=False)`` (the ``kvsidecar.types`` event, not yet stamped) and forgets
+the hold. ``reap()`` is called on the caller's timer (every poll tick) and returns
+``SendDone(expired=True)`` for expired leases; it costs O(expired x log n), not O(n): deadlines
+live in a heap whose outdated items are skipped lazily.
 
 Pure Python, not thread-safe (one event loop owns it). All times are seconds on the injected
 ``clock`` (e.g. ``time.monotonic``); expiry takes effect only in :meth:`ProducerLedger.reap`.
@@ -24,20 +25,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvsidecar.errors import AlreadyExistsError, InvalidArgumentError
+from kvsidecar.types import SendDone
 
-__all__ = ["ConsumerId", "LedgerCounters", "NotificationOutcome", "ProducerLedger", "SendDone"]
+__all__ = ["ConsumerId", "LedgerCounters", "NotificationOutcome", "ProducerLedger"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendDone:
-    """A hold ended: every expected consumer notified (``expired=False``) or the lease ran out."""
-
-    request_id: str
-    consumers: int  # distinct consumers that notified
-    expected_consumers: int  # largest count any notification announced; 0 if none arrived
-    expired: bool  # True: the lease ran out before every consumer notified
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

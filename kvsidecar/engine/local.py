@@ -8,18 +8,33 @@ of every view lives; on any failure it releases what it already did (in reverse)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvsidecar.engine.backend import MemoryRegistration, TransferBackend
-from kvsidecar.engine.model import CompatItems, compat_digest
-from kvsidecar.errors import GeometryError, MemoryImportError
+from kvsidecar.errors import GeometryError, MemoryImportError, NotFoundError
 from kvsidecar.memory import ImportedMemory, MemorySpec, import_memory
 from kvsidecar.plan import EngineGeometry
+from kvsidecar.plan.compat import PROTOCOL_VERSION, CompatItems, span_signature
+from kvsidecar.wire.peer import AgentInfo, EngineDirectory
 
 log = logging.getLogger(__name__)
+
+
+def compat_digest(compat: CompatItems, geometry: EngineGeometry) -> str:
+    """Hex sha256 over the protocol version, compat items and the span signature (keys, units,
+    unit bytes). Equal digests mean the handshake needs no item-by-item comparison.
+    """
+    h = hashlib.sha256()
+    h.update(f"protocol={PROTOCOL_VERSION}\n".encode())
+    for key, value in compat.items():
+        h.update(f"{key}={value}\n".encode())
+    for item in span_signature(geometry):
+        h.update(f"span={item}\n".encode())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +137,43 @@ class LocalEngine:
             await _release(backend, done)
             raise
         return cls(registration, epoch, tuple(done))
+
+    def check_serves(self, engine_id: str, tp_rank: int) -> None:
+        """NotFoundError unless this is rank ``tp_rank`` of engine ``engine_id``."""
+        g = self.geometry
+        if engine_id != g.engine_id or tp_rank != g.tp_rank:
+            raise NotFoundError(
+                f"this sidecar serves engine {g.engine_id!r} rank {g.tp_rank}, not "
+                f"{engine_id!r} rank {tp_rank}"
+            )
+
+    def agent_info(self, *, metadata: bytes, agent_name: str) -> AgentInfo:
+        """The record remote sidecars read this rank by (``metadata``: the NIXL agent's)."""
+        return AgentInfo(
+            protocol_version=PROTOCOL_VERSION,
+            compat_digest=self.digest,
+            epoch=self.epoch,
+            nixl_agent_metadata=metadata,
+            agent_name=agent_name,
+            geometry=self.geometry,
+            view_bases=self.view_bases,
+            compat=self.registration.compat,
+            mem_type=self.mem_type.name,
+        )
+
+    def directory(self, engine_id: str) -> EngineDirectory:
+        """Every rank's PeerService endpoint, as the engine registered them."""
+        g = self.geometry
+        if engine_id != g.engine_id:
+            raise NotFoundError(f"this sidecar serves engine {g.engine_id!r}, not {engine_id!r}")
+        if not self.registration.peer_endpoints:
+            raise NotFoundError(f"engine {g.engine_id!r} registered without peer_endpoints")
+        return EngineDirectory(
+            engine_id=g.engine_id,
+            tp_size=g.tp_size,
+            endpoints=self.registration.peer_endpoints,
+            epoch=self.epoch,
+        )
 
     async def aclose(self, backend: TransferBackend) -> None:
         """Deregister and unmap every memory, once. Callers drain transfers first."""

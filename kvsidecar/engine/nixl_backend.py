@@ -1,24 +1,18 @@
 """The NIXL transfer backend: one agent per sidecar, UCX, every agent call on one thread.
 
-This is the only module that imports NIXL. It loads the wheel's variant bindings
-(``nixl_cu12._bindings`` / ``nixl_cu13._bindings``) directly: the ``nixl`` meta-package may import
-torch to pick the variant (~1 s), and its ``nixl_agent`` wrapper hard-codes the progress thread's
-poll delay to 0 µs, which keeps a core 100 % busy. Building the agent from the bindings lets us set
-``pthrDelay`` (µs; default 1000 here → ~1-2 % of a core when idle) and keeps handle ownership in one
-place (``HandleBook``): NIXL handles are raw integers, and passing a stale one can hang the agent.
+The only module that imports NIXL. It loads the wheel's variant bindings (``nixl_cu1x._bindings``)
+directly: the ``nixl`` meta-package may import torch (~1 s) and its wrapper hard-codes a busy
+progress thread (see ``nixl_support.create_agent``). Handle ownership lives in one ``HandleBook``:
+NIXL handles are raw integers, and passing a stale one can hang the agent.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import importlib.util
 import logging
 import os
-import re
 import socket
-import sys
 import uuid
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -29,76 +23,46 @@ import numpy.typing as npt
 from kvsidecar.engine.backend import (
     DlistHandle,
     DlistSide,
-    HandleBook,
     MemoryRegistration,
     Notification,
     RemoteAgent,
-    StridedRows,
     XferHandle,
     XferState,
     XferTelemetry,
-    check_pairs,
+)
+from kvsidecar.engine.handles import HandleBook, StridedRows, check_pairs
+from kvsidecar.engine.nixl_support import (
+    create_agent,
+    notifications_from,
+    telemetry_from,
+    translate_error,
+    variant_candidates,
 )
 from kvsidecar.engine.nixl_thread import AgentThread
-from kvsidecar.errors import (
-    BackendError,
-    BackendInvalidParamError,
-    BackendNotFoundError,
-    ConfigError,
-    RemoteDisconnectedError,
-)
+from kvsidecar.errors import BackendError, BackendInvalidParamError, ConfigError
 from kvsidecar.memory.types import MemoryRegion, MemType
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _VARIANTS = ("nixl_cu12", "nixl_cu13")
-_ERRORS: dict[str, type[BackendError]] = {
-    "nixlRemoteDisconnectError": RemoteDisconnectedError,
-    "nixlInvalidParamError": BackendInvalidParamError,
-    "nixlMismatchError": BackendInvalidParamError,
-    "nixlNotFoundError": BackendNotFoundError,
-}
-
-
-def _cuda_major_hint() -> int | None:
-    """CUDA major version of an already-imported CUDA stack or of torch's build (read from disk,
-    without importing torch); ``None`` if unknown."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        cuda = getattr(getattr(torch, "version", None), "cuda", None)
-        return int(cuda.split(".")[0]) if cuda else None
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(next(iter(spec.submodule_search_locations)), "version.py")
-    try:
-        with open(path, encoding="utf-8") as f:
-            m = re.search(r"^cuda\b[^=]*=\s*['\"](\d+)", f.read(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(m.group(1)) if m else None
 
 
 def _import_variant(name: str) -> ModuleType:
     if name == "nixl_cu12":
-        from nixl_cu12 import _bindings as cu12  # type: ignore[attr-defined]
-
-        return cu12  # type: ignore[no-any-return]
-    if name == "nixl_cu13":
-        from nixl_cu13 import _bindings as cu13  # type: ignore[attr-defined]
-
-        return cu13  # type: ignore[no-any-return]
-    raise ImportError(f"unknown NIXL variant {name!r} (expected one of {_VARIANTS})")
+        from nixl_cu12 import _bindings  # type: ignore[attr-defined]
+    elif name == "nixl_cu13":
+        from nixl_cu13 import _bindings  # type: ignore[attr-defined]
+    else:
+        raise ImportError(f"unknown NIXL variant {name!r} (expected one of {_VARIANTS})")
+    return _bindings  # type: ignore[no-any-return]
 
 
 def load_bindings(variant: str | None = None) -> ModuleType:
     """Import ``<variant>._bindings``; by default the variant matching torch's CUDA build, else the
     first installed one of ``nixl_cu12``, ``nixl_cu13``."""
-    major = _cuda_major_hint() if variant is None else None
-    preferred = (variant,) if variant else ((f"nixl_cu{major}",) if major else ())
     errors = []
-    for name in dict.fromkeys(preferred + (() if variant else _VARIANTS)):
+    for name in variant_candidates(variant, _VARIANTS):
         try:
             return _import_variant(name)
         except ImportError as exc:
@@ -153,15 +117,11 @@ class NixlBackend:
 
     def _start_sync(self) -> None:
         b = load_bindings(self._variant)
-        config = b.nixlAgentConfig()
-        config.useProgThread = True
-        config.useListenThread = False
-        config.pthrDelay = self._poll_delay_us
-        config.captureTelemetry = True
-        config.syncMode = b.NIXL_THREAD_SYNC_NONE  # only the agent thread calls in
-        agent = self._run("create agent", lambda: b.nixlAgent(self._name, config), b)
-        params = {"ucx_error_handling_mode": "peer", "num_workers": str(self._num_workers)}
-        self._run("create UCX backend", lambda: agent.createBackend("UCX", params), b)
+        agent = self._run(
+            "create agent",
+            lambda: create_agent(b, self._name, self._poll_delay_us, self._num_workers),
+            b,
+        )
         self._b, self._agent = b, agent
 
     async def aclose(self) -> None:
@@ -199,15 +159,10 @@ class NixlBackend:
 
     def _run(self, what: str, fn: Callable[[], T], b: ModuleType | None = None) -> T:
         """Call into NIXL, translating its exceptions into kvsidecar errors."""
-        bindings = b or self._b
         try:
             return fn()
         except Exception as exc:
-            name = type(exc).__name__
-            if bindings is not None and getattr(bindings, name, None) is type(exc):
-                kind = _ERRORS.get(name, BackendError)
-                raise kind(f"{what}: {name} ({exc})") from None
-            raise
+            raise (translate_error(exc, b or self._b, what) or exc) from None
 
     async def _call(self, fn: Callable[[], T], what: str) -> T:
         if self._agent is None or self._closed:
@@ -424,12 +379,7 @@ class NixlBackend:
                 t = self._run("getXferTelemetry", lambda: self._agent.getXferTelemetry(raw))
             except BackendError:
                 return None
-            return XferTelemetry(
-                total_bytes=int(t.totalBytes),
-                desc_count=int(t.descCount),
-                post_duration_us=int(t.postDuration),
-                xfer_duration_us=int(t.xferDuration),
-            )
+            return telemetry_from(t)
 
         return await self._call(run, "telemetry")
 
@@ -444,11 +394,6 @@ class NixlBackend:
 
     async def drain_notifications(self) -> tuple[Notification, ...]:
         def run() -> tuple[Notification, ...]:
-            got = self._run("getNotifs", lambda: self._agent.getNotifs({}, []))
-            return tuple(
-                Notification(name.decode() if isinstance(name, bytes) else name, bytes(msg))
-                for name, msgs in got.items()
-                for msg in msgs
-            )
+            return notifications_from(self._run("getNotifs", lambda: self._agent.getNotifs({}, [])))
 
         return await self._call(run, "drain_notifications")

@@ -18,7 +18,13 @@ from kvsidecar.errors import (
     NotFoundError,
     PeerUnavailableError,
 )
-from kvsidecar.rpc._gen.v1 import peer_pb2, peer_pb2_grpc
+from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+from kvsidecar.wire.peer import (
+    AgentInfo,
+    EngineDirectory,
+    agent_info_from_proto,
+    directory_from_proto,
+)
 
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -54,21 +60,21 @@ class PeerLink:
             self._channels[endpoint] = channel
         return peer_pb2_grpc.PeerServiceStub(channel)
 
-    async def get_agent(
-        self, endpoint: str, engine_id: str, tp_rank: int
-    ) -> peer_pb2.GetAgentResponse:
-        """GetAgent from one remote rank, bounded by the handshake timeout."""
+    async def get_agent(self, endpoint: str, engine_id: str, tp_rank: int) -> AgentInfo:
+        """GetAgent from one remote rank, bounded by the handshake timeout. GeometryError if
+        the answer carries a malformed geometry."""
         try:
             call = self._stub(endpoint).GetAgent(
                 peer_pb2.GetAgentRequest(engine_id=engine_id, tp_rank=tp_rank),
                 timeout=self._timeout_s,
                 wait_for_ready=True,
             )
-            return cast(peer_pb2.GetAgentResponse, await cast(Awaitable[Any], call))
+            resp = cast(peer_pb2.GetAgentResponse, await cast(Awaitable[Any], call))
         except grpc.aio.AioRpcError as exc:
             raise _translate(endpoint, f"GetAgent({engine_id!r}, rank {tp_rank})", exc) from None
+        return agent_info_from_proto(resp)
 
-    async def get_engine(self, endpoint: str, engine_id: str) -> peer_pb2.GetEngineResponse:
+    async def get_engine(self, endpoint: str, engine_id: str) -> EngineDirectory:
         """GetEngine (the directory of the engine's ranks) from any one of its sidecars."""
         try:
             call = self._stub(endpoint).GetEngine(
@@ -76,9 +82,10 @@ class PeerLink:
                 timeout=self._timeout_s,
                 wait_for_ready=True,
             )
-            return cast(peer_pb2.GetEngineResponse, await cast(Awaitable[Any], call))
+            resp = cast(peer_pb2.GetEngineResponse, await cast(Awaitable[Any], call))
         except grpc.aio.AioRpcError as exc:
             raise _translate(endpoint, f"GetEngine({engine_id!r})", exc) from None
+        return directory_from_proto(resp)
 
     async def forget(self, endpoint: str) -> None:
         """Close the channel of an endpoint (after a peer failure; the next call reconnects)."""

@@ -1,8 +1,13 @@
-"""Remote engines: handshake (once, shared by concurrent callers), plan, prepared lists, quarantine.
+"""Remote engines this sidecar reads from: the handshaken peers, their handles and their backoff.
 
 A ``Peer`` owns, per remote rank it reads or notifies, a remote agent and (for read ranks) one local
-and one remote prepared descriptor list. ``PeerRegistry.remove`` releases all of them, once; the
-caller fails the peer's in-flight reads first (their transfer handles must go before the lists).
+and one remote prepared descriptor list. ``PeerRegistry`` owns every ``Peer`` of the current local
+registration, the handshakes in progress (so that re-registration and shutdown can abandon them) and
+each remote engine's backoff after failures. It never calls back into its users: the consumer runs
+handshakes (``kvsidecar.engine.handshake``) and tells the registry what came of them.
+
+Releasing a peer releases all of its handles, once; callers fail the peer's in-flight reads first
+(transfer handles must go before the lists they use).
 """
 
 from __future__ import annotations
@@ -11,33 +16,16 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvsidecar.engine.backend import DlistHandle, MemType, RemoteAgent, TransferBackend
+from kvsidecar.engine.backend import DlistHandle, RemoteAgent, TransferBackend
 from kvsidecar.engine.local import LocalEngine
-from kvsidecar.engine.model import (
-    PROTOCOL_VERSION,
-    CompatItems,
-    Endpoints,
-    PeerState,
-    PeerSummary,
-)
 from kvsidecar.engine.peer_link import PeerLink
-from kvsidecar.errors import (
-    FailedPreconditionError,
-    IncompatibleError,
-    InvalidArgumentError,
-    KvSidecarError,
-    NotFoundError,
-    PeerUnavailableError,
-)
-from kvsidecar.metrics import Metrics
-from kvsidecar.plan import EngineGeometry, PeerPlan, RankPlan, build_peer_plan
-from kvsidecar.plan.compat import compatibility_mismatches
-from kvsidecar.plan.tp import needed_remote_ranks
-from kvsidecar.rpc._gen.v1 import peer_pb2
-from kvsidecar.rpc.convert import geometry_from_proto
+from kvsidecar.engine.stats import DURATION_BUCKETS, Histogram, PeerStats
+from kvsidecar.errors import KvSidecarError, PeerUnavailableError
+from kvsidecar.plan import EngineGeometry, PeerPlan, RankPlan
+from kvsidecar.types import PeerInfo, PeerState
 
 log = logging.getLogger(__name__)
 
@@ -80,46 +68,20 @@ class _Known:
     last_error: str = ""
 
 
-def compat_mismatches(
-    local: LocalEngine, remote: peer_pb2.GetAgentResponse, remote_geometry: EngineGeometry | None
-) -> list[str]:
-    """Every differing compatibility item between the local engine and one remote rank."""
-    out: list[str] = []
-    if remote.protocol_version != PROTOCOL_VERSION:
-        out.append(f"protocol_version: local {PROTOCOL_VERSION}, remote {remote.protocol_version}")
-    mine = local.registration.compat
-    theirs = CompatItems(
-        model=remote.compat.model,
-        dtype=remote.compat.dtype,
-        extra=tuple(sorted(remote.compat.extra.items())),
-    )
-    lmap, rmap = dict(mine.items()), dict(theirs.items())
-    for key in sorted(set(lmap) | set(rmap)):
-        if lmap.get(key) != rmap.get(key):
-            out.append(f"{key}: local {lmap.get(key)!r}, remote {rmap.get(key)!r}")
-    if remote_geometry is not None:
-        out.extend(compatibility_mismatches(local.geometry, remote_geometry))
-    return out
-
-
 class PeerRegistry:
-    """Handshakes and owns every ``Peer`` of the current local epoch."""
+    """Every ``Peer`` of the current local epoch, handshakes in progress and per-engine backoff."""
 
     def __init__(
         self,
         *,
         backend: TransferBackend,
         link: PeerLink,
-        metrics: Metrics,
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
-        evict: Callable[[str, str], Awaitable[None]],
     ) -> None:
-        self._evict = evict  # quarantines another peer (failing its reads first)
         self._backend = backend
-        self._link = link
-        self._metrics = metrics
+        self.link = link  # channels to remote sidecars' PeerService
         self._backoff = (backoff_initial_s, backoff_max_s)
         self._clock = clock
         self._local: LocalEngine | None = None
@@ -127,6 +89,8 @@ class PeerRegistry:
         self._known: dict[str, _Known] = {}
         self._pending: dict[str, asyncio.Task[Peer]] = {}
         self._orphans: set[asyncio.Task[Peer]] = set()  # backend phases of abandoned handshakes
+        self._handshakes = {"ok": 0, "error": 0}
+        self._handshake_duration = Histogram(DURATION_BUCKETS)
 
     def bind(self, local: LocalEngine | None) -> None:
         """Plan against ``local`` from now on. ``None`` first (no new handshakes start), then
@@ -138,41 +102,53 @@ class PeerRegistry:
         for known in self._known.values():  # a new registration starts with no quarantine
             known.failures, known.retry_at, known.last_error = 0, 0.0, ""
 
+    @property
+    def backend(self) -> TransferBackend:
+        return self._backend
+
+    @property
+    def local(self) -> LocalEngine | None:
+        """The registration handshakes plan against (``None`` while none is bound)."""
+        return self._local
+
     def peer(self, engine_id: str) -> Peer | None:
         return self._peers.get(engine_id)
 
     def peers(self) -> tuple[Peer, ...]:
         return tuple(self._peers.values())
 
+    def known_endpoints(self, engine_id: str) -> tuple[str, ...]:
+        """Endpoints of the engine's last successful handshake (empty if none)."""
+        known = self._known.get(engine_id)
+        return known.endpoints if known is not None else ()
+
+    # --- handshakes -----------------------------------------------------------------------------
+
     @property
     def handshakes_in_progress(self) -> int:
         """Handshakes under way, including abandoned ones whose backend phase is still running."""
         return len(self._pending) + len(self._orphans)
 
-    async def get(self, engine_id: str, endpoints: Endpoints) -> Peer:
-        """The ready peer, handshaking first if needed; concurrent callers share one handshake."""
-        peer = self._peers.get(engine_id)
-        if peer is not None and peer.state is PeerState.READY:
-            return peer
-        task = self._pending.get(engine_id)
-        if task is None:
-            known = self._known.setdefault(engine_id, _Known())
-            wait = known.retry_at - self._clock()
-            if wait > 0:
-                raise PeerUnavailableError(
-                    f"remote engine {engine_id!r} is quarantined for {wait:.2f}s more after: "
-                    f"{known.last_error}"
-                )
-            task = asyncio.get_running_loop().create_task(self._handshake(engine_id, endpoints))
-            self._pending[engine_id] = task
-            task.add_done_callback(functools.partial(self._handshake_done, engine_id))
-        await asyncio.wait({task})  # our cancellation propagates; the handshake goes on
-        if task.cancelled():
-            raise FailedPreconditionError(
-                f"the handshake with {engine_id!r} was abandoned (the engine re-registered or went "
-                "away); retry"
+    def pending(self, engine_id: str) -> asyncio.Task[Peer] | None:
+        """The handshake with ``engine_id`` in progress, if any (callers share it)."""
+        return self._pending.get(engine_id)
+
+    def check_backoff(self, engine_id: str) -> None:
+        """PeerUnavailableError while ``engine_id`` is quarantined after a failure."""
+        known = self._known.get(engine_id)
+        wait = known.retry_at - self._clock() if known is not None else 0.0
+        if known is not None and wait > 0:
+            raise PeerUnavailableError(
+                f"remote engine {engine_id!r} is quarantined for {wait:.2f}s more after: "
+                f"{known.last_error}"
             )
-        return task.result()
+
+    def track(self, engine_id: str, task: asyncio.Task[Peer]) -> asyncio.Task[Peer]:
+        """Own a handshake task until it ends (``abandon_pending`` cancels it)."""
+        assert engine_id not in self._pending
+        self._pending[engine_id] = task
+        task.add_done_callback(functools.partial(self._handshake_done, engine_id))
+        return task
 
     def _handshake_done(self, engine_id: str, task: asyncio.Task[Peer]) -> None:
         if self._pending.get(engine_id) is task:
@@ -180,194 +156,51 @@ class PeerRegistry:
         if not task.cancelled():
             task.exception()  # retrieved: callers that gave up must not leave it unobserved
 
-    async def _resolve(self, engine_id: str, endpoints: Endpoints) -> tuple[str, ...]:
-        if endpoints.ranks:
-            return endpoints.ranks
-        if endpoints.any_rank:
-            directory = await self._link.get_engine(endpoints.any_rank, engine_id)
-            if not directory.endpoints or len(directory.endpoints) != directory.tp_size:
-                raise FailedPreconditionError(
-                    f"GetEngine({engine_id!r}) from {endpoints.any_rank} returned "
-                    f"{len(directory.endpoints)} endpoints for tp_size={directory.tp_size}"
-                )
-            return tuple(directory.endpoints)
-        known = self._known.get(engine_id)
-        if known is not None and known.endpoints:
-            return known.endpoints
-        raise NotFoundError(
-            f"remote_engine_id={engine_id!r} is unknown: pass remote_endpoints or remote_endpoint"
-        )
+    def track_orphan(self, attach: asyncio.Task[Peer]) -> None:
+        """A cancelled handshake's backend phase goes on; ``abandon_pending`` releases its peer."""
+        self._orphans.add(attach)
 
-    async def _handshake(self, engine_id: str, endpoints: Endpoints) -> Peer:
-        local = self._local
-        if local is None:
-            raise FailedPreconditionError("no engine is registered")
-        started = time.perf_counter()
-        known = self._known.setdefault(engine_id, _Known())
-        try:
-            peer = await self._connect(local, engine_id, endpoints)
-        except (NotFoundError, FailedPreconditionError, InvalidArgumentError) as exc:
-            # A definitive answer (bad input, unknown engine, incompatible): no backoff.
-            self._metrics.handshakes.labels("error").inc()
-            log.warning("handshake with %r refused: %s", engine_id, exc)
-            raise
-        except KvSidecarError as exc:
-            known.failures += 1
-            initial, cap = self._backoff
-            known.retry_at = self._clock() + min(cap, initial * 2 ** (known.failures - 1))
-            known.last_error = str(exc)
-            self._metrics.handshakes.labels("error").inc()
-            log.warning("handshake with %r failed: %s", engine_id, exc)
-            raise
+    def add(self, peer: Peer, duration_s: float) -> None:
+        """A handshake succeeded: ``peer`` is ready and its engine's backoff is cleared."""
+        known = self._known.setdefault(peer.engine_id, _Known())
         known.failures, known.retry_at, known.last_error = 0, 0.0, ""
         known.endpoints = peer.endpoints
-        self._peers[engine_id] = peer
-        self._metrics.handshakes.labels("ok").inc()
-        self._metrics.handshake_duration.observe(time.perf_counter() - started)
-        self._publish_states()
-        log.info(
-            "handshake with %r done in %.1f ms: %d remote ranks",
-            engine_id,
-            1e3 * (time.perf_counter() - started),
-            len(peer.links),
-        )
-        return peer
+        self._peers[peer.engine_id] = peer
+        self._handshakes["ok"] += 1
+        self._handshake_duration.observe(duration_s)
 
-    async def _connect(self, local: LocalEngine, engine_id: str, endpoints: Endpoints) -> Peer:
-        """Network phase (cancellable at any await), then the backend phase, which is shielded:
-        its calls run on the agent thread and a handle created there must reach an owner."""
-        ranks, geometry, agents = await self._fetch(local, engine_id, endpoints)
-        attach = asyncio.get_running_loop().create_task(
-            self._attach(local, engine_id, ranks, geometry, agents)
-        )
-        try:
-            return await asyncio.shield(attach)
-        except asyncio.CancelledError:
-            self._orphans.add(attach)  # ``abandon_pending`` releases what it builds
-            raise
+    def refused(self, engine_id: str, exc: KvSidecarError) -> None:
+        """A handshake got a definitive answer (bad input, unknown engine, incompatible): counted,
+        no backoff (retrying would get the same answer at once)."""
+        self._handshakes["error"] += 1
+        log.warning("handshake with %r refused: %s", engine_id, exc)
 
-    async def _fetch(
-        self, local: LocalEngine, engine_id: str, endpoints: Endpoints
-    ) -> tuple[tuple[str, ...], EngineGeometry, dict[int, peer_pb2.GetAgentResponse]]:
-        """Resolve endpoints, fetch and check the agents of every rank the plan needs."""
-        ranks = await self._resolve(engine_id, endpoints)
-        tp = len(ranks)
-        me = local.geometry
-        home = me.tp_rank * tp // me.tp_size
-        first = await self._link.get_agent(ranks[home], engine_id, home)
-        self._check_agent(local, first, engine_id, home, tp)
-        geometry = geometry_from_proto(
-            engine_id=engine_id,
-            tp_rank=first.tp_rank,
-            tp_size=first.tp_size,
-            num_groups=first.num_groups,
-            views=[rv.view for rv in first.views],
-        )
-        if first.compat_digest != local.digest:
-            raise IncompatibleError(
-                compat_mismatches(local, first, geometry)
-                or ["compat_digest differs (no single item identified)"]
-            )
-        needed = needed_remote_ranks(me, tp, geometry)
-        others = [r for r in needed if r != home]
-        fetched = await asyncio.gather(
-            *(self._link.get_agent(ranks[r], engine_id, r) for r in others)
-        )
-        agents = {home: first, **dict(zip(others, fetched, strict=True))}
-        for r, resp in agents.items():
-            self._check_agent(local, resp, engine_id, r, tp)
-            if resp.compat_digest != local.digest:
-                raise IncompatibleError(
-                    compat_mismatches(local, resp, None) or [f"rank {r}: compat_digest differs"]
-                )
-        return ranks, geometry, agents
+    def failed(self, engine_id: str, exc: KvSidecarError) -> None:
+        """A handshake failed on the way (timeout, unreachable): counted, exponential backoff."""
+        self._handshakes["error"] += 1
+        self._back_off(engine_id, str(exc))
+        log.warning("handshake with %r failed: %s", engine_id, exc)
 
-    async def _attach(
-        self,
-        local: LocalEngine,
-        engine_id: str,
-        ranks: tuple[str, ...],
-        geometry: EngineGeometry,
-        agents: dict[int, peer_pb2.GetAgentResponse],
-    ) -> Peer:
-        """Load the remote agents and prepare both lists of every read rank; on failure release
-        what was built before raising."""
-        bases = {
-            r: {rv.view.name: (rv.base_address, rv.device_id) for rv in resp.views}
-            for r, resp in agents.items()
-        }
-        await self._evict_stale(engine_id, {resp.agent_name for resp in agents.values()})
-        plan = build_peer_plan(
-            local=local.geometry, remote=geometry, local_bases=local.view_bases, remote_bases=bases
-        )
-        peer = Peer(engine_id=engine_id, endpoints=ranks, plan=plan, remote_geometry=geometry)
-        try:
-            for rank_plan in plan.ranks:
-                resp = agents[rank_plan.remote_rank]
-                agent = await self._backend.add_remote_agent(resp.nixl_agent_metadata)
-                link = RankLink(
-                    rank=rank_plan.remote_rank,
-                    endpoint=ranks[rank_plan.remote_rank],
-                    agent=agent,
-                    epoch=resp.epoch,
-                    plan=rank_plan,
-                )
-                peer.links[rank_plan.remote_rank] = link
-                if not rank_plan.notify_only:
-                    link.local_dlist = await self._backend.prep_local_dlist(
-                        rank_plan.local_rows, local.mem_type
-                    )
-                    link.remote_dlist = await self._backend.prep_remote_dlist(
-                        agent, rank_plan.remote_rows, MemType[resp.mem_type or "DRAM"]
-                    )
-        except BaseException:
-            await self._release(peer)
-            raise
-        return peer
-
-    async def _evict_stale(self, engine_id: str, agent_names: set[str]) -> None:
-        """A sidecar whose engine restarted under a new engine id keeps its NIXL agent: a peer
-        still holding that agent is stale and goes before the agent is loaded again."""
-        for other in list(self._peers.values()):
-            if other.engine_id != engine_id and any(
-                link.agent.name in agent_names for link in other.links.values()
-            ):
-                await self._evict(other.engine_id, f"its sidecar now serves engine {engine_id!r}")
-
-    @staticmethod
-    def _check_agent(
-        local: LocalEngine, resp: peer_pb2.GetAgentResponse, engine_id: str, rank: int, tp: int
-    ) -> None:
-        problems = []
-        if resp.engine_id != engine_id:
-            problems.append(f"engine_id {resp.engine_id!r} (expected {engine_id!r})")
-        if resp.tp_rank != rank:
-            problems.append(f"tp_rank {resp.tp_rank} (expected {rank})")
-        if resp.tp_size != tp:
-            problems.append(f"tp_size {resp.tp_size} (expected {tp} endpoints)")
-        if resp.mem_type not in ("", "DRAM", "VRAM"):
-            problems.append(f"mem_type {resp.mem_type!r}")
-        if problems:
-            raise FailedPreconditionError(
-                f"remote engine {engine_id!r} rank {rank} answered " + ", ".join(problems)
-            )
-
-    async def remove(self, engine_id: str, reason: str) -> None:
-        """Quarantine: release every handle of the peer; the next request re-handshakes after
-        backoff. The caller has already failed the peer's in-flight reads."""
-        peer = self._peers.pop(engine_id, None)
-        if peer is None:
-            return
+    def _back_off(self, engine_id: str, reason: str) -> None:
         known = self._known.setdefault(engine_id, _Known())
         known.failures += 1
         initial, cap = self._backoff
         known.retry_at = self._clock() + min(cap, initial * 2 ** (known.failures - 1))
         known.last_error = reason
+
+    # --- release --------------------------------------------------------------------------------
+
+    async def remove(self, engine_id: str, reason: str) -> None:
+        """Quarantine: release every handle of the peer and close its channels; the next request
+        re-handshakes after backoff. The caller has already failed the peer's in-flight reads."""
+        peer = self._peers.pop(engine_id, None)
+        if peer is None:
+            return
+        self._back_off(engine_id, reason)
         peer.state = PeerState.QUARANTINED
-        await self._release(peer)
+        await self.release(peer)
         for endpoint in peer.endpoints:
-            await self._link.forget(endpoint)
-        self._publish_states()
+            await self.link.forget(endpoint)
         log.warning("remote engine %r quarantined: %s", engine_id, reason)
 
     async def abandon_pending(self) -> None:
@@ -390,21 +223,19 @@ class PeerRegistry:
                 if attach not in self._orphans:
                     continue
                 if not attach.cancelled() and attach.exception() is None:
-                    await asyncio.shield(self._release(attach.result()))
+                    await asyncio.shield(self.release(attach.result()))
                 self._orphans.discard(attach)
-        self._publish_states()
 
     async def release_all(self) -> None:
         """Release every peer (local re-registration, engine gone, shutdown). Callers abandon
-        pending handshakes first, outside the post lock: an abandoned handshake's backend phase
-        may evict a stale peer, which takes that lock."""
+        pending handshakes first and fail every in-flight read."""
         await self.abandon_pending()
         peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
-            await self._release(peer)
-        self._publish_states()
+            await self.release(peer)
 
-    async def _release(self, peer: Peer) -> None:
+    async def release(self, peer: Peer) -> None:
+        """Release the peer's lists and agents, once (errors are logged: release goes on)."""
         if peer.released:
             return
         peer.released = True
@@ -423,9 +254,11 @@ class PeerRegistry:
             except KvSidecarError as exc:
                 log.error("removing agent %r failed: %s", link.agent.name, exc)
 
-    def summaries(self) -> tuple[PeerSummary, ...]:
+    # --- introspection --------------------------------------------------------------------------
+
+    def summaries(self) -> tuple[PeerInfo, ...]:
         out = [
-            PeerSummary(
+            PeerInfo(
                 engine_id=p.engine_id,
                 state=p.state,
                 tp_size=p.plan.remote_tp_size,
@@ -438,7 +271,7 @@ class PeerRegistry:
         for engine_id, known in self._known.items():
             if engine_id not in self._peers and known.last_error:
                 out.append(
-                    PeerSummary(
+                    PeerInfo(
                         engine_id=engine_id,
                         state=PeerState.QUARANTINED,
                         tp_size=len(known.endpoints),
@@ -449,10 +282,13 @@ class PeerRegistry:
                 )
         return tuple(out)
 
-    def _publish_states(self) -> None:
+    def stats(self) -> PeerStats:
         counts = {s: 0 for s in PeerState}
         for summary in self.summaries():
             counts[summary.state] += 1
         counts[PeerState.HANDSHAKING] = len(self._pending)
-        for state, n in counts.items():
-            self._metrics.peers.labels(state.value).set(n)
+        return PeerStats(
+            by_state=counts,
+            handshakes=dict(self._handshakes),
+            handshake_duration=self._handshake_duration.snapshot(),
+        )

@@ -15,13 +15,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsidecar.engine.backend import TransferBackend, XferHandle, XferState
-from kvsidecar.engine.events import EventHub, FailureReason, RecvDone, RecvFailed
-from kvsidecar.engine.model import ReadCommand, ReadPosted
+from kvsidecar.engine.events import EventHub
+from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers import Peer, RankLink
+from kvsidecar.engine.stats import (
+    DESCRIPTOR_BUCKETS,
+    DURATION_BUCKETS,
+    POST_BUCKETS,
+    Histogram,
+    TransferStats,
+)
 from kvsidecar.errors import AlreadyExistsError, KvSidecarError
-from kvsidecar.metrics import Metrics
 from kvsidecar.plan import request_ids
-from kvsidecar.rpc._gen.v1 import peer_pb2
+from kvsidecar.types import FailReason, ReadPosted, RecvDone, RecvFailed
+from kvsidecar.wire.peer import NotificationKind, PeerNotification, encode_notification
 
 log = logging.getLogger(__name__)
 
@@ -40,30 +47,9 @@ class InFlightRead:
     xfers: list[_Xfer]
     bytes: int
     started: float  # perf_counter at the Read call
+    deadline_s: float  # seconds from the call
     deadline: float  # clock() value
-    failure: tuple[FailureReason, str] | None = None
-
-
-def notification(
-    *,
-    kind: peer_pb2.PeerNotification.Kind.ValueType,
-    remote_request_id: str,
-    expected_consumers: int,
-    epoch: int,
-    consumer_engine_id: str,
-    consumer_rank: int,
-    heartbeat_ids: tuple[str, ...] = (),
-) -> bytes:
-    """The serialized sidecar-to-sidecar notification payload."""
-    return peer_pb2.PeerNotification(
-        kind=kind,
-        remote_request_id=remote_request_id,
-        expected_consumers=expected_consumers,
-        epoch=epoch,
-        consumer_engine_id=consumer_engine_id,
-        consumer_rank=consumer_rank,
-        heartbeat_request_ids=list(heartbeat_ids),
-    ).SerializeToString()
+    failure: tuple[FailReason, str] | None = None
 
 
 class TransferManager:
@@ -74,16 +60,30 @@ class TransferManager:
         *,
         backend: TransferBackend,
         events: EventHub,
-        metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._backend = backend
         self._events = events
-        self._metrics = metrics
         self._clock = clock
         self._reads: dict[str, InFlightRead] = {}
         self._to_release: list[XferHandle] = []  # completed, reported, not yet released
-        self.counters = {"reads_done": 0, "reads_failed": 0, "bytes_read": 0}
+        self._started = self._done = self._bytes = 0
+        self._failed: dict[str, int] = {}
+        self._read_duration = Histogram(DURATION_BUCKETS)
+        self._post_duration = Histogram(POST_BUCKETS)
+        self._descriptors = Histogram(DESCRIPTOR_BUCKETS)
+
+    def stats(self) -> TransferStats:
+        return TransferStats(
+            reads_started=self._started,
+            reads_done=self._done,
+            reads_failed=dict(self._failed),
+            bytes_read=self._bytes,
+            reads_in_flight=len(self._reads),
+            read_duration=self._read_duration.snapshot(),
+            post_duration=self._post_duration.snapshot(),
+            descriptors=self._descriptors.snapshot(),
+        )
 
     def __len__(self) -> int:
         return len(self._reads)
@@ -96,9 +96,16 @@ class TransferManager:
             raise AlreadyExistsError(f"request_id={request_id!r} is already in flight")
 
     async def post(
-        self, cmd: ReadCommand, peer: Peer, *, consumer_engine_id: str, consumer_rank: int
+        self,
+        cmd: ReadCommand,
+        peer: Peer,
+        *,
+        deadline_s: float,
+        consumer_engine_id: str,
+        consumer_rank: int,
     ) -> ReadPosted:
-        """Post READs (and notify-only messages) for every rank of the peer's plan."""
+        """Post READs (and notify-only messages) for every rank of the peer's plan; the read fails
+        ``deadline_s`` seconds from now unless it completed."""
         self.check_new(cmd.request_id)
         started = time.perf_counter()
         xfers: list[_Xfer] = []
@@ -107,14 +114,16 @@ class TransferManager:
         by_rank = {r.remote_rank: r for r in request_ids(peer.plan, cmd.local_ids, cmd.remote_ids)}
         notify_only = []
 
-        def payload(kind: peer_pb2.PeerNotification.Kind.ValueType, link: RankLink) -> bytes:
-            return notification(
-                kind=kind,
-                remote_request_id=cmd.remote_request_id,
-                expected_consumers=link.plan.expected_consumers,
-                epoch=link.epoch,
-                consumer_engine_id=consumer_engine_id,
-                consumer_rank=consumer_rank,
+        def payload(kind: NotificationKind, link: RankLink) -> bytes:
+            return encode_notification(
+                PeerNotification(
+                    kind=kind,
+                    remote_request_id=cmd.remote_request_id,
+                    expected_consumers=link.plan.expected_consumers,
+                    epoch=link.epoch,
+                    consumer_engine_id=consumer_engine_id,
+                    consumer_rank=consumer_rank,
+                )
             )
 
         try:
@@ -131,17 +140,16 @@ class TransferManager:
                     ids.local_desc_ids,
                     link.remote_dlist,
                     ids.remote_desc_ids,
-                    payload(peer_pb2.PeerNotification.READ_DONE, link),
+                    payload(NotificationKind.READ_DONE, link),
                 )
                 state = XferState.DONE if handle.done_at_post else XferState.PROC
                 xfers.append(_Xfer(rank=link.rank, handle=handle, state=state))
-                self._metrics.descriptors.observe(len(ids.local_desc_ids))
+                self._descriptors.observe(len(ids.local_desc_ids))
                 total += ids.num_bytes
             for link in notify_only:
                 await self._backend.send_notification(
-                    link.agent, payload(peer_pb2.PeerNotification.CONSUMED, link)
+                    link.agent, payload(NotificationKind.CONSUMED, link)
                 )
-                self._metrics.notifications_sent.labels("consumed").inc()
                 sent += 1
         except BaseException:
             for x in xfers:
@@ -149,8 +157,8 @@ class TransferManager:
                     await self._backend.release_xfer(x.handle)
             raise
         posted = ReadPosted(reads_posted=len(xfers), notifications_sent=sent, bytes=total)
-        self._metrics.post_duration.observe(time.perf_counter() - started)
-        self._metrics.reads_started.inc()
+        self._post_duration.observe(time.perf_counter() - started)
+        self._started += 1
         if not xfers:  # full prefix hit: nothing to wait for
             self._finish_done(cmd, 0, started)
             return posted
@@ -159,11 +167,15 @@ class TransferManager:
             self._finish_done(cmd, total, started)
             self._to_release.extend(x.handle for x in xfers)
             return posted
-        deadline = self._clock() + cmd.deadline_s
         self._reads[cmd.request_id] = InFlightRead(
-            cmd=cmd, peer=peer, xfers=xfers, bytes=total, started=started, deadline=deadline
+            cmd=cmd,
+            peer=peer,
+            xfers=xfers,
+            bytes=total,
+            started=started,
+            deadline_s=deadline_s,
+            deadline=self._clock() + deadline_s,
         )
-        self._metrics.reads_in_flight.set(len(self._reads))
         return posted
 
     async def poll(self) -> set[str]:
@@ -180,7 +192,7 @@ class TransferManager:
             x.state = state
             if state is XferState.ERR and read.failure is None:
                 read.failure = (
-                    FailureReason.TRANSFER_ERROR,
+                    FailReason.TRANSFER_ERROR,
                     f"READ from remote rank {x.rank} of {read.peer.engine_id!r} failed",
                 )
                 failed_peers.add(read.peer.engine_id)
@@ -189,8 +201,8 @@ class TransferManager:
             in_proc = any(x.state is XferState.PROC for x in read.xfers)
             if in_proc and now >= read.deadline:
                 read.failure = read.failure or (
-                    FailureReason.DEADLINE_EXCEEDED,
-                    f"deadline of {read.cmd.deadline_s:g}s exceeded reading from "
+                    FailReason.DEADLINE_EXCEEDED,
+                    f"deadline of {read.deadline_s:g}s exceeded reading from "
                     f"{read.peer.engine_id!r}",
                 )
                 await self._close(read)
@@ -212,14 +224,14 @@ class TransferManager:
             except KvSidecarError as exc:
                 log.error("releasing a completed READ handle failed: %s", exc)
 
-    async def fail_peer(self, engine_id: str, reason: FailureReason, message: str) -> None:
+    async def fail_peer(self, engine_id: str, reason: FailReason, message: str) -> None:
         """Fail (and release) every in-flight read from ``engine_id``."""
         await self.release_completed()  # handles go before the peer's lists and agent
         for read in [r for r in self._reads.values() if r.peer.engine_id == engine_id]:
             read.failure = read.failure or (reason, message)
             await self._close(read)
 
-    async def fail_all(self, reason: FailureReason, message: str) -> None:
+    async def fail_all(self, reason: FailReason, message: str) -> None:
         await self.release_completed()
         for read in list(self._reads.values()):
             read.failure = read.failure or (reason, message)
@@ -229,7 +241,6 @@ class TransferManager:
         """Release every handle of the read, then report it. Exactly once per read."""
         if self._reads.pop(read.cmd.request_id, None) is None:
             return
-        self._metrics.reads_in_flight.set(len(self._reads))
         if read.failure is None:  # data has landed: report first, then release
             self._finish_done(read.cmd, read.bytes, read.started)
             self._to_release.extend(x.handle for x in read.xfers)
@@ -240,8 +251,8 @@ class TransferManager:
             except KvSidecarError as exc:
                 log.error("releasing READ handle of %r failed: %s", read.cmd.request_id, exc)
         reason, message = read.failure
-        self.counters["reads_failed"] += 1
-        self._metrics.reads_failed.labels(reason.name.lower()).inc()
+        label = reason.name.lower()
+        self._failed[label] = self._failed.get(label, 0) + 1
         log.warning("read %r failed: %s", read.cmd.request_id, message)
         self._events.emit(
             RecvFailed(
@@ -254,9 +265,7 @@ class TransferManager:
 
     def _finish_done(self, cmd: ReadCommand, nbytes: int, started: float) -> None:
         duration = time.perf_counter() - started
-        self.counters["reads_done"] += 1
-        self.counters["bytes_read"] += nbytes
-        self._metrics.reads_done.inc()
-        self._metrics.bytes_read.inc(nbytes)
-        self._metrics.read_duration.observe(duration)
+        self._done += 1
+        self._bytes += nbytes
+        self._read_duration.observe(duration)
         self._events.emit(RecvDone(request_id=cmd.request_id, bytes=nbytes, duration_s=duration))

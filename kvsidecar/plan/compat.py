@@ -10,11 +10,35 @@ Reported items name the view, the span and both values; every mismatch is listed
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvsidecar.errors import IncompatibleError
 
 from .geometry import EngineGeometry, Span, units_per_rank
 
-__all__ = ["check_compatible", "compatibility_mismatches", "span_signature", "unit_bytes"]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "CompatItems",
+    "check_compatible",
+    "compatibility_mismatches",
+    "span_signature",
+    "unit_bytes",
+]
+
+#: Version of the sidecar-to-sidecar protocol; part of every compatibility digest.
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompatItems:
+    """What two engines must agree on besides geometry (model identity, KV dtype, extra items)."""
+
+    model: str
+    dtype: str
+    extra: tuple[tuple[str, str], ...] = ()
+
+    def items(self) -> tuple[tuple[str, str], ...]:
+        return (("model", self.model), ("dtype", self.dtype), *sorted(self.extra))
 
 
 def unit_bytes(span: Span, tp_size: int) -> int:

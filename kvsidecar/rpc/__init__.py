@@ -1,1 +1,2 @@
-"""gRPC layer: generated code (``_gen``), proto⇄domain conversion, servicers, the error table."""
+"""Thin gRPC servicers: convert with ``kvsidecar.wire``, call the engine core, map errors
+(``rpc.status`` holds the one exception → status table)."""

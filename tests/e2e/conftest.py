@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.client import toy
-from kvsidecar.client.cluster import LocalCluster
+from kvsidecar.testing import toy
+from kvsidecar.testing.cluster import LocalCluster
 
 ClusterFactory = Callable[..., contextlib.AbstractAsyncContextManager[LocalCluster]]
 

@@ -25,13 +25,13 @@ import grpc
 import pytest
 
 from kvsidecar import errors
-from kvsidecar.client import api, toy
-from kvsidecar.client.clients import AsyncSidecarClient
-from kvsidecar.client.cluster import PREFILL, LocalCluster, request_ids, transfer
+from kvsidecar.client import AsyncSidecarClient, Event, ReadPosted, RecvDone, SendDone, requests
 from kvsidecar.client.export import SharedMemoryExport
 from kvsidecar.memory import CudaIpcSpec, HostShmSpec, MemorySpec
 from kvsidecar.plan import Span, View
-from kvsidecar.rpc._gen.v1 import engine_pb2, engine_pb2_grpc, geometry_pb2
+from kvsidecar.testing import toy
+from kvsidecar.testing.cluster import PREFILL, LocalCluster, request_ids, transfer
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, geometry_pb2
 from tests import sidecar_proc
 from tests.e2e.conftest import ClusterFactory
 
@@ -68,7 +68,7 @@ async def expect_error(
 @contextlib.asynccontextmanager
 async def raw_stub(socket: str) -> AsyncIterator[engine_pb2_grpc.EngineServiceStub]:
     """An EngineService stub for protos the client cannot produce."""
-    channel = grpc.aio.insecure_channel(api.target_for(socket))
+    channel = grpc.aio.insecure_channel(requests.target_for(socket))
     try:
         yield engine_pb2_grpc.EngineServiceStub(channel)
     finally:
@@ -79,7 +79,7 @@ async def raw_call(method: Any, request: Any) -> Any:
     try:
         return await method(request, timeout=CALL_TIMEOUT_S, wait_for_ready=True)
     except grpc.aio.AioRpcError as exc:
-        raise api.error_from_rpc(exc) from None
+        raise requests.error_from_rpc(exc) from None
 
 
 def client_of(cluster: LocalCluster, role: str, rank: int = 0) -> AsyncSidecarClient:
@@ -159,7 +159,7 @@ async def test_read_bad_input_is_rejected_and_the_daemon_keeps_serving(
             remote_request_id: str = "bad",
             endpoints: Sequence[str] = endpoints,
             deadline_s: float = 0.0,
-        ) -> api.ReadPosted:
+        ) -> ReadPosted:
             return await d.read(
                 request_id,
                 remote_engine_id=remote_engine_id,
@@ -305,7 +305,7 @@ async def test_duplicate_request_id_in_flight_is_rejected(local_cluster: Cluster
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     host, port = server.sockets[0].getsockname()[:2]
     blackhole = f"{host}:{port}"
-    stuck: asyncio.Task[api.ReadPosted] | None = None
+    stuck: asyncio.Task[ReadPosted] | None = None
     try:
         # The stuck Read holds its id for the handshake timeout (2 s): ample for the two calls.
         async with local_cluster(
@@ -451,7 +451,7 @@ async def test_notify_and_watch_bad_input(local_cluster: ClusterFactory) -> None
         result = await transfer(cluster, "held", pids, dids, hold=False)
         assert result.bytes_verified == result.bytes_read > 0
         done = await asyncio.wait_for(sends, CALL_TIMEOUT_S)
-        assert isinstance(done, api.SendDone), done
+        assert isinstance(done, SendDone), done
         assert not done.expired
         assert done.consumers == done.expected_consumers == 1
         # Released holds are gone; RELEASE of one that was held works once.
@@ -515,7 +515,7 @@ def register_kwargs(
 async def read_from_prefill(
     cluster: LocalCluster,
     client: AsyncSidecarClient,
-    events: AsyncIterator[api.ClientEvent],
+    events: AsyncIterator[Event],
     memory: SharedMemoryExport,
     views: Sequence[View],
     request_id: str,
@@ -537,7 +537,7 @@ async def read_from_prefill(
         endpoints=cluster.prefill_endpoints,
     )
     event = await asyncio.wait_for(anext(events), CALL_TIMEOUT_S)
-    assert isinstance(event, api.RecvDone), event
+    assert isinstance(event, RecvDone), event
     assert event.request_id == f"{request_id}@decode2"
     verified = toy.verify(
         memory.array, views, tp_size=1, rank=0, seed=cluster.seed, local_ids=dids, remote_ids=pids
@@ -545,7 +545,7 @@ async def read_from_prefill(
     assert verified == posted.bytes > 0
     for fut in sends:
         done = await asyncio.wait_for(fut, CALL_TIMEOUT_S)
-        assert isinstance(done, api.SendDone), done
+        assert isinstance(done, SendDone), done
         assert not done.expired, done
     return verified
 
@@ -711,7 +711,7 @@ async def test_register_engine_bad_input(local_cluster: ClusterFactory, tmp_path
                 peer_endpoints=["127.0.0.1:1", "127.0.0.1:2"],
             )
             # Protos the client cannot produce: duplicate memory ids, a memory without a kind.
-            base = api.register_request(**register_kwargs(views, {"kv": good.spec}))
+            base = requests.register(**register_kwargs(views, {"kv": good.spec}))
             shm = geometry_pb2.Memory(
                 id="kv", size=size, host_shm=geometry_pb2.HostShm(path=good.path)
             )
@@ -854,7 +854,7 @@ async def test_failed_reregistration_keeps_the_current_registration(
         result = await transfer(cluster, "kept", pids, dids, hold=False)
         assert result.bytes_verified == result.bytes_read > 0
         done = await asyncio.wait_for(sends, CALL_TIMEOUT_S)
-        assert isinstance(done, api.SendDone), done
+        assert isinstance(done, SendDone), done
         assert not done.expired, done
         assert await good_transfer(cluster, "after", seed=8) > 0
         assert (await d.status()).counters["reads_failed"] == 0

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from kvsidecar import errors
-from kvsidecar.client import api, toy
-from kvsidecar.client.cluster import PREFILL, request_ids
+from kvsidecar.client import ReadPosted, ReadSpec, RecvDone, SendDone
+from kvsidecar.testing import toy
+from kvsidecar.testing.cluster import PREFILL, request_ids
 from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=32)
@@ -29,7 +30,7 @@ async def test_read_batch_posts_good_reads_and_reports_bad_ones(
         for d in cluster.decode:
             assert d.client is not None
             specs = [
-                api.ReadSpec(
+                ReadSpec(
                     request_id=f"{rid}@d",
                     remote_engine_id=PREFILL,
                     remote_request_id=rid,
@@ -40,7 +41,7 @@ async def test_read_batch_posts_good_reads_and_reports_bad_ones(
             ]
             specs.insert(
                 1,
-                api.ReadSpec(
+                ReadSpec(
                     request_id="bad@d",
                     remote_engine_id=PREFILL,
                     remote_request_id="bad",
@@ -55,11 +56,11 @@ async def test_read_batch_posts_good_reads_and_reports_bad_ones(
             assert isinstance(bad, errors.InvalidArgumentError)
             assert "reads[1]: local_block_ids[0][0]=99 is outside view" in str(bad)
             for r in (results[0], results[2], results[3]):
-                assert isinstance(r, api.ReadPosted)
+                assert isinstance(r, ReadPosted)
                 assert r.bytes > 0
             for rid, (pids, dids) in good.items():
                 event = await asyncio.wait_for(recvs[rid], 10)
-                assert isinstance(event, api.RecvDone)
+                assert isinstance(event, RecvDone)
                 assert (
                     toy.verify(
                         d.memory.array,
@@ -75,5 +76,5 @@ async def test_read_batch_posts_good_reads_and_reports_bad_ones(
         for rid, futs in sends.items():
             for fut in futs:
                 done = await asyncio.wait_for(fut, 10)
-                assert isinstance(done, api.SendDone), rid
+                assert isinstance(done, SendDone), rid
                 assert done.consumers == done.expected_consumers

@@ -11,8 +11,9 @@ import urllib.request
 import pytest
 
 from kvsidecar import errors
-from kvsidecar.client import api, toy
-from kvsidecar.client.cluster import DECODE, PREFILL, request_ids, transfer
+from kvsidecar.client import RankPlanInfo, ReadPosted, RecvFailed, SendDone
+from kvsidecar.testing import toy
+from kvsidecar.testing.cluster import DECODE, PREFILL, request_ids, transfer
 from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
@@ -43,7 +44,7 @@ async def test_plan_for_2_to_4_matches_the_planner(local_cluster: ClusterFactory
             assert plan.local_rank == rank.rank
             assert (plan.local_tp_size, plan.remote_tp_size) == (4, 2)
             assert plan.ranks == (
-                api.RankPlanInfo(
+                RankPlanInfo(
                     remote_rank=rank.rank // 2,
                     rows=4,
                     bytes_per_block=1024,
@@ -62,7 +63,7 @@ async def test_lease_expires_without_consumers(local_cluster: ClusterFactory) ->
             await rank.client.hold("lonely", block_ids=[[1, 2]], lease_s=0.3)
         for fut in waits:
             done = await asyncio.wait_for(fut, 10)
-            assert isinstance(done, api.SendDone)
+            assert isinstance(done, SendDone)
             assert done.expired
             assert done.consumers == 0
         for rank in cluster.prefill:
@@ -89,7 +90,7 @@ async def test_heartbeat_extends_the_lease(local_cluster: ClusterFactory) -> Non
         result = await transfer(cluster, "slow", pids, dids, hold=False)
         assert result.bytes_verified == result.bytes_read > 0
         done = await asyncio.wait_for(sends, 10)
-        assert isinstance(done, api.SendDone)
+        assert isinstance(done, SendDone)
         assert not done.expired
         assert done.consumers == done.expected_consumers == 2
 
@@ -149,7 +150,7 @@ async def test_dead_producer_fails_reads_and_the_consumer_keeps_serving(
         producer.proc.wait(10)
         pids, dids = request_ids(SHAPE, [5, 6], [7, 8])
         fut = consumer.expect("orphan@decode")
-        posted: api.ReadPosted | errors.KvSidecarError
+        posted: ReadPosted | errors.KvSidecarError
         try:
             posted = await consumer.client.read(
                 "orphan@decode",
@@ -165,7 +166,7 @@ async def test_dead_producer_fails_reads_and_the_consumer_keeps_serving(
             assert "UNAVAILABLE" in str(posted)
         else:
             event = await asyncio.wait_for(fut, 15)
-            assert isinstance(event, api.RecvFailed)
+            assert isinstance(event, RecvFailed)
             assert event.invalid_block_ids == tuple(tuple(g) for g in dids)
         status = await consumer.client.status()
         assert status.reads_in_flight == 0

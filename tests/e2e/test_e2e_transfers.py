@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from kvsidecar.client import toy
-from kvsidecar.client.cluster import request_ids, transfer
+from kvsidecar.testing import toy
+from kvsidecar.testing.cluster import request_ids, transfer
 from tests.e2e.conftest import ClusterFactory
 
 K = toy.ModelKind

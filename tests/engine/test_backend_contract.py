@@ -24,7 +24,8 @@ from kvsidecar.errors import (
     BackendNotFoundError,
     RemoteDisconnectedError,
 )
-from tests.engine.harness import Pair, make_pair, read_region
+from kvsidecar.tools.target_process import read_region
+from tests.engine.harness import Pair, make_pair
 
 BLOCK = 4096  # block stride on the initiator
 RBLOCK = 8192  # block stride on the target

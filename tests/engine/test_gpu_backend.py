@@ -14,7 +14,8 @@ import pytest
 
 from kvsidecar.engine.backend import MemType, XferState
 from kvsidecar.memory import CudaIpcSpec, import_cuda_ipc
-from tests.engine.harness import REPO, TargetProcess
+from kvsidecar.tools.target_process import TargetProcess
+from tests.engine.harness import REPO
 
 pytestmark = pytest.mark.gpu
 

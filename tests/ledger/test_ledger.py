@@ -13,9 +13,9 @@ from kvsidecar.engine.ledger import (
     LedgerCounters,
     NotificationOutcome,
     ProducerLedger,
-    SendDone,
 )
 from kvsidecar.errors import AlreadyExistsError, InvalidArgumentError
+from kvsidecar.types import SendDone
 
 COUNTED = NotificationOutcome.COUNTED
 COMPLETED = NotificationOutcome.COMPLETED

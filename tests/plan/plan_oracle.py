@@ -15,15 +15,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvsidecar.plan import (
-    EngineGeometry,
-    PeerPlan,
-    View,
-    build_peer_plan,
-    expand_kernel_ids,
-    request_descriptor_ids,
-    units_held,
-)
+from kvsidecar.plan import EngineGeometry, PeerPlan, View, build_peer_plan
+from kvsidecar.plan.request import expand_kernel_ids, request_descriptor_ids
+from kvsidecar.plan.tp import units_held
 
 LOCAL, REMOTE = 0, 1
 U8 = npt.NDArray[np.uint8]

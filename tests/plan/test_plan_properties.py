@@ -12,12 +12,11 @@ from kvsidecar.plan import (
     EngineGeometry,
     PeerPlan,
     compatibility_mismatches,
-    expand_kernel_ids,
-    expected_consumers,
-    needed_remote_ranks,
     span_signature,
     validate_request_ids,
 )
+from kvsidecar.plan.request import expand_kernel_ids
+from kvsidecar.plan.tp import expected_consumers, needed_remote_ranks
 from tests.plan.plan_oracle import LOCAL, Cluster, address
 from tests.plan.plan_strategies import KINDS, TP_SIZES, Model, models, request
 

@@ -13,16 +13,14 @@ from kvsidecar.plan import (
     PeerPlan,
     Span,
     View,
-    expand_kernel_ids,
-    expected_consumers,
     flashinfer_view,
     mamba2_view,
     mla_view,
-    needed_remote_ranks,
     nhd_token_views,
     packed_kv_view,
-    request_descriptor_ids,
 )
+from kvsidecar.plan.request import expand_kernel_ids, request_descriptor_ids
+from kvsidecar.plan.tp import expected_consumers, needed_remote_ranks
 from tests.plan.plan_oracle import LOCAL, REMOTE, Cluster, address
 
 Rows = list[tuple[int, int, int]]

@@ -17,16 +17,15 @@ from kvsidecar.plan import (
     Span,
     View,
     build_peer_plan,
-    check_compatible,
     compatibility_mismatches,
     mla_view,
-    needed_remote_ranks,
     packed_kv_view,
-    request_descriptor_ids,
     span_signature,
-    units_held,
     validate_request_ids,
 )
+from kvsidecar.plan.compat import check_compatible
+from kvsidecar.plan.request import request_descriptor_ids
+from kvsidecar.plan.tp import needed_remote_ranks, units_held
 from tests.plan.plan_oracle import Cluster
 
 PLAN_DIR = pathlib.Path(__file__).resolve().parents[2] / "kvsidecar" / "plan"

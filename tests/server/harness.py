@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.client import api, toy
-from kvsidecar.client.clients import AsyncSidecarClient
+from kvsidecar.client import AsyncSidecarClient, Event, ReadPosted, Registered
 from kvsidecar.client.export import SharedMemoryExport
 from kvsidecar.engine.fake_backend import FakeBackend, FakeFabric
 from kvsidecar.server import Sidecar
 from kvsidecar.settings import Settings
+from kvsidecar.testing import toy
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 
@@ -52,7 +52,7 @@ class Node:
         engine_id: str | None = None,
         memory: SharedMemoryExport | None = None,
         client: AsyncSidecarClient | None = None,
-    ) -> api.Registered:
+    ) -> Registered:
         assert self.sidecar.addresses is not None
         return await (client or self.client).register_engine(
             engine_id=engine_id or self.engine_id,
@@ -90,7 +90,7 @@ class Pair:
         dids: list[int],
         deadline_s: float = 0.0,
         engine: str = "prefill",
-    ) -> api.ReadPosted:
+    ) -> ReadPosted:
         """Decode reads prefill's blocks `pids` into its blocks `dids`."""
         return await self.decode.client.read(
             request_id,
@@ -149,8 +149,8 @@ async def open_pair(tmp_path: Path, **settings: Any) -> AsyncIterator[Pair]:
             await node.aclose()
 
 
-async def next_event(client: AsyncSidecarClient, timeout_s: float = 5.0) -> api.ClientEvent:
-    async def first() -> api.ClientEvent:
+async def next_event(client: AsyncSidecarClient, timeout_s: float = 5.0) -> Event:
+    async def first() -> Event:
         while True:
             status = await client.status(max_events=1)
             if status.events:

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvsidecar import errors
-from kvsidecar.client import api, toy
+from kvsidecar.client import FailReason, RecvDone, RecvFailed, SendDone
 from kvsidecar.engine.fake_backend import FakeFabric, FakeFaults
+from kvsidecar.testing import toy
 from tests.server.harness import Pair, make_node, next_event
 
 
@@ -19,7 +20,7 @@ async def test_fake_backend_moves_bytes_through_the_daemon(pair: Pair) -> None:
     posted = await pair.read("ok", [1, 2, 3], [7, 8, 9])
     assert posted.reads_posted == 1
     done = await next_event(pair.decode.client)
-    assert isinstance(done, api.RecvDone)
+    assert isinstance(done, RecvDone)
     assert done.bytes == posted.bytes > 0
     assert (
         toy.verify(
@@ -34,7 +35,7 @@ async def test_fake_backend_moves_bytes_through_the_daemon(pair: Pair) -> None:
         == posted.bytes
     )
     sent = await next_event(pair.prefill.client)
-    assert isinstance(sent, api.SendDone)
+    assert isinstance(sent, SendDone)
     assert (sent.consumers, sent.expected_consumers, sent.expired) == (1, 1, False)
 
 
@@ -43,8 +44,8 @@ async def test_stalled_read_fails_at_its_deadline_and_is_released(pair: Pair) ->
     pair.decode.backend.faults = FakeFaults(stall=True)
     await pair.read("slow", [4, 5], [10, 11], deadline_s=0.2)
     failed = await next_event(pair.decode.client)
-    assert isinstance(failed, api.RecvFailed)
-    assert failed.reason is api.FailReason.DEADLINE_EXCEEDED
+    assert isinstance(failed, RecvFailed)
+    assert failed.reason is FailReason.DEADLINE_EXCEEDED
     assert "deadline of 0.2s exceeded" in failed.message
     assert failed.invalid_block_ids == ((10, 11),)
     status = await pair.decode.client.status()
@@ -52,21 +53,21 @@ async def test_stalled_read_fails_at_its_deadline_and_is_released(pair: Pair) ->
     assert status.counters["reads_failed"] == 1
     # The producer was never notified of the failed read: its lease expires instead.
     expired = await next_event(pair.prefill.client)
-    assert isinstance(expired, api.SendDone)
+    assert isinstance(expired, SendDone)
     assert expired.expired
     assert expired.consumers == 0
     # Healthy again: the next read completes (the stall was not the peer's fault).
     pair.decode.backend.faults = FakeFaults()
     await pair.read("fast", [4], [12])
-    assert isinstance(await next_event(pair.decode.client), api.RecvDone)
+    assert isinstance(await next_event(pair.decode.client), RecvDone)
 
 
 async def test_transfer_error_fails_the_read_quarantines_and_recovers(pair: Pair) -> None:
     pair.decode.backend.faults = FakeFaults(err_after_polls=1)
     await pair.read("broken", [1, 2], [3, 4])
     failed = await next_event(pair.decode.client)
-    assert isinstance(failed, api.RecvFailed)
-    assert failed.reason is api.FailReason.TRANSFER_ERROR
+    assert isinstance(failed, RecvFailed)
+    assert failed.reason is FailReason.TRANSFER_ERROR
     assert failed.invalid_block_ids == ((3, 4),)
     status = await pair.decode.client.status()
     assert [p.state for p in status.peers] == ["quarantined"]
@@ -74,29 +75,29 @@ async def test_transfer_error_fails_the_read_quarantines_and_recovers(pair: Pair
     pair.decode.backend.faults = FakeFaults()
     await asyncio.sleep(0.1)  # past the first backoff (50 ms)
     await pair.read("retry", [1, 2], [3, 4])  # re-handshakes
-    assert isinstance(await next_event(pair.decode.client), api.RecvDone)
+    assert isinstance(await next_event(pair.decode.client), RecvDone)
     status = await pair.decode.client.status()
     assert [p.state for p in status.peers] == ["ready"]
 
 
 async def test_failed_post_is_an_error_and_other_requests_continue(pair: Pair) -> None:
     await pair.read("first", [1], [1], deadline_s=5)
-    assert isinstance(await next_event(pair.decode.client), api.RecvDone)
+    assert isinstance(await next_event(pair.decode.client), RecvDone)
     pair.decode.backend.faults = FakeFaults(fail_post=True)
     with pytest.raises(errors.KvSidecarError, match="injected failure"):
         await pair.read("doomed", [2], [2])
     pair.decode.backend.faults = FakeFaults()
     await pair.read("doomed", [2], [2])  # the id is free again: nothing leaked
-    assert isinstance(await next_event(pair.decode.client), api.RecvDone)
+    assert isinstance(await next_event(pair.decode.client), RecvDone)
 
 
 async def test_notification_before_hold_is_matched(pair: Pair) -> None:
     await pair.read("early", [6, 7], [6, 7])
-    assert isinstance(await next_event(pair.decode.client), api.RecvDone)
+    assert isinstance(await next_event(pair.decode.client), RecvDone)
     await asyncio.sleep(0.05)  # the producer drains the notification before the engine holds
     await pair.prefill.client.hold("early", block_ids=[[6, 7]])
     sent = await next_event(pair.prefill.client)
-    assert isinstance(sent, api.SendDone)
+    assert isinstance(sent, SendDone)
     assert (sent.consumers, sent.expired) == (1, False)
 
 

@@ -15,9 +15,17 @@ from pathlib import Path
 import pytest
 
 from kvsidecar import errors
-from kvsidecar.client import api, toy
-from kvsidecar.client.clients import AsyncSidecarClient
+from kvsidecar.client import (
+    AsyncSidecarClient,
+    Event,
+    PlanInfo,
+    ReadPosted,
+    RecvDone,
+    RecvFailed,
+    SidecarStatus,
+)
 from kvsidecar.engine.fake_backend import FakeFaults
+from kvsidecar.testing import toy
 from tests.server.harness import Node, Pair, hop, next_event, open_pair
 
 
@@ -25,10 +33,10 @@ def _poller_failures(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-async def _settled(node: Node, timeout_s: float = 5.0) -> api.SidecarStatus:
+async def _settled(node: Node, timeout_s: float = 5.0) -> SidecarStatus:
     """Status once no read is in flight (bounded: fails the test if reads never finish)."""
 
-    async def idle() -> api.SidecarStatus:
+    async def idle() -> SidecarStatus:
         while True:
             status = await node.client.status(drain=False)
             if status.reads_in_flight == 0:
@@ -48,14 +56,14 @@ async def _watch_connected(client: AsyncSidecarClient) -> None:
 
 async def _read_eventually(
     pair: Pair, request_id: str, engine: str = "prefill", attempts: int = 10
-) -> api.RecvDone:
+) -> RecvDone:
     """Retry a read across quarantine backoff until it completes; the last error fails the test."""
     last: object = None
     for i in range(attempts):
         try:
             await pair.read(f"{request_id}-{i}", [1], [1], engine=engine)
             last = await next_event(pair.decode.client)
-            if isinstance(last, api.RecvDone):
+            if isinstance(last, RecvDone):
                 return last
         except errors.KvSidecarError as exc:
             last = exc
@@ -65,7 +73,7 @@ async def _read_eventually(
 
 async def _handshake_inside_add_agent(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
-) -> asyncio.Task[api.PlanInfo]:
+) -> asyncio.Task[PlanInfo]:
     """Start a Handshake and return once its agent is loaded in the backend while the result is
     still on its way back to the loop (0.2 s)."""
     added = asyncio.Event()
@@ -84,7 +92,7 @@ async def _handshake_inside_add_agent(
 
 async def _warm(pair: Pair) -> None:
     await pair.read("warm", [1], [1])
-    assert isinstance(await next_event(pair.decode.client), api.RecvDone)
+    assert isinstance(await next_event(pair.decode.client), RecvDone)
 
 
 async def test_read_posted_while_the_poller_quarantines_its_peer(
@@ -102,7 +110,7 @@ async def test_read_posted_while_the_poller_quarantines_its_peer(
         with contextlib.suppress(errors.PeerUnavailableError):
             await pair.read("B", [2], [3], deadline_s=0.3)
         failed = await next_event(decode.client)
-        assert isinstance(failed, api.RecvFailed)
+        assert isinstance(failed, RecvFailed)
         assert failed.request_id == "A"
         status = await _settled(decode)
     assert _poller_failures(caplog) == []
@@ -152,7 +160,7 @@ async def test_read_during_reregistration(
     for method in ("release_xfer", "release_dlist", "remove_remote_agent"):
         hop(monkeypatch, decode.backend, method, before=lambda: asyncio.sleep(0.05))
 
-    async def late_read() -> api.ReadPosted | errors.KvSidecarError:
+    async def late_read() -> ReadPosted | errors.KvSidecarError:
         await asyncio.sleep(read_after_s)
         try:
             return await pair.read("B", [2], [3], deadline_s=0.3)
@@ -161,12 +169,12 @@ async def test_read_during_reregistration(
 
     with caplog.at_level(logging.ERROR):
         registered, b = await asyncio.gather(decode.register(), late_read())
-        assert isinstance(b, (api.ReadPosted, errors.FailedPreconditionError))
+        assert isinstance(b, (ReadPosted, errors.FailedPreconditionError))
         await _settled(decode)
     assert _poller_failures(caplog) == []
     status = await decode.client.status()
     assert (status.epoch, status.ready) == (registered.epoch, True)
-    failed = [e for e in status.events if isinstance(e, api.RecvFailed)]
+    failed = [e for e in status.events if isinstance(e, RecvFailed)]
     assert "A" in {e.request_id for e in failed}
     assert len(decode.backend.regions()) == 1
 
@@ -181,7 +189,7 @@ async def test_handshake_while_reregistration_releases_peers(
     """A Handshake RPC lands while RegisterEngine is releasing the old epoch's peers."""
     decode = pair.decode
     await _warm(pair)
-    spawned: list[asyncio.Task[api.PlanInfo]] = []
+    spawned: list[asyncio.Task[PlanInfo]] = []
 
     async def handshake_now() -> None:
         if not spawned:
@@ -193,7 +201,7 @@ async def test_handshake_while_reregistration_releases_peers(
     hop(monkeypatch, decode.backend, method, before=handshake_now)
     registered = await decode.register()
     (outcome,) = await asyncio.gather(*spawned, return_exceptions=True)
-    assert isinstance(outcome, (api.PlanInfo, errors.FailedPreconditionError)), outcome
+    assert isinstance(outcome, (PlanInfo, errors.FailedPreconditionError)), outcome
     status = await decode.client.status(drain=False)
     assert (status.engine_id, status.epoch, status.ready) == ("decode", registered.epoch, True)
     assert len(decode.backend.regions()) == 1  # only the new registration's memory
@@ -207,7 +215,7 @@ async def test_handshake_cancelled_mid_add_agent_leaks_no_agent(
     handshake = await _handshake_inside_add_agent(pair, monkeypatch)
     await decode.register()  # re-registration cancels the pending handshake
     outcome = (await asyncio.gather(handshake, return_exceptions=True))[0]
-    assert isinstance(outcome, (api.PlanInfo, errors.KvSidecarError)), outcome
+    assert isinstance(outcome, (PlanInfo, errors.KvSidecarError)), outcome
     monkeypatch.undo()
     assert len(decode.backend.remote_agents()) <= 1
     await _read_eventually(pair, "after")
@@ -255,7 +263,7 @@ async def test_stale_watch_closing_late_keeps_the_new_registration(tmp_path: Pat
         old = AsyncSidecarClient(str(decode.settings.engine_socket))
         new = AsyncSidecarClient(str(decode.settings.engine_socket))
         ended = asyncio.Event()
-        delivered: asyncio.Queue[api.ClientEvent] = asyncio.Queue()
+        delivered: asyncio.Queue[Event] = asyncio.Queue()
 
         async def consume_old() -> None:
             async for _ in old.watch():
@@ -285,7 +293,7 @@ async def test_stale_watch_closing_late_keeps_the_new_registration(tmp_path: Pat
             assert status.watch_connected
             await pair.read("after", [1], [1])
             done = await asyncio.wait_for(delivered.get(), 5)  # events flow to the live Watch
-            assert isinstance(done, api.RecvDone)
+            assert isinstance(done, RecvDone)
         finally:
             old_watch.cancel()
             if new_watch is not None:
@@ -353,7 +361,7 @@ async def test_handshake_racing_reregistration_leaves_exactly_the_owned_handles(
         await asyncio.sleep(register_after_s)
         await asyncio.wait_for(decode.register(), 10)
         (outcome,) = await asyncio.gather(handshake, return_exceptions=True)
-        assert isinstance(outcome, (api.PlanInfo, errors.FailedPreconditionError)), outcome
+        assert isinstance(outcome, (PlanInfo, errors.FailedPreconditionError)), outcome
         monkeypatch.undo()
         assert decode.sidecar.core.peers.handshakes_in_progress == 0
         assert decode.backend.open_handles() == _owned_handles(decode)

@@ -18,9 +18,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.client import toy
-from kvsidecar.client.clients import SidecarClient
+from kvsidecar.client import SidecarClient
 from kvsidecar.client.export import SharedMemoryExport
+from kvsidecar.testing import toy
 from tests.sidecar_proc import KVSIDECAR, default_args, spawn, start
 
 

@@ -1,0 +1,165 @@
+"""The asyncio client of a sidecar's EngineService: ``SidecarClient``'s methods, awaitable.
+
+async with AsyncSidecarClient("/run/kvsidecar/engine.sock") as sc:
+    await sc.register_engine(engine_id="prefill-0", tp_rank=0, tp_size=2, views=v, memories=m)
+    async for event in sc.watch():
+        ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from kvsidecar.client import requests
+from kvsidecar.client.requests import BlockIdGroups, ReadSpec
+from kvsidecar.errors import KvSidecarError
+from kvsidecar.memory.types import MemorySpec
+from kvsidecar.plan import View
+from kvsidecar.types import Event, PlanInfo, ReadPosted, Registered, SidecarStatus
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
+from kvsidecar.wire import engine as wire
+
+
+class AsyncSidecarClient:
+    """asyncio client; same methods as ``SidecarClient``, awaitable. Use ``async with``."""
+
+    def __init__(self, target: str, *, timeout_s: float = 10.0) -> None:
+        self._channel = grpc.aio.insecure_channel(
+            requests.target_for(target), options=requests.OPTIONS
+        )
+        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        self._timeout_s = timeout_s
+
+    async def __aenter__(self) -> AsyncSidecarClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self._timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            raise requests.error_from_rpc(exc) from None
+
+    async def register_engine(
+        self,
+        *,
+        engine_id: str,
+        tp_rank: int,
+        tp_size: int,
+        views: Sequence[View],
+        memories: Mapping[str, MemorySpec],
+        peer_endpoints: Sequence[str] = (),
+        model: str = "",
+        dtype: str = "",
+        extra: Mapping[str, str] | None = None,
+        num_groups: int = 1,
+    ) -> Registered:
+        request = requests.register(
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            views=views,
+            memories=memories,
+            peer_endpoints=peer_endpoints,
+            model=model,
+            dtype=dtype,
+            extra=extra,
+            num_groups=num_groups,
+        )
+        return wire.registered_from_proto(await self._call(self._stub.RegisterEngine, request))
+
+    async def handshake(
+        self, remote_engine_id: str, *, endpoints: Sequence[str] = (), endpoint: str = ""
+    ) -> PlanInfo:
+        request = requests.handshake(remote_engine_id, endpoints, endpoint)
+        return wire.plan_info_from_proto((await self._call(self._stub.Handshake, request)).plan)
+
+    async def plan(self, remote_engine_id: str) -> PlanInfo:
+        request = engine_pb2.PlanRequest(remote_engine_id=remote_engine_id)
+        return wire.plan_info_from_proto(await self._call(self._stub.Plan, request))
+
+    async def read(
+        self,
+        request_id: str,
+        *,
+        remote_engine_id: str,
+        remote_request_id: str,
+        local_block_ids: BlockIdGroups,
+        remote_block_ids: BlockIdGroups,
+        endpoints: Sequence[str] = (),
+        endpoint: str = "",
+        deadline_s: float = 0.0,
+    ) -> ReadPosted:
+        request = requests.read(
+            ReadSpec(
+                request_id=request_id,
+                remote_engine_id=remote_engine_id,
+                remote_request_id=remote_request_id,
+                local_block_ids=local_block_ids,
+                remote_block_ids=remote_block_ids,
+                endpoints=tuple(endpoints),
+                endpoint=endpoint,
+                deadline_s=deadline_s,
+            )
+        )
+        return wire.read_posted_from_proto(await self._call(self._stub.Read, request))
+
+    async def read_batch(
+        self, reads: Sequence[ReadSpec]
+    ) -> tuple[ReadPosted | KvSidecarError, ...]:
+        """See ``SidecarClient.read_batch``."""
+        return requests.read_results(
+            await self._call(self._stub.ReadBatch, requests.read_batch(reads))
+        )
+
+    async def hold(
+        self, request_id: str, *, block_ids: BlockIdGroups = (), lease_s: float = 0.0
+    ) -> None:
+        """Keep blocks until every consumer has read them (``lease_s`` 0 = the sidecar's default)."""
+        await self._call(self._stub.Notify, requests.hold(request_id, block_ids, lease_s))
+
+    async def release(self, request_id: str) -> None:
+        await self._call(self._stub.Notify, requests.release(request_id))
+
+    async def consumed(
+        self,
+        remote_engine_id: str,
+        remote_request_id: str,
+        *,
+        endpoints: Sequence[str] = (),
+        endpoint: str = "",
+    ) -> int:
+        request = requests.consumed(remote_engine_id, remote_request_id, endpoints, endpoint)
+        return int((await self._call(self._stub.Notify, request)).notifications_sent)
+
+    async def heartbeat(self, remote_engine_id: str, remote_request_ids: Sequence[str]) -> int:
+        request = requests.heartbeat(remote_engine_id, remote_request_ids)
+        return int((await self._call(self._stub.Notify, request)).notifications_sent)
+
+    async def status(self, max_events: int = 0, *, drain: bool = True) -> SidecarStatus:
+        """See ``SidecarClient.status``."""
+        request = requests.status(max_events, drain)
+        return wire.status_from_proto(await self._call(self._stub.Status, request))
+
+    async def watch(self) -> AsyncIterator[Event]:
+        """Async stream of events; see ``SidecarClient.watch``."""
+        call = self._stub.Watch(engine_pb2.WatchRequest(), wait_for_ready=True)
+        try:
+            async for pb in call:
+                yield wire.event_from_proto(pb)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise requests.error_from_rpc(exc) from None
+        finally:
+            call.cancel()

@@ -1,0 +1,181 @@
+"""Requests of the engine-side clients, and failed calls as ``kvsidecar.errors`` types.
+
+Shared by the sync and asyncio clients, which differ only in how they wait: each RPC's request is
+built here from the same keyword arguments, and each answer is decoded by ``kvsidecar.wire``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvsidecar import errors
+from kvsidecar.memory.types import MemorySpec
+from kvsidecar.plan import View
+from kvsidecar.plan.compat import CompatItems
+from kvsidecar.types import ReadPosted
+from kvsidecar.v1 import engine_pb2
+from kvsidecar.wire.engine import read_posted_from_proto
+from kvsidecar.wire.geometry import (
+    block_ids_to_proto,
+    compat_to_proto,
+    memory_to_proto,
+    view_to_proto,
+)
+
+BlockIdGroups = Sequence[Sequence[int]]
+
+OPTIONS = (("grpc.max_receive_message_length", 64 * 1024 * 1024),)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadSpec:
+    """One read of a ``read_batch`` call (the arguments of ``read``; ``deadline_s`` 0 = the
+    sidecar's default)."""
+
+    request_id: str
+    remote_engine_id: str
+    remote_request_id: str
+    local_block_ids: BlockIdGroups
+    remote_block_ids: BlockIdGroups
+    endpoints: tuple[str, ...] = ()
+    endpoint: str = ""
+    deadline_s: float = 0.0
+
+
+def target_for(socket_or_target: str) -> str:
+    """A gRPC target: ``unix:PATH`` for a socket path, anything with a scheme or port unchanged."""
+    if socket_or_target.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return socket_or_target
+    if socket_or_target.startswith("/"):
+        return f"unix:{socket_or_target}"
+    return socket_or_target
+
+
+_CODES: dict[grpc.StatusCode, type[errors.KvSidecarError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExistsError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
+    grpc.StatusCode.UNAVAILABLE: errors.PeerUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
+}
+_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def error_from_code(code: grpc.StatusCode, details: str) -> errors.KvSidecarError:
+    """The kvsidecar error type of a status code (KvSidecarError for codes without one)."""
+    cls = _CODES.get(code, errors.KvSidecarError)
+    return cls(f"{code.name}: {details}")
+
+
+def error_from_rpc(exc: grpc.RpcError) -> errors.KvSidecarError:
+    """The kvsidecar error type of a failed call (KvSidecarError for codes without one)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return error_from_code(code, details or "")
+
+
+def read_results(
+    pb: engine_pb2.ReadBatchResponse,
+) -> tuple[ReadPosted | errors.KvSidecarError, ...]:
+    """Per read of a batch: what was posted, or the error it got (in request order)."""
+    out: list[ReadPosted | errors.KvSidecarError] = []
+    for r in pb.results:
+        if r.code == 0:
+            out.append(read_posted_from_proto(r.posted))
+        else:
+            out.append(error_from_code(_BY_NUMBER.get(r.code, grpc.StatusCode.UNKNOWN), r.message))
+    return tuple(out)
+
+
+def register(
+    *,
+    engine_id: str,
+    tp_rank: int,
+    tp_size: int,
+    views: Sequence[View],
+    memories: Mapping[str, MemorySpec],
+    peer_endpoints: Sequence[str] = (),
+    model: str = "",
+    dtype: str = "",
+    extra: Mapping[str, str] | None = None,
+    num_groups: int = 1,
+) -> engine_pb2.RegisterEngineRequest:
+    compat = CompatItems(model=model, dtype=dtype, extra=tuple(sorted((extra or {}).items())))
+    return engine_pb2.RegisterEngineRequest(
+        engine_id=engine_id,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        views=[view_to_proto(v) for v in views],
+        memories=[memory_to_proto(mid, spec) for mid, spec in memories.items()],
+        peer_endpoints=list(peer_endpoints),
+        num_groups=num_groups,
+        compat=compat_to_proto(compat),
+    )
+
+
+def handshake(
+    remote_engine_id: str, endpoints: Sequence[str], endpoint: str
+) -> engine_pb2.HandshakeRequest:
+    return engine_pb2.HandshakeRequest(
+        remote_engine_id=remote_engine_id,
+        remote_endpoints=list(endpoints),
+        remote_endpoint=endpoint,
+    )
+
+
+def read(spec: ReadSpec) -> engine_pb2.ReadRequest:
+    return engine_pb2.ReadRequest(
+        request_id=spec.request_id,
+        remote_engine_id=spec.remote_engine_id,
+        remote_request_id=spec.remote_request_id,
+        local_block_ids=block_ids_to_proto(spec.local_block_ids, "local_block_ids"),
+        remote_block_ids=block_ids_to_proto(spec.remote_block_ids, "remote_block_ids"),
+        remote_endpoints=list(spec.endpoints),
+        remote_endpoint=spec.endpoint,
+        deadline_s=spec.deadline_s,
+    )
+
+
+def read_batch(reads: Sequence[ReadSpec]) -> engine_pb2.ReadBatchRequest:
+    return engine_pb2.ReadBatchRequest(reads=[read(r) for r in reads])
+
+
+def hold(request_id: str, block_ids: BlockIdGroups, lease_s: float) -> engine_pb2.NotifyRequest:
+    return engine_pb2.NotifyRequest(
+        hold=engine_pb2.Hold(
+            request_id=request_id, block_ids=block_ids_to_proto(block_ids), lease_s=lease_s
+        )
+    )
+
+
+def release(request_id: str) -> engine_pb2.NotifyRequest:
+    return engine_pb2.NotifyRequest(release=engine_pb2.Release(request_id=request_id))
+
+
+def consumed(
+    remote_engine_id: str, remote_request_id: str, endpoints: Sequence[str], endpoint: str
+) -> engine_pb2.NotifyRequest:
+    return engine_pb2.NotifyRequest(
+        consumed=engine_pb2.Consumed(
+            remote_engine_id=remote_engine_id,
+            remote_request_id=remote_request_id,
+            remote_endpoints=list(endpoints),
+            remote_endpoint=endpoint,
+        )
+    )
+
+
+def heartbeat(remote_engine_id: str, ids: Sequence[str]) -> engine_pb2.NotifyRequest:
+    return engine_pb2.NotifyRequest(
+        heartbeat=engine_pb2.Heartbeat(
+            remote_engine_id=remote_engine_id, remote_request_ids=list(ids)
+        )
+    )
+
+
+def status(max_events: int, drain: bool) -> engine_pb2.StatusRequest:
+    return engine_pb2.StatusRequest(max_events=max_events, skip_events=not drain)

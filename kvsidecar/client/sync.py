@@ -1,0 +1,163 @@
+"""The blocking client of a sidecar's EngineService (over its Unix socket by default).
+
+Every call has a timeout (``timeout_s``, default 10 s; Read and Handshake may wait for a handshake).
+Failures raise the ``kvsidecar.errors`` type of the gRPC status, with the sidecar's message.
+
+    with SidecarClient("/run/kvsidecar/engine.sock") as sc:
+        sc.register_engine(engine_id="prefill-0", tp_rank=0, tp_size=2, views=views, memories=mems)
+        for event in sc.watch():
+            ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from kvsidecar.client import requests
+from kvsidecar.client.requests import BlockIdGroups, ReadSpec
+from kvsidecar.errors import KvSidecarError
+from kvsidecar.memory.types import MemorySpec
+from kvsidecar.plan import View
+from kvsidecar.types import Event, PlanInfo, ReadPosted, Registered, SidecarStatus
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
+from kvsidecar.wire import engine as wire
+
+
+class SidecarClient:
+    """Blocking client. ``target``: a socket path, ``unix:PATH`` or ``host:port``."""
+
+    def __init__(self, target: str, *, timeout_s: float = 10.0) -> None:
+        self._channel = grpc.insecure_channel(requests.target_for(target), options=requests.OPTIONS)
+        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        self._timeout_s = timeout_s
+
+    def __enter__(self) -> SidecarClient:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self._timeout_s, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise requests.error_from_rpc(exc) from None
+
+    def register_engine(
+        self,
+        *,
+        engine_id: str,
+        tp_rank: int,
+        tp_size: int,
+        views: Sequence[View],
+        memories: Mapping[str, MemorySpec],
+        peer_endpoints: Sequence[str] = (),
+        model: str = "",
+        dtype: str = "",
+        extra: Mapping[str, str] | None = None,
+        num_groups: int = 1,
+    ) -> Registered:
+        request = requests.register(
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            views=views,
+            memories=memories,
+            peer_endpoints=peer_endpoints,
+            model=model,
+            dtype=dtype,
+            extra=extra,
+            num_groups=num_groups,
+        )
+        return wire.registered_from_proto(self._call(self._stub.RegisterEngine, request))
+
+    def handshake(
+        self, remote_engine_id: str, *, endpoints: Sequence[str] = (), endpoint: str = ""
+    ) -> PlanInfo:
+        request = requests.handshake(remote_engine_id, endpoints, endpoint)
+        return wire.plan_info_from_proto(self._call(self._stub.Handshake, request).plan)
+
+    def plan(self, remote_engine_id: str) -> PlanInfo:
+        request = engine_pb2.PlanRequest(remote_engine_id=remote_engine_id)
+        return wire.plan_info_from_proto(self._call(self._stub.Plan, request))
+
+    def read(
+        self,
+        request_id: str,
+        *,
+        remote_engine_id: str,
+        remote_request_id: str,
+        local_block_ids: BlockIdGroups,
+        remote_block_ids: BlockIdGroups,
+        endpoints: Sequence[str] = (),
+        endpoint: str = "",
+        deadline_s: float = 0.0,
+    ) -> ReadPosted:
+        request = requests.read(
+            ReadSpec(
+                request_id=request_id,
+                remote_engine_id=remote_engine_id,
+                remote_request_id=remote_request_id,
+                local_block_ids=local_block_ids,
+                remote_block_ids=remote_block_ids,
+                endpoints=tuple(endpoints),
+                endpoint=endpoint,
+                deadline_s=deadline_s,
+            )
+        )
+        return wire.read_posted_from_proto(self._call(self._stub.Read, request))
+
+    def read_batch(self, reads: Sequence[ReadSpec]) -> tuple[ReadPosted | KvSidecarError, ...]:
+        """Several reads in one call; per read, what was posted or the error it got (a failing
+        read never affects the others). Completions arrive as events, as for ``read``."""
+        return requests.read_results(self._call(self._stub.ReadBatch, requests.read_batch(reads)))
+
+    def hold(self, request_id: str, *, block_ids: BlockIdGroups = (), lease_s: float = 0.0) -> None:
+        """Keep blocks until every consumer has read them (``lease_s`` 0 = the sidecar's default)."""
+        self._call(self._stub.Notify, requests.hold(request_id, block_ids, lease_s))
+
+    def release(self, request_id: str) -> None:
+        self._call(self._stub.Notify, requests.release(request_id))
+
+    def consumed(
+        self,
+        remote_engine_id: str,
+        remote_request_id: str,
+        *,
+        endpoints: Sequence[str] = (),
+        endpoint: str = "",
+    ) -> int:
+        request = requests.consumed(remote_engine_id, remote_request_id, endpoints, endpoint)
+        return int(self._call(self._stub.Notify, request).notifications_sent)
+
+    def heartbeat(self, remote_engine_id: str, remote_request_ids: Sequence[str]) -> int:
+        request = requests.heartbeat(remote_engine_id, remote_request_ids)
+        return int(self._call(self._stub.Notify, request).notifications_sent)
+
+    def status(self, max_events: int = 0, *, drain: bool = True) -> SidecarStatus:
+        """State, counters and (with ``drain``) queued events; ``drain=False`` leaves the events
+        for the engine (what operator tools should use)."""
+        request = requests.status(max_events, drain)
+        return wire.status_from_proto(self._call(self._stub.Status, request))
+
+    def watch(self) -> Iterator[Event]:
+        """Stream events until the sidecar ends the stream (or ``close``). Holding it open is the
+        engine's liveness lock: when it drops, the sidecar releases this engine's state."""
+        stream = self._stub.Watch(engine_pb2.WatchRequest(), wait_for_ready=True)
+        try:
+            for pb in stream:
+                yield wire.event_from_proto(pb)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise requests.error_from_rpc(exc) from None
+        finally:
+            stream.cancel()

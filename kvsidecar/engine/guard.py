@@ -1,0 +1,77 @@
+"""One lock between using a peer's NIXL handles and releasing them.
+
+Posting a READ or sending a notification uses a peer's agent and descriptor lists; quarantining the
+peer (failing its in-flight reads, then releasing its handles) and dropping the local registration
+release them. All of that runs under one lock owned here, so no handle is released while a call is
+using it. A call that finds the remote agent or memory gone quarantines the peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from kvsidecar.engine.local import LocalEngine
+from kvsidecar.engine.peers import Peer, PeerRegistry
+from kvsidecar.engine.transfers import TransferManager
+from kvsidecar.errors import (
+    BackendNotFoundError,
+    FailedPreconditionError,
+    KvSidecarError,
+    PeerUnavailableError,
+    RemoteDisconnectedError,
+)
+from kvsidecar.types import FailReason
+
+T = TypeVar("T")
+
+
+class PeerGuard:
+    """Serializes backend calls on peers' handles with quarantine and with dropping the engine."""
+
+    def __init__(self, *, peers: PeerRegistry, transfers: TransferManager) -> None:
+        self._peers = peers
+        self._transfers = transfers
+        self._lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """No backend call on a peer's handles runs while this is held."""
+        async with self._lock:
+            yield
+
+    async def quarantine(self, engine_id: str, reason: str) -> None:
+        """Fail the peer's in-flight reads (releasing their handles first), then release the peer;
+        the next request re-handshakes after backoff."""
+        async with self._lock:
+            await self._transfers.fail_peer(engine_id, FailReason.PEER_DISCONNECTED, reason)
+            await self._peers.remove(engine_id, reason)
+
+    async def run(
+        self,
+        peer: Peer,
+        what: str,
+        op: Callable[[], Awaitable[T]],
+        *,
+        local: LocalEngine | None = None,
+    ) -> T:
+        """Run ``op`` (a backend call using ``peer``'s handles) under the lock, once the lock is
+        held checking that ``local`` (if given) is still the registration and ``peer`` still the
+        engine's peer. A lost remote agent or memory quarantines the peer (re-handshake next time)
+        and raises PeerUnavailableError."""
+        lost: KvSidecarError | None = None
+        async with self._lock:
+            if local is not None and self._peers.local is not local:
+                raise FailedPreconditionError("the engine re-registered or went away; retry")
+            if peer.released or self._peers.peer(peer.engine_id) is not peer:
+                raise PeerUnavailableError(
+                    f"remote engine {peer.engine_id!r} was quarantined meanwhile; retry"
+                )
+            try:
+                return await op()
+            except (RemoteDisconnectedError, BackendNotFoundError) as exc:
+                lost = exc
+        await self.quarantine(peer.engine_id, f"{what} failed: {lost}")
+        raise PeerUnavailableError(f"remote engine {peer.engine_id!r}: {lost}")

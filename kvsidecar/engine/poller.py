@@ -1,0 +1,96 @@
+"""The one task that drives completions: advance reads, drain notifications, reap leases.
+
+It runs at once when woken (a Read was posted: same-host cma READs are already DONE then), then
+every 1 ms while reads are in flight or holds are active, and every 50 ms when idle: event-loop
+timers have 1 ms granularity, so anything shorter degenerates into a busy loop that starves the
+engines sharing the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from kvsidecar.engine.backend import TransferBackend
+from kvsidecar.engine.guard import PeerGuard
+from kvsidecar.engine.peers import PeerRegistry
+from kvsidecar.engine.producer import Producer
+from kvsidecar.engine.transfers import TransferManager
+from kvsidecar.errors import KvSidecarError
+
+log = logging.getLogger(__name__)
+
+_BUSY_S, _IDLE_S = 0.001, 0.05
+
+
+class Poller:
+    """``start()`` once, ``wake()`` after posting, ``aclose()`` once. Notifications are checked
+    against the epoch of the registration bound to ``peers`` (none bound: every one is stale)."""
+
+    def __init__(
+        self,
+        *,
+        backend: TransferBackend,
+        transfers: TransferManager,
+        producer: Producer,
+        guard: PeerGuard,
+        peers: PeerRegistry,
+    ) -> None:
+        self._backend = backend
+        self._transfers = transfers
+        self._producer = producer
+        self._guard = guard
+        self._peers = peers
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def aclose(self) -> None:
+        if self._task is None:
+            return
+        # The flag, not only cancel(): on Python < 3.12 asyncio.wait_for can swallow a
+        # cancellation that races with its inner future completing, and the loop would go on.
+        self._stopping = True
+        self._wake.set()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()  # before polling: a Read posted meanwhile must not lose its wake-up
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not stop every transfer
+                log.exception("poller iteration failed")
+            busy = not self._transfers.idle or self._producer.holds_active
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), _BUSY_S if busy else _IDLE_S)
+
+    async def poll_once(self) -> None:
+        # Three independent duties: a failure in one must not stop the others.
+        try:
+            failed = await self._transfers.poll()
+        except KvSidecarError:
+            log.exception("polling transfers failed")
+            failed = set()
+        for engine_id in failed:
+            await self._guard.quarantine(engine_id, f"a READ from {engine_id!r} failed")
+        local = self._peers.local
+        epoch = local.epoch if local is not None else None
+        try:
+            for agent, payload in await self._backend.drain_notifications():
+                self._producer.on_notification(agent, payload, epoch)
+        except KvSidecarError:
+            log.exception("draining notifications failed")
+        self._producer.reap()

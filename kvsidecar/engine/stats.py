@@ -1,0 +1,146 @@
+"""What the engine counts: one typed snapshot per component, and a small histogram.
+
+Each component keeps its own counters and hands out a frozen snapshot; ``EngineCore.stats()``
+gathers them. The Prometheus collector (``kvsidecar.metrics``) and the ``Status`` RPC both read that
+one snapshot, so ``/metrics`` and ``Status`` cannot disagree. Units: seconds, bytes, counts.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvsidecar.types import PeerState
+
+# Read durations span 100 µs (small local reads) to tens of seconds (deadline-bound reads).
+DURATION_BUCKETS = (
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+POST_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0)
+DESCRIPTOR_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HistogramSnapshot:
+    """``counts[i]``: observations ``<= bounds[i]`` and above the previous bound (not cumulative);
+    the last count is everything above the last bound."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+class Histogram:
+    """Fixed-bucket histogram (Prometheus ``le`` semantics). Not thread-safe: one loop owns it."""
+
+    __slots__ = ("_bounds", "_counts", "_sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        assert list(bounds) == sorted(bounds), "bucket bounds must ascend"
+        self._bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(bounds=self._bounds, counts=tuple(self._counts), sum=self._sum)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferStats:
+    """Reads this sidecar posted (consumer side). ``reads_failed`` is keyed by failure reason."""
+
+    reads_started: int
+    reads_done: int
+    reads_failed: Mapping[str, int]
+    bytes_read: int
+    reads_in_flight: int
+    read_duration: HistogramSnapshot
+    post_duration: HistogramSnapshot
+    descriptors: HistogramSnapshot
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerStats:
+    """Read calls rejected before posting (by gRPC status name) and notifications sent (by kind)."""
+
+    reads_rejected: Mapping[str, int]
+    notifications_sent: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProducerStats:
+    """Holds and the consumer notifications that complete them (producer side)."""
+
+    holds_active: int
+    sends_done: int
+    leases_expired: int
+    notifications_received: int
+    stale_notifications: int  # unknown, ended, expired or stale-epoch requests
+    duplicate_notifications: int
+    bad_notifications: int  # undecodable payloads
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerStats:
+    """Remote engines by state and handshakes by result (``ok``/``error``)."""
+
+    by_state: Mapping[PeerState, int]
+    handshakes: Mapping[str, int]
+    handshake_duration: HistogramSnapshot
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStats:
+    """Everything the engine counts, at one moment."""
+
+    transfers: TransferStats
+    consumer: ConsumerStats
+    producer: ProducerStats
+    peers: PeerStats
+    events_dropped: int  # events evicted from a full drain buffer (nobody watched or polled)
+    registered_bytes: int
+
+    def counters(self) -> dict[str, int]:
+        """The flat counters of the ``Status`` RPC (each one is also a ``/metrics`` family)."""
+        t, c, p = self.transfers, self.consumer, self.producer
+        return {
+            "reads_started": t.reads_started,
+            "reads_done": t.reads_done,
+            "reads_failed": sum(t.reads_failed.values()),
+            "reads_rejected": sum(c.reads_rejected.values()),
+            "bytes_read": t.bytes_read,
+            "notifications_sent": sum(c.notifications_sent.values()),
+            "notifications_received": p.notifications_received,
+            "sends_done": p.sends_done,
+            "leases_expired": p.leases_expired,
+            "stale_notifications": p.stale_notifications,
+            "duplicate_notifications": p.duplicate_notifications,
+            "bad_notifications": p.bad_notifications,
+            "events_dropped": self.events_dropped,
+            "handshakes": sum(self.peers.handshakes.values()),
+        }

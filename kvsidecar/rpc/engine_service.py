@@ -1,0 +1,206 @@
+"""EngineService: the local engine's API (served on the Unix socket).
+
+Each handler parses its request with ``kvsidecar.wire``, calls the engine core and encodes the
+result; errors become statuses through ``rpc.status``. Unset proto fields that mean "the sidecar's
+default" (a lease, a deadline) become ``None`` here and are resolved by the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from kvsidecar.engine.core import EngineCore
+from kvsidecar.engine.local import Registration
+from kvsidecar.engine.model import Endpoints, ReadCommand
+from kvsidecar.errors import InvalidArgumentError, KvSidecarError
+from kvsidecar.rpc.status import errors_to_status, status_for
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
+from kvsidecar.wire.engine import (
+    event_to_proto,
+    plan_to_proto,
+    read_posted_to_proto,
+    registered_to_proto,
+    status_to_proto,
+)
+from kvsidecar.wire.geometry import (
+    block_ids_from_proto,
+    compat_from_proto,
+    geometry_from_proto,
+    memory_from_proto,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 4096  # reads per ReadBatch call
+
+
+def _endpoints(ranks: Any, any_rank: str) -> Endpoints:
+    return Endpoints(ranks=tuple(str(r) for r in ranks), any_rank=any_rank)
+
+
+def _registration(request: engine_pb2.RegisterEngineRequest) -> Registration:
+    if not request.engine_id:
+        raise InvalidArgumentError("engine_id must be non-empty")
+    geometry = geometry_from_proto(
+        engine_id=request.engine_id,
+        tp_rank=request.tp_rank,
+        tp_size=request.tp_size,
+        num_groups=request.num_groups,
+        views=request.views,
+    )
+    registration = Registration(
+        geometry=geometry,
+        memories=tuple(memory_from_proto(i, m) for i, m in enumerate(request.memories)),
+        peer_endpoints=tuple(request.peer_endpoints),
+        compat=compat_from_proto(request.compat),
+    )
+    if registration.peer_endpoints and len(registration.peer_endpoints) != geometry.tp_size:
+        raise InvalidArgumentError(
+            f"peer_endpoints has {len(registration.peer_endpoints)} entries, "
+            f"tp_size={geometry.tp_size}"
+        )
+    return registration
+
+
+def _read_command(request: engine_pb2.ReadRequest) -> ReadCommand:
+    return ReadCommand(
+        request_id=request.request_id,
+        remote_engine_id=request.remote_engine_id,
+        remote_request_id=request.remote_request_id,
+        local_ids=block_ids_from_proto("local_block_ids", request.local_block_ids),
+        remote_ids=block_ids_from_proto("remote_block_ids", request.remote_block_ids),
+        endpoints=_endpoints(request.remote_endpoints, request.remote_endpoint),
+        deadline_s=request.deadline_s or None,
+    )
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    """RegisterEngine, Handshake, Plan, Read, ReadBatch, Notify, Status and Watch."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+
+    @errors_to_status
+    async def RegisterEngine(
+        self, request: engine_pb2.RegisterEngineRequest, context: Any
+    ) -> engine_pb2.RegisterEngineResponse:
+        return registered_to_proto(await self._core.register(_registration(request)))
+
+    @errors_to_status
+    async def Handshake(
+        self, request: engine_pb2.HandshakeRequest, context: Any
+    ) -> engine_pb2.HandshakeResponse:
+        endpoints = _endpoints(request.remote_endpoints, request.remote_endpoint)
+        peer = await self._core.consumer.peer(request.remote_engine_id, endpoints)
+        epoch = self._core.require_local().epoch
+        return engine_pb2.HandshakeResponse(plan=plan_to_proto(peer.plan, epoch, peer.epoch))
+
+    @errors_to_status
+    async def Plan(self, request: engine_pb2.PlanRequest, context: Any) -> engine_pb2.PlanResponse:
+        peer = await self._core.consumer.peer(request.remote_engine_id, Endpoints())
+        return plan_to_proto(peer.plan, self._core.require_local().epoch, peer.epoch)
+
+    async def _read_one(self, request: engine_pb2.ReadRequest) -> engine_pb2.ReadResponse:
+        """Parse and post one read; counts a rejection (by status code) before re-raising."""
+        try:
+            posted = await self._core.read(_read_command(request))
+        except KvSidecarError as exc:
+            self._core.consumer.rejected(status_for(exc).name)
+            raise
+        return read_posted_to_proto(posted)
+
+    @errors_to_status
+    async def Read(self, request: engine_pb2.ReadRequest, context: Any) -> engine_pb2.ReadResponse:
+        return await self._read_one(request)
+
+    @errors_to_status
+    async def ReadBatch(
+        self, request: engine_pb2.ReadBatchRequest, context: Any
+    ) -> engine_pb2.ReadBatchResponse:
+        if len(request.reads) > MAX_BATCH:
+            raise InvalidArgumentError(
+                f"reads has {len(request.reads)} entries (at most {MAX_BATCH} per ReadBatch)"
+            )
+        results = []
+        for i, read in enumerate(request.reads):
+            try:
+                posted = await self._read_one(read)
+            except KvSidecarError as exc:
+                code = status_for(exc)
+                results.append(
+                    engine_pb2.ReadResult(
+                        request_id=read.request_id, code=code.value[0], message=f"reads[{i}]: {exc}"
+                    )
+                )
+            else:
+                results.append(engine_pb2.ReadResult(request_id=read.request_id, posted=posted))
+        return engine_pb2.ReadBatchResponse(results=results)
+
+    @errors_to_status
+    async def Notify(
+        self, request: engine_pb2.NotifyRequest, context: Any
+    ) -> engine_pb2.NotifyResponse:
+        kind = request.WhichOneof("kind")
+        if kind == "hold":
+            h = request.hold
+            block_ids = tuple(tuple(g.ids) for g in h.block_ids)
+            self._core.hold(h.request_id, h.lease_s or None, block_ids)
+            return engine_pb2.NotifyResponse()
+        if kind == "release":
+            self._core.producer.release(request.release.request_id)
+            return engine_pb2.NotifyResponse()
+        if kind == "consumed":
+            c = request.consumed
+            sent = await self._core.consumer.consumed(
+                c.remote_engine_id,
+                c.remote_request_id,
+                _endpoints(c.remote_endpoints, c.remote_endpoint),
+            )
+            return engine_pb2.NotifyResponse(notifications_sent=sent)
+        if kind == "heartbeat":
+            hb = request.heartbeat
+            ids = tuple(hb.remote_request_ids)
+            sent = await self._core.consumer.heartbeat(hb.remote_engine_id, ids)
+            return engine_pb2.NotifyResponse(notifications_sent=sent)
+        raise InvalidArgumentError("Notify needs one of hold, release, consumed, heartbeat")
+
+    @errors_to_status
+    async def Status(
+        self, request: engine_pb2.StatusRequest, context: Any
+    ) -> engine_pb2.StatusResponse:
+        return status_to_proto(self._core.status(request.max_events, drain=not request.skip_events))
+
+    async def Watch(
+        self, request: engine_pb2.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[engine_pb2.Event]:
+        local = self._core.local
+        try:
+            queue, binding = self._core.events.subscribe(local.epoch if local else None)
+        except KvSidecarError as exc:
+            await context.abort(status_for(exc), str(exc))
+            return
+        log.info("engine Watch stream opened (epoch %s)", binding.epoch)
+        clean = False
+        try:
+            while True:
+                event = await queue.get()
+                if event is None:  # a newer registration ended this stream
+                    log.info("Watch stream of epoch %s ended by a new registration", binding.epoch)
+                    return
+                yield event_to_proto(event)
+        except asyncio.CancelledError:
+            clean = self._core.draining  # shutdown closes streams; that is not an engine death
+            raise
+        finally:
+            self._core.events.unsubscribe(queue)
+            if not clean and not binding.evicted:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(
+                        self._core.engine_gone("Watch stream closed", binding.epoch)
+                    )

@@ -1,0 +1,6 @@
+"""A real local cluster to test an integration against: ``LocalCluster`` starts one ``kvsidecar
+serve`` process per rank with toy engines (``toy``) whose KV caches live in ``/dev/shm``.
+
+Shipped so that framework authors can test their integration against real sidecars over real NIXL;
+the daemon never imports it.
+"""

@@ -1,0 +1,339 @@
+"""A local disaggregated setup on one host: one sidecar process per rank, toy engines on shm.
+
+Used by ``kvsidecar demo`` and the end-to-end tests. The prefill engine (TP ``prefill_tp``) and the
+decode engine (TP ``decode_tp``) each own one ``/dev/shm`` file per rank holding a toy model's KV
+cache (``client.toy``); prefill blocks carry the byte pattern, decode blocks start zeroed. A transfer
+is HOLD on every prefill rank, Read on every decode rank, RECV_DONE on every decode rank (then every
+byte is verified), and SEND_DONE on every prefill rank once all expected consumers notified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvsidecar.client import (
+    AsyncSidecarClient,
+    Event,
+    PlanInfo,
+    RecvDone,
+    SendDone,
+    SharedMemoryExport,
+)
+from kvsidecar.plan import View
+from kvsidecar.testing import toy
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass(slots=True, kw_only=True)
+class Rank:
+    """One engine rank: its sidecar process, shm memory, client and received events."""
+
+    engine_id: str
+    rank: int
+    tp_size: int
+    views: tuple[View, ...]
+    memory: SharedMemoryExport
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    addresses: dict[str, str] = field(default_factory=dict)
+    client: AsyncSidecarClient | None = None
+    watcher: asyncio.Task[None] | None = None
+    waiters: dict[str, asyncio.Future[Event]] = field(default_factory=dict)
+    early: dict[str, Event] = field(default_factory=dict)
+    arrivals: dict[str, float] = field(default_factory=dict)  # request id -> perf_counter()
+    events_seen: int = 0
+
+    def expect(self, request_id: str) -> asyncio.Future[Event]:
+        fut: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
+        if request_id in self.early:
+            fut.set_result(self.early.pop(request_id))
+        else:
+            self.waiters[request_id] = fut
+        return fut
+
+
+class SidecarFailedError(RuntimeError):
+    """A sidecar process exited or did not become ready; the message carries its log tail."""
+
+
+@dataclass(slots=True, kw_only=True)
+class LocalCluster:
+    """Start with ``await cluster.start()``; always ``await cluster.aclose()`` (kills and unlinks)."""
+
+    shape: toy.ModelShape
+    prefill_tp: int
+    decode_tp: int
+    workdir: Path
+    seed: int = 1
+    lease_s: float = 30.0
+    shm_dir: Path = Path("/dev/shm")
+    sidecar_args: tuple[str, ...] = ()
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    prefill: list[Rank] = field(default_factory=list)
+    decode: list[Rank] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> list[Rank]:
+        return [*self.prefill, *self.decode]
+
+    def _spawn(self, role: str, rank: int, tp_size: int) -> Rank:
+        name = f"{role}-{rank}"
+        views = toy.build_views(self.shape, tp_size)
+        memory = SharedMemoryExport.create(
+            self.shm_dir / f"kvsidecar-{self.tag}-{name}", toy.memory_size(views)
+        )
+        if role == PREFILL:
+            toy.fill(memory.array, views, tp_size=tp_size, rank=rank, seed=self.seed)
+        log_path = self.workdir / f"{name}.log"
+        ready = self.workdir / f"{name}.ready.json"
+        args = [
+            sys.executable,
+            "-m",
+            "kvsidecar.cli",
+            "serve",
+            "--engine-socket",
+            str(self.workdir / f"{name}.sock"),
+            "--peer-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--ready-file",
+            str(ready),
+            "--lease-s",
+            str(self.lease_s),
+            "--shm-roots",
+            str(self.shm_dir),
+            *self.sidecar_args,
+        ]
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return Rank(
+            engine_id=role,
+            rank=rank,
+            tp_size=tp_size,
+            views=views,
+            memory=memory,
+            proc=proc,
+            log_path=log_path,
+        )
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        """Spawn every sidecar, wait for them (bounded), register every engine, open Watch."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.prefill = [self._spawn(PREFILL, r, self.prefill_tp) for r in range(self.prefill_tp)]
+        self.decode = [self._spawn(DECODE, r, self.decode_tp) for r in range(self.decode_tp)]
+        deadline = time.monotonic() + timeout_s
+        for rank in self.ranks:
+            ready = rank.log_path.with_name(rank.log_path.stem + ".ready.json")
+            while not ready.exists():
+                if rank.proc.poll() is not None or time.monotonic() > deadline:
+                    raise SidecarFailedError(self._tail(rank, "did not become ready"))
+                await asyncio.sleep(0.02)
+            rank.addresses = json.loads(ready.read_text())
+        for group in (self.prefill, self.decode):
+            endpoints = [r.addresses["peer"] for r in group]
+            for rank in group:
+                rank.client = AsyncSidecarClient(rank.addresses["engine_socket"], timeout_s=30)
+                await rank.client.register_engine(
+                    engine_id=rank.engine_id,
+                    tp_rank=rank.rank,
+                    tp_size=rank.tp_size,
+                    views=rank.views,
+                    memories={"kv": rank.memory.spec},
+                    peer_endpoints=endpoints,
+                    model=f"toy-{self.shape.kind.value}",
+                    dtype=f"{self.shape.dtype_bytes}B",
+                    num_groups=self.shape.num_groups,
+                )
+                rank.watcher = asyncio.get_running_loop().create_task(self._watch(rank))
+        for rank in self.ranks:
+            await self.wait_watching(rank, deadline - time.monotonic())
+
+    async def wait_watching(self, rank: Rank, timeout_s: float = 10.0) -> None:
+        """Bounded wait until the sidecar reports the rank's Watch stream open."""
+        assert rank.client is not None
+        deadline = time.monotonic() + max(timeout_s, 1.0)
+        while not (await rank.client.status(drain=False)).watch_connected:
+            if time.monotonic() > deadline:
+                raise SidecarFailedError(self._tail(rank, "never saw its Watch stream"))
+            await asyncio.sleep(0.01)
+
+    def _tail(self, rank: Rank, what: str) -> str:
+        text = rank.log_path.read_text(errors="replace") if rank.log_path.exists() else ""
+        return f"{rank.engine_id} rank {rank.rank} {what}:\n" + "\n".join(text.splitlines()[-20:])
+
+    async def _watch(self, rank: Rank) -> None:
+        assert rank.client is not None
+        async for event in rank.client.watch():
+            self._dispatch(rank, event)
+
+    def _dispatch(self, rank: Rank, event: Event) -> None:
+        """Hand an event to whoever waits for its request (or keep it until someone does)."""
+        rank.arrivals[event.request_id] = time.perf_counter()
+        rank.events_seen += 1
+        fut = rank.waiters.pop(event.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(event)
+        else:
+            rank.early[event.request_id] = event
+
+    @property
+    def prefill_endpoints(self) -> list[str]:
+        return [r.addresses["peer"] for r in self.prefill]
+
+    async def handshake(self) -> list[PlanInfo]:
+        plans = []
+        for rank in self.decode:
+            assert rank.client is not None
+            plans.append(await rank.client.handshake(PREFILL, endpoints=self.prefill_endpoints))
+        return plans
+
+    async def aclose(self) -> None:
+        """Close clients, stop every sidecar, unlink shm files; bounded (about 6 s at most).
+
+        SIGTERM lets a sidecar drain; a second SIGTERM after 3 s skips the drain (holds that no
+        consumer will complete, e.g. after Ctrl-C); SIGKILL after 3 s more.
+        """
+        for rank in self.ranks:
+            if rank.watcher is not None:
+                rank.watcher.cancel()
+                with contextlib.suppress(BaseException):
+                    await rank.watcher
+            if rank.client is not None:
+                with contextlib.suppress(Exception):
+                    await rank.client.aclose()
+        for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):
+            running = [r for r in self.ranks if r.proc.poll() is None]
+            if not running:
+                break
+            for rank in running:
+                with contextlib.suppress(ProcessLookupError):
+                    if sig == signal.SIGKILL:
+                        os.killpg(rank.proc.pid, sig)
+                    else:
+                        rank.proc.send_signal(sig)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_exited(running), 3.0)
+        for rank in self.ranks:
+            rank.memory.close()
+            rank.memory.unlink()
+
+
+async def _exited(ranks: Sequence[Rank]) -> None:
+    """Wait until every process in ``ranks`` has exited (the caller bounds the wait)."""
+    for rank in ranks:
+        while rank.proc.poll() is None:  # noqa: ASYNC110 - a child process has no awaitable exit
+            await asyncio.sleep(0.02)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferResult:
+    request_id: str
+    latencies_s: tuple[float, ...]  # per decode rank: Read call -> RECV_DONE
+    bytes_read: int
+    bytes_verified: int
+    send_done: tuple[SendDone, ...]
+
+
+async def transfer(
+    cluster: LocalCluster,
+    request_id: str,
+    prefill_ids: Sequence[Sequence[int]],
+    decode_ids: Sequence[Sequence[int]],
+    *,
+    hold: bool = True,
+    timeout_s: float = 30.0,
+) -> TransferResult:
+    """One request end to end; raises on any failure or byte mismatch."""
+    sends = [r.expect(request_id) for r in cluster.prefill] if hold else []
+    if hold:
+        for rank in cluster.prefill:
+            assert rank.client is not None
+            await rank.client.hold(request_id, block_ids=prefill_ids)
+    local_id = f"{request_id}@decode"
+    recvs = [r.expect(local_id) for r in cluster.decode]
+    starts = []
+    posted_bytes = 0
+    for rank in cluster.decode:
+        assert rank.client is not None
+        starts.append(time.perf_counter())
+        posted = await rank.client.read(
+            local_id,
+            remote_engine_id=PREFILL,
+            remote_request_id=request_id,
+            local_block_ids=decode_ids,
+            remote_block_ids=prefill_ids,
+            endpoints=cluster.prefill_endpoints,
+        )
+        posted_bytes += posted.bytes
+    latencies = []
+    verified = 0
+    for rank, fut, start in zip(cluster.decode, recvs, starts, strict=True):
+        event = await asyncio.wait_for(fut, timeout_s)
+        latencies.append(rank.arrivals.pop(local_id) - start)
+        if not isinstance(event, RecvDone):
+            raise RuntimeError(f"decode rank {rank.rank}: {event}")
+        # numpy releases the GIL: verifying off the loop keeps other requests' events timely.
+        verified += await asyncio.to_thread(
+            toy.verify,
+            rank.memory.array,
+            rank.views,
+            tp_size=rank.tp_size,
+            rank=rank.rank,
+            seed=cluster.seed,
+            local_ids=decode_ids,
+            remote_ids=prefill_ids,
+        )
+    done = []
+    for fut in sends:
+        event = await asyncio.wait_for(fut, timeout_s)
+        if not isinstance(event, SendDone):
+            raise RuntimeError(f"prefill: unexpected {event}")
+        done.append(event)
+    for rank in cluster.prefill:
+        rank.arrivals.pop(request_id, None)
+    return TransferResult(
+        request_id=request_id,
+        latencies_s=tuple(latencies),
+        bytes_read=posted_bytes,
+        bytes_verified=verified,
+        send_done=tuple(done),
+    )
+
+
+def request_ids(
+    shape: toy.ModelShape,
+    prefill_blocks: Sequence[int],
+    decode_blocks: Sequence[int],
+    *,
+    hit: int = 0,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Per-group (prefill ids, decode ids) for one request over ``prefill_blocks``.
+
+    ``hit`` leading blocks are a local prefix-cache hit: the decode side reads only the tail
+    (``hit == len(prefill_blocks)`` is a full hit, nothing read). A Mamba hybrid adds group 1 with
+    the request's one state block (the first block id), read unless the hit is full.
+    """
+    n = len(prefill_blocks)
+    if not 0 <= hit <= n or len(decode_blocks) < n - hit:
+        raise ValueError(f"hit={hit} needs 0 <= hit <= {n} and >= {n - hit} decode blocks")
+    p = [list(prefill_blocks)]
+    d = [list(decode_blocks[: n - hit])]
+    if shape.num_groups == 2:
+        p.append([prefill_blocks[0]])
+        d.append([] if hit == n else [decode_blocks[0]])
+    return p, d

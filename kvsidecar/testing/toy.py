@@ -1,0 +1,290 @@
+"""Toy KV-cache models for demos and end-to-end tests: geometry presets, a byte pattern, a verifier.
+
+The pattern gives every byte of the *unsharded* model a value derived from (view name, span key,
+global unit, byte within the unit, kernel block id). Each rank stores the units it holds, so after a
+transfer with any TP pair the consumer can check every byte it received against the value the
+producer's block must have held — a misplaced unit, span, view or block shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvsidecar.plan import (
+    View,
+    flashinfer_view,
+    hnd_kv_views,
+    mamba2_view,
+    mla_view,
+    packed_kv_view,
+)
+from kvsidecar.plan.tp import units_held
+
+U8 = npt.NDArray[np.uint8]
+
+
+class ModelKind(enum.Enum):
+    GQA = "gqa"  # HND attention, K and V in separate regions
+    PACKED = "packed"  # [H, N, 2D] per block
+    FLASHINFER = "flashinfer"  # [2, H, N, D] per block
+    MLA = "mla"  # replicated latent cache
+    MAMBA = "mamba"  # hybrid: attention (group 0) + Mamba2 state (group 1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelShape:
+    """A small model: ``layers`` attention layers of ``kv_heads`` x ``head_dim`` (bytes per element
+    ``dtype_bytes``), ``block_size`` tokens per block, ``num_blocks`` blocks per view."""
+
+    kind: ModelKind
+    layers: int = 2
+    kv_heads: int = 8
+    head_dim: int = 16
+    block_size: int = 4
+    dtype_bytes: int = 2
+    num_blocks: int = 64
+    mamba_layers: int = 1
+
+    @property
+    def num_groups(self) -> int:
+        return 2 if self.kind is ModelKind.MAMBA else 1
+
+
+def build_views(shape: ModelShape, tp_size: int, memory_id: str = "kv") -> tuple[View, ...]:
+    """The views of one rank of a ``tp_size`` engine, packed one after another in one memory."""
+    views: list[View] = []
+    offset = 0
+    nb, bs, db = shape.num_blocks, shape.block_size, shape.dtype_bytes
+    for layer in range(shape.layers):
+        name = f"layers.{layer}"
+        if shape.kind in (ModelKind.GQA, ModelKind.MAMBA):
+            k, v = hnd_kv_views(
+                name=name,
+                k_memory_id=memory_id,
+                v_memory_id=memory_id,
+                global_kv_heads=shape.kv_heads,
+                head_dim=shape.head_dim,
+                tp_size=tp_size,
+                k_offset=offset,
+                num_blocks=nb,
+                block_size=bs,
+                dtype_bytes=db,
+            )
+            v = _at(v, offset + k.num_blocks * k.block_stride)
+            views += [k, v]
+        elif shape.kind is ModelKind.PACKED:
+            views.append(
+                packed_kv_view(
+                    name=name,
+                    memory_id=memory_id,
+                    offset=offset,
+                    global_kv_heads=shape.kv_heads,
+                    head_dim=shape.head_dim,
+                    tp_size=tp_size,
+                    num_blocks=nb,
+                    block_size=bs,
+                    dtype_bytes=db,
+                )
+            )
+        elif shape.kind is ModelKind.FLASHINFER:
+            views.append(
+                flashinfer_view(
+                    name=name,
+                    memory_id=memory_id,
+                    offset=offset,
+                    global_kv_heads=shape.kv_heads,
+                    head_dim=shape.head_dim,
+                    tp_size=tp_size,
+                    num_blocks=nb,
+                    block_size=bs,
+                    dtype_bytes=db,
+                )
+            )
+        else:
+            views.append(
+                mla_view(
+                    name=name,
+                    memory_id=memory_id,
+                    offset=offset,
+                    latent_dim=shape.head_dim * 4,
+                    num_blocks=nb,
+                    block_size=bs,
+                    dtype_bytes=db,
+                )
+            )
+        offset = _end(views)
+    if shape.kind is ModelKind.MAMBA:
+        for layer in range(shape.mamba_layers):
+            views.append(
+                mamba2_view(
+                    name=f"mamba.{layer}",
+                    memory_id=memory_id,
+                    offset=offset,
+                    num_blocks=shape.num_blocks,
+                    num_heads=shape.kv_heads,
+                    head_dim=shape.head_dim,
+                    n_groups=2,
+                    d_state=8,
+                    conv_kernel=4,
+                    conv_dtype_bytes=shape.dtype_bytes,
+                    ssm_dtype_bytes=4,
+                    tp_size=tp_size,
+                    groups=(1,),
+                )
+            )
+            offset = _end(views)
+    return tuple(views)
+
+
+def _at(view: View, offset: int) -> View:
+    return View(
+        name=view.name,
+        memory_id=view.memory_id,
+        offset=offset,
+        num_blocks=view.num_blocks,
+        block_stride=view.block_stride,
+        groups=view.groups,
+        blocks_per_id=view.blocks_per_id,
+        spans=view.spans,
+    )
+
+
+def _end(views: Sequence[View]) -> int:
+    return max(v.offset + v.num_blocks * v.block_stride for v in views)
+
+
+def memory_size(views: Sequence[View]) -> int:
+    """Bytes one memory must have to hold ``views``, rounded up to 4 KiB."""
+    return (_end(views) + 4095) // 4096 * 4096
+
+
+def _key_hash(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0xFFFF
+
+
+def _pattern(
+    view: str,
+    key: str,
+    units: npt.NDArray[np.int64],
+    unit_bytes: int,
+    blocks: npt.NDArray[np.int64],
+    seed: int,
+) -> U8:
+    """Values of ``blocks`` x ``units`` x ``unit_bytes`` for one span (uint8, shape (B, U, N))."""
+    b = blocks.astype(np.uint32)[:, None, None]
+    u = units.astype(np.uint32)[None, :, None]
+    j = np.arange(unit_bytes, dtype=np.uint32)[None, None, :]
+    h = (b * np.uint32(2654435761)) ^ (u * np.uint32(40503)) ^ (j * np.uint32(97))
+    h ^= np.uint32((_key_hash(view) << 8) ^ _key_hash(key) ^ (seed * 7919))
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0x5BD1E995)
+    h ^= h >> np.uint32(15)
+    out: U8 = (h & np.uint32(0xFF)).astype(np.uint8)
+    return out
+
+
+def _span_units(global_units: int, tp_size: int, rank: int) -> npt.NDArray[np.int64]:
+    if global_units == 0:
+        return np.zeros(1, dtype=np.int64)
+    start, stop = units_held(global_units, tp_size, rank)
+    return np.arange(start, stop, dtype=np.int64)
+
+
+def _span_block_view(buf: U8, view: View, offset: int, length: int) -> U8:
+    region = buf[view.offset : view.offset + view.num_blocks * view.block_stride]
+    out: U8 = region.reshape(view.num_blocks, view.block_stride)[:, offset : offset + length]
+    return out
+
+
+def fill(buf: U8, views: Sequence[View], *, tp_size: int, rank: int, seed: int) -> None:
+    """Write the pattern into every block of every view of one rank's memory ``buf``."""
+    for view in views:
+        blocks = np.arange(view.num_blocks, dtype=np.int64)
+        for span in view.spans:
+            units = _span_units(span.global_units, tp_size, rank)
+            unit_bytes = span.length // len(units)
+            dst = _span_block_view(buf, view, span.offset, span.length)
+            dst[:] = _pattern(view.name, span.key, units, unit_bytes, blocks, seed).reshape(
+                view.num_blocks, span.length
+            )
+
+
+def _kernel(ids: npt.NDArray[np.int64], per_id: int) -> npt.NDArray[np.int64]:
+    return (ids[:, None] * per_id + np.arange(per_id, dtype=np.int64)).ravel()
+
+
+def _table_blocks(view: View, kernel_ids: npt.NDArray[np.int64]) -> int:
+    """Blocks a pattern table needs: the view's, or more if the remote has more (rounded up)."""
+    need = max(view.num_blocks, int(kernel_ids.max()) + 1 if len(kernel_ids) else 0)
+    return (need + 255) // 256 * 256
+
+
+@functools.lru_cache(maxsize=256)
+def _table(
+    view: str, key: str, units: tuple[int, ...], unit_bytes: int, blocks: int, seed: int
+) -> U8:
+    """The pattern of every block of one span, computed once: verifying becomes a gather."""
+    table = _pattern(
+        view,
+        key,
+        np.asarray(units, dtype=np.int64),
+        unit_bytes,
+        np.arange(blocks, dtype=np.int64),
+        seed,
+    ).reshape(blocks, -1)
+    table.setflags(write=False)
+    return table
+
+
+def verify(
+    buf: U8,
+    views: Sequence[View],
+    *,
+    tp_size: int,
+    rank: int,
+    seed: int,
+    local_ids: Sequence[Sequence[int]],
+    remote_ids: Sequence[Sequence[int]],
+) -> int:
+    """Check that the local blocks hold the producer's blocks (tail of ``remote_ids`` per group).
+
+    Returns the bytes verified; raises ``ValueError`` naming the first mismatching view, span,
+    local block and byte.
+    """
+    checked = 0
+    for view in views:
+        g = view.groups[0]
+        loc = np.asarray(local_ids[g], dtype=np.int64)
+        rem = np.asarray(remote_ids[g], dtype=np.int64)[len(remote_ids[g]) - len(loc) :]
+        if not len(loc):
+            continue
+        lk, rk = _kernel(loc, view.blocks_per_id), _kernel(rem, view.blocks_per_id)
+        for span in view.spans:
+            units = _span_units(span.global_units, tp_size, rank)
+            table = _table(
+                view.name,
+                span.key,
+                tuple(int(u) for u in units),
+                span.length // len(units),
+                _table_blocks(view, rk),
+                seed,
+            )
+            expected = table[rk]
+            actual = _span_block_view(buf, view, span.offset, span.length)[lk]
+            bad = np.argwhere(actual != expected)
+            if bad.size:
+                i, byte = (int(x) for x in bad[0])
+                raise ValueError(
+                    f"{view.name}/{span.key}: local block {int(lk[i])} (remote {int(rk[i])}) "
+                    f"byte {byte}: got {int(actual[i, byte])}, expected {int(expected[i, byte])} "
+                    f"({len(bad)} bytes differ)"
+                )
+            checked += actual.size
+    return checked

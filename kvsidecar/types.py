@@ -1,0 +1,176 @@
+"""Values shared by the engine-side client and the daemon: events, results and state.
+
+Standard library only. The daemon produces these values, ``kvsidecar.wire`` converts them to and
+from the gRPC messages, and the client hands them to the engine, so each exists exactly once.
+Units: bytes for sizes, seconds for durations, Unix time for timestamps.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "Event",
+    "FailReason",
+    "PeerInfo",
+    "PeerState",
+    "PlanInfo",
+    "RankPlanInfo",
+    "ReadPosted",
+    "RecvDone",
+    "RecvFailed",
+    "Registered",
+    "SendDone",
+    "SidecarStatus",
+]
+
+
+class FailReason(enum.Enum):
+    """Why a Read failed (``RecvFailed.Reason`` on the wire)."""
+
+    UNSPECIFIED = 0
+    TRANSFER_ERROR = 1
+    DEADLINE_EXCEEDED = 2
+    PEER_DISCONNECTED = 3
+    ENGINE_GONE = 4
+    SHUTDOWN = 5
+
+
+# Events. ``seq`` and ``timestamp`` are stamped by the sidecar when it emits the event (``seq``
+# counts from 1 per sidecar process; ``timestamp`` is the sidecar's Unix time); the code that
+# creates an event leaves them at 0.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecvDone:
+    """Consumer side: every READ of ``request_id`` completed (``bytes`` moved in ``duration_s``,
+    measured from the Read call)."""
+
+    request_id: str
+    bytes: int
+    duration_s: float
+    seq: int = 0
+    timestamp: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecvFailed:
+    """Consumer side: the read failed; ``invalid_block_ids`` (per group) may hold garbage."""
+
+    request_id: str
+    reason: FailReason
+    message: str
+    invalid_block_ids: tuple[tuple[int, ...], ...]
+    seq: int = 0
+    timestamp: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendDone:
+    """Producer side: all expected consumers notified (or the lease ``expired``)."""
+
+    request_id: str
+    consumers: int
+    expected_consumers: int
+    expired: bool
+    seq: int = 0
+    timestamp: float = 0.0
+
+
+Event = RecvDone | RecvFailed | SendDone
+
+
+# Results and state.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Registered:
+    """What RegisterEngine returned: the NIXL agent's name and the registration's epoch."""
+
+    agent_name: str
+    epoch: int
+    compat_digest: str
+    registered_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadPosted:
+    """A Read was accepted: READs posted, notify-only messages sent, bytes it will move."""
+
+    reads_posted: int
+    notifications_sent: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankPlanInfo:
+    """The plan's part for one remote rank."""
+
+    remote_rank: int
+    rows: int
+    bytes_per_block: int
+    notify_only: bool
+    expected_consumers: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanInfo:
+    """The plan of this rank against a remote engine (the Plan and Handshake RPCs)."""
+
+    local_engine_id: str
+    remote_engine_id: str
+    local_rank: int
+    local_tp_size: int
+    remote_tp_size: int
+    local_epoch: int
+    remote_epoch: int
+    ranks: tuple[RankPlanInfo, ...]
+    warnings: tuple[str, ...]
+    description: str
+
+
+class PeerState(str, enum.Enum):
+    """State of a remote engine; compares equal to its string value (``"ready"``)."""
+
+    HANDSHAKING = "handshaking"
+    READY = "ready"
+    QUARANTINED = "quarantined"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerInfo:
+    """A remote engine as this sidecar sees it."""
+
+    engine_id: str
+    state: PeerState
+    tp_size: int
+    epoch: int
+    ranks_connected: int
+    last_error: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SidecarStatus:
+    """A sidecar's state and counters (the Status RPC); ``events`` only when drained."""
+
+    events: tuple[Event, ...]
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    epoch: int
+    ready: bool
+    draining: bool
+    peers: tuple[PeerInfo, ...]
+    reads_in_flight: int
+    holds_active: int
+    counters: Mapping[str, int]
+    agent_name: str
+    watch_connected: bool

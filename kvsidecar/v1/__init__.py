@@ -1,0 +1,1 @@
+"""Generated from proto/kvsidecar/v1 by scripts/gen_proto.py (`make proto`); do not edit."""

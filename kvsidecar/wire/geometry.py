@@ -1,0 +1,172 @@
+"""Geometry, memory, compatibility and block ids: domain values ⇄ ``kvsidecar.v1.geometry_pb2``.
+
+Decoding checks what a message alone can tell and names the field in every error, e.g.
+``views[2] ('layers.1'): spans[0].length must be > 0`` or ``local_block_ids[0][3]=4294967296 ...``;
+whether a geometry fits its memory or another engine is the daemon's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvsidecar.errors import BlockIdError, GeometryError, MemoryImportError
+from kvsidecar.memory.types import CudaIpcSpec, HostShmSpec, MemorySpec
+from kvsidecar.plan import EngineGeometry, Span, View
+from kvsidecar.plan.compat import CompatItems
+from kvsidecar.v1 import geometry_pb2
+
+__all__ = [
+    "block_ids_from_proto",
+    "block_ids_to_proto",
+    "compat_from_proto",
+    "compat_to_proto",
+    "geometry_from_proto",
+    "memory_from_proto",
+    "memory_to_proto",
+    "view_from_proto",
+    "view_to_proto",
+]
+
+_MAX_BLOCK_ID = 2**31 - 1  # what the daemon accepts (descriptor ids are int64 row offsets + ids)
+_WIRE_LIMIT = 2**32  # what a uint32 field can carry
+
+
+def view_to_proto(view: View) -> geometry_pb2.View:
+    return geometry_pb2.View(
+        name=view.name,
+        memory_id=view.memory_id,
+        offset=view.offset,
+        num_blocks=view.num_blocks,
+        block_stride=view.block_stride,
+        groups=list(view.groups),
+        blocks_per_id=view.blocks_per_id,
+        spans=[
+            geometry_pb2.Span(
+                key=s.key, offset=s.offset, length=s.length, global_units=s.global_units
+            )
+            for s in view.spans
+        ],
+    )
+
+
+def view_from_proto(pb: geometry_pb2.View) -> View:
+    """One view (unset ``groups`` = group 0, unset ``blocks_per_id`` = 1); GeometryError names
+    the view when its own fields are invalid."""
+    return View(
+        name=pb.name,
+        memory_id=pb.memory_id,
+        offset=pb.offset,
+        num_blocks=pb.num_blocks,
+        block_stride=pb.block_stride,
+        groups=tuple(pb.groups) if pb.groups else (0,),
+        blocks_per_id=pb.blocks_per_id or 1,
+        spans=tuple(
+            Span(key=s.key, offset=s.offset, length=s.length, global_units=s.global_units)
+            for s in pb.spans
+        ),
+    )
+
+
+def geometry_from_proto(
+    *,
+    engine_id: str,
+    tp_rank: int,
+    tp_size: int,
+    num_groups: int,
+    views: Sequence[geometry_pb2.View],
+) -> EngineGeometry:
+    """An engine geometry (unset ``num_groups`` = 1); GeometryError lists every problem found
+    (views, spans, TP)."""
+    problems: list[str] = []
+    parsed: list[View] = []
+    for i, pb in enumerate(views):
+        try:
+            parsed.append(view_from_proto(pb))
+        except GeometryError as exc:
+            problems.extend(f"views[{i}] ({pb.name!r}): {p}" for p in exc.problems)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"views[{i}] ({pb.name!r}): {exc}")
+    if problems:
+        raise GeometryError(problems)
+    return EngineGeometry(
+        engine_id=engine_id,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        num_groups=num_groups or 1,
+        views=tuple(parsed),
+    )
+
+
+def block_ids_from_proto(
+    field: str, groups: Sequence[geometry_pb2.BlockIds]
+) -> tuple[npt.NDArray[np.int64], ...]:
+    """Per-group id arrays (int64). BlockIdError for ids beyond int32 (field and value named)."""
+    out: list[npt.NDArray[np.int64]] = []
+    for g, ids in enumerate(groups):
+        arr = np.asarray(ids.ids, dtype=np.int64)
+        if arr.size and int(arr.max()) > _MAX_BLOCK_ID:
+            j = int(np.argmax(arr))
+            raise BlockIdError(f"{field}[{g}][{j}]={int(arr[j])} exceeds the largest block id")
+        out.append(arr)
+    return tuple(out)
+
+
+def block_ids_to_proto(
+    groups: Sequence[Sequence[int]] | Sequence[npt.NDArray[np.integer]], field: str = "block_ids"
+) -> list[geometry_pb2.BlockIds]:
+    """Per-group id lists as proto; BlockIdError (field and value named) for ids outside uint32."""
+    out = []
+    for g, ids in enumerate(groups):
+        values = np.asarray(ids, dtype=np.int64).ravel()
+        bad = np.flatnonzero((values < 0) | (values >= _WIRE_LIMIT))
+        if bad.size:
+            j = int(bad[0])
+            raise BlockIdError(
+                f"{field}[{g}][{j}]={int(values[j])} is not a block id (0 <= id < 2**32)"
+            )
+        out.append(geometry_pb2.BlockIds(ids=values.tolist()))
+    return out
+
+
+def memory_to_proto(memory_id: str, spec: MemorySpec) -> geometry_pb2.Memory:
+    if isinstance(spec, HostShmSpec):
+        return geometry_pb2.Memory(
+            id=memory_id, size=spec.size, host_shm=geometry_pb2.HostShm(path=str(spec.path))
+        )
+    return geometry_pb2.Memory(
+        id=memory_id,
+        size=spec.size,
+        cuda_ipc=geometry_pb2.CudaIpc(
+            handle=spec.handle, device_uuid=spec.device_uuid, offset=spec.offset
+        ),
+    )
+
+
+def memory_from_proto(i: int, pb: geometry_pb2.Memory) -> tuple[str, MemorySpec]:
+    """``memories[i]`` as (engine-chosen id, spec); MemoryImportError names the entry."""
+    if not pb.id:
+        raise MemoryImportError(f"memories[{i}].id must be non-empty")
+    if pb.size == 0:
+        raise MemoryImportError(f"memories[{i}] ({pb.id!r}).size must be > 0")
+    kind = pb.WhichOneof("kind")
+    if kind == "host_shm":
+        return pb.id, HostShmSpec(path=pb.host_shm.path, size=pb.size)
+    if kind == "cuda_ipc":
+        return pb.id, CudaIpcSpec(
+            handle=bytes(pb.cuda_ipc.handle),
+            device_uuid=pb.cuda_ipc.device_uuid,
+            offset=pb.cuda_ipc.offset,
+            size=pb.size,
+        )
+    raise MemoryImportError(f"memories[{i}] ({pb.id!r}) has no kind (host_shm or cuda_ipc)")
+
+
+def compat_to_proto(compat: CompatItems) -> geometry_pb2.Compat:
+    return geometry_pb2.Compat(model=compat.model, dtype=compat.dtype, extra=dict(compat.extra))
+
+
+def compat_from_proto(pb: geometry_pb2.Compat) -> CompatItems:
+    return CompatItems(model=pb.model, dtype=pb.dtype, extra=tuple(sorted(pb.extra.items())))
