@@ -1,10 +1,10 @@
 """The engine core: what EngineService and PeerService do, on one event loop.
 
-Composes the components and owns the one thing none of them does: the registered local engine (one
-epoch at a time) and its lifecycle. The consumer side (``Consumer``: handshakes, Reads, consumer
-notifications) and the producer side (``Producer``: holds and their completion) share the peer
-registry, the in-flight reads, the ``PeerGuard`` lock and the ``EventHub``; the ``Poller`` drives
-completions. Components never call back into the core.
+Composes the components and owns what none of them does: the registered local engine (one epoch at
+a time) and its lifecycle. The consumer side (``Consumer``: handshakes, Reads, notifications sent)
+and the producer side (``Producer``: holds) share the peer registry, the in-flight reads, the
+``PeerGuard`` lock and the ``EventHub``; the ``Poller`` drives completions. Components never call
+back into the core.
 """
 
 from __future__ import annotations
@@ -47,9 +47,8 @@ class EngineCore:
         self._config = config
         self._on_registered = on_registered
         self.events = EventHub()
-        self.peers = PeerRegistry(
-            backend=backend, link=PeerLink(timeout_s=config.handshake_timeout_s)
-        )
+        link = PeerLink(timeout_s=config.handshake_timeout_s)
+        self.peers = PeerRegistry(backend=backend, link=link)
         self.transfers = TransferManager(backend=backend, events=self.events)
         self.producer = Producer(lease_s=config.lease_s, events=self.events)
         self._guard = PeerGuard(peers=self.peers, transfers=self.transfers)

@@ -29,7 +29,7 @@ from kvsidecar.engine.backend import (
     XferState,
     XferTelemetry,
 )
-from kvsidecar.engine.handles import HandleBook, StridedRows, check_pairs
+from kvsidecar.engine.handles import HandleBook, StridedRows
 from kvsidecar.errors import (
     BackendError,
     BackendInvalidParamError,
@@ -238,13 +238,7 @@ class FakeBackend:
         return self._prep(agent.name, checked, mem_type)
 
     async def release_dlist(self, dlist: DlistHandle) -> None:
-        self._book.dlist(dlist)
-        users = self._book.xfers_using(dlist.id)
-        if users:
-            raise BackendInvalidParamError(
-                f"descriptor list {dlist.id} is used by {len(users)} unreleased transfer(s)"
-            )
-        del self._book.dlists[dlist.id]
+        self._book.pop_dlist(dlist)
 
     async def post_read(
         self,
@@ -255,17 +249,13 @@ class FakeBackend:
         notification: bytes,
     ) -> XferHandle:
         self._check_open("post_read")
-        lrows, _ = self._book.dlist(local)
-        rrows, _ = self._book.dlist(remote)
-        if local.side is not DlistSide.LOCAL or remote.remote_agent is None:
-            raise BackendInvalidParamError("post_read needs a local and a remote dlist")
-        li, ri, nbytes = check_pairs(lrows, local_ids, rrows, remote_ids)
+        r = self._book.read_pair(local, local_ids, remote, remote_ids)
         faults = self.faults
         if faults.fail_post:
             raise BackendError("post_read: injected failure")
-        peer = self._fabric.reach(remote.remote_agent)
-        dst, lens = lrows.lookup(li)
-        src, _ = rrows.lookup(ri)
+        peer = self._fabric.reach(r.remote_agent)
+        dst, lens = r.local_rows.lookup(r.local_ids)
+        src, _ = r.remote_rows.lookup(r.remote_ids)
         copies = tuple(
             (int(d), int(s), int(n))
             for d, s, n in zip(dst.tolist(), src.tolist(), lens.tolist(), strict=True)
@@ -281,8 +271,8 @@ class FakeBackend:
         h = XferHandle(
             id=self._book.new_id(),
             remote_agent=peer.agent_name,
-            num_descs=int(li.size),
-            num_bytes=nbytes,
+            num_descs=int(r.local_ids.size),
+            num_bytes=r.num_bytes,
             done_at_post=synchronous,
         )
         self._book.xfers[h.id] = (h, x, local.id, remote.id)

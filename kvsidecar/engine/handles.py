@@ -8,15 +8,22 @@ of block ``b`` of row ``i`` is ``sum(count_<i) + b``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from kvsidecar.engine.backend import DlistHandle, MemoryRegistration, RemoteAgent, XferHandle
+from kvsidecar.engine.backend import (
+    DlistHandle,
+    DlistSide,
+    MemoryRegistration,
+    RemoteAgent,
+    XferHandle,
+)
 from kvsidecar.errors import BackendError, BackendInvalidParamError, BackendNotFoundError
 
-__all__ = ["HandleBook", "StridedRows", "check_pairs"]
+__all__ = ["HandleBook", "ReadPair", "StridedRows", "check_pairs"]
 
 
 class StridedRows:
@@ -101,9 +108,25 @@ def check_pairs(
     return li, ri, int(llen.sum())
 
 
+D = TypeVar("D")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadPair(Generic[D]):
+    """A checked READ: both lists (rows and native handles), int32 ids, bytes in all."""
+
+    local_rows: StridedRows
+    local: D
+    local_ids: npt.NDArray[np.int32]
+    remote_rows: StridedRows
+    remote: D
+    remote_ids: npt.NDArray[np.int32]
+    remote_agent: str
+    num_bytes: int
+
+
 R = TypeVar("R")
 A = TypeVar("A")
-D = TypeVar("D")
 X = TypeVar("X")
 
 
@@ -153,6 +176,42 @@ class HandleBook(Generic[R, A, D, X]):
         if found is None or found[0] != h:
             raise BackendNotFoundError(f"transfer {h.id} is not live (released?)")
         return found[1]
+
+    def pop_dlist(self, h: DlistHandle) -> D:
+        """Forget ``h`` and return its native list; refused while an unreleased transfer uses it."""
+        _, native = self.dlist(h)
+        users = self.xfers_using(h.id)
+        if users:
+            raise BackendInvalidParamError(
+                f"descriptor list {h.id} is used by {len(users)} unreleased transfer(s)"
+            )
+        del self.dlists[h.id]
+        return native
+
+    def read_pair(
+        self,
+        local: DlistHandle,
+        local_ids: npt.ArrayLike,
+        remote: DlistHandle,
+        remote_ids: npt.ArrayLike,
+    ) -> ReadPair[D]:
+        """Check a READ of ``remote[remote_ids[k]]`` into ``local[local_ids[k]]`` against both
+        prepared lists (``check_pairs``) before the backend sees it."""
+        lrows, lnative = self.dlist(local)
+        rrows, rnative = self.dlist(remote)
+        if local.side is not DlistSide.LOCAL or remote.remote_agent is None:
+            raise BackendInvalidParamError("post_read needs a local and a remote dlist")
+        li, ri, nbytes = check_pairs(lrows, local_ids, rrows, remote_ids)
+        return ReadPair(
+            local_rows=lrows,
+            local=lnative,
+            local_ids=li,
+            remote_rows=rrows,
+            remote=rnative,
+            remote_ids=ri,
+            remote_agent=remote.remote_agent,
+            num_bytes=nbytes,
+        )
 
     def xfers_using(self, dlist_id: int) -> list[XferHandle]:
         return [x for x, _, lo, re in self.xfers.values() if dlist_id in (lo, re)]

@@ -86,6 +86,28 @@ class _Entry:
         )
 
 
+class _Recent:
+    """The last ``size`` ids added (oldest forgotten first); ``size`` 0 remembers nothing."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._ids
+
+    def add(self, request_id: str) -> None:
+        if self._size == 0:
+            return
+        self._ids[request_id] = None
+        self._ids.move_to_end(request_id)
+        while len(self._ids) > self._size:
+            self._ids.popitem(last=False)
+
+    def discard(self, request_id: str) -> None:
+        self._ids.pop(request_id, None)
+
+
 def _positive(name: str, value: float) -> None:
     if not math.isfinite(value) or value <= 0:
         raise InvalidArgumentError(f"{name}={value!r} must be > 0 and finite")
@@ -115,10 +137,9 @@ class ProducerLedger:
         self._clock = clock
         self._early_ttl_s = float(early_ttl_s)
         self._max_early = max_early
-        self._max_closed = max_closed
         self._holds: dict[str, _Entry] = {}
         self._early: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
-        self._closed: OrderedDict[str, None] = OrderedDict()  # LRU of ended holds, oldest first
+        self._closed = _Recent(max_closed)  # ended holds: late notifications are stale at once
         # (deadline, tie-break, request id) of every entry; items whose entry is gone or whose
         # deadline moved are outdated and skipped (or compacted away).
         self._deadlines: list[tuple[float, int, str]] = []
@@ -153,7 +174,7 @@ class ProducerLedger:
         _positive("hold.lease_s", lease_s)
         if request_id in self._holds:
             raise AlreadyExistsError(f"hold.request_id={request_id!r} is already held")
-        self._closed.pop(request_id, None)
+        self._closed.discard(request_id)
         entry = _Entry(
             deadline=self._clock() + lease_s, lease_s=float(lease_s), block_ids=block_ids
         )
@@ -163,7 +184,7 @@ class ProducerLedger:
             entry.consumers = early.consumers
             entry.expected = early.expected
             if entry.full():
-                self._close(request_id)
+                self._closed.add(request_id)
                 self._sends_done += 1
                 return entry.done(request_id, expired=False)
         self._holds[request_id] = entry
@@ -174,7 +195,7 @@ class ProducerLedger:
         """Drop a hold now (the engine aborted); no SendDone. False if it is not held."""
         if self._holds.pop(request_id, None) is None:
             return False
-        self._close(request_id)
+        self._closed.add(request_id)
         self._released += 1
         return True
 
@@ -185,7 +206,7 @@ class ProducerLedger:
         """
         dropped = len(self._holds)
         for request_id in self._holds:
-            self._close(request_id)
+            self._closed.add(request_id)
         self._holds.clear()
         for request_id, entry in self._early.items():
             self._stale_early(request_id, entry, "engine dropped")
@@ -236,7 +257,7 @@ class ProducerLedger:
         if not entry.full():
             return NotificationOutcome.COUNTED, None
         del self._holds[request_id]
-        self._close(request_id)
+        self._closed.add(request_id)
         self._sends_done += 1
         return NotificationOutcome.COMPLETED, entry.done(request_id, expired=False)
 
@@ -274,7 +295,7 @@ class ProducerLedger:
             entry = self._holds.get(request_id)
             if entry is not None and entry.deadline == deadline:
                 del self._holds[request_id]
-                self._close(request_id)
+                self._closed.add(request_id)
                 self._leases_expired += 1
                 out.append(entry.done(request_id, expired=True))
                 logger.warning("request %r: lease expired (%s)", request_id, out[-1])
@@ -326,15 +347,6 @@ class ProducerLedger:
         deadline, _, request_id = item
         entry = self._holds.get(request_id) or self._early.get(request_id)
         return entry is not None and entry.deadline == deadline
-
-    def _close(self, request_id: str) -> None:
-        """Remember an ended hold so that late notifications for it are stale at once."""
-        if self._max_closed == 0:
-            return
-        self._closed[request_id] = None
-        self._closed.move_to_end(request_id)
-        while len(self._closed) > self._max_closed:
-            self._closed.popitem(last=False)
 
     def _stale_one(self, request_id: str, why: str) -> tuple[NotificationOutcome, None]:
         self._stale += 1

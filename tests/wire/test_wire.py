@@ -1,0 +1,257 @@
+"""The wire leaf: every value survives encode -> bytes -> decode, and peer data never crashes it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import Histogram as PromHistogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvsidecar.engine.stats import POST_BUCKETS, Histogram
+from kvsidecar.errors import BlockIdError, GeometryError, InvalidArgumentError, MemoryImportError
+from kvsidecar.memory.types import CudaIpcSpec, HostShmSpec
+from kvsidecar.metrics import EngineCollector, _histogram
+from kvsidecar.plan import EngineGeometry, hnd_kv_views
+from kvsidecar.plan.compat import CompatItems
+from kvsidecar.types import (
+    FailReason,
+    PeerInfo,
+    PeerState,
+    PlanInfo,
+    RankPlanInfo,
+    ReadPosted,
+    RecvDone,
+    RecvFailed,
+    Registered,
+    SendDone,
+    SidecarStatus,
+)
+from kvsidecar.v1 import engine_pb2, geometry_pb2, peer_pb2
+from kvsidecar.wire import engine as wire_engine
+from kvsidecar.wire.geometry import (
+    block_ids_from_proto,
+    block_ids_to_proto,
+    geometry_from_proto,
+    memory_from_proto,
+    memory_to_proto,
+    view_from_proto,
+    view_to_proto,
+)
+from kvsidecar.wire.peer import (
+    AgentInfo,
+    EngineDirectory,
+    NotificationKind,
+    PeerNotification,
+    agent_info_from_proto,
+    agent_info_to_proto,
+    decode_notification,
+    directory_from_proto,
+    directory_to_proto,
+    encode_notification,
+)
+
+EVENTS = (
+    RecvDone(request_id="a", bytes=4096, duration_s=0.25, seq=1, timestamp=1.5),
+    RecvFailed(
+        request_id="b",
+        reason=FailReason.PEER_DISCONNECTED,
+        message="gone",
+        invalid_block_ids=((1, 2), (3,)),
+        seq=2,
+        timestamp=2.5,
+    ),
+    SendDone(
+        request_id="c", consumers=2, expected_consumers=2, expired=False, seq=3, timestamp=3.0
+    ),
+)
+
+VIEWS = hnd_kv_views(
+    name="layers.0",
+    k_memory_id="kv",
+    v_memory_id="kv",
+    num_blocks=8,
+    block_size=4,
+    global_kv_heads=4,
+    head_dim=8,
+    dtype_bytes=2,
+    tp_size=2,
+    v_offset=8 * 4 * 2 * 8 * 2,
+)
+
+
+def _bytes_round_trip(pb: object) -> object:
+    data = pb.SerializeToString()  # type: ignore[attr-defined]
+    fresh = type(pb)()
+    fresh.ParseFromString(data)  # type: ignore[attr-defined]
+    return fresh
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
+def test_events_round_trip(event: RecvDone | RecvFailed | SendDone) -> None:
+    pb = _bytes_round_trip(wire_engine.event_to_proto(event))
+    assert wire_engine.event_from_proto(pb) == event  # type: ignore[arg-type]
+
+
+def test_every_fail_reason_has_the_same_number_on_the_wire() -> None:
+    for reason in FailReason:
+        name = "REASON_UNSPECIFIED" if reason is FailReason.UNSPECIFIED else reason.name
+        assert engine_pb2.RecvFailed.Reason.Value(name) == reason.value
+
+
+def test_status_plan_and_results_round_trip() -> None:
+    status = SidecarStatus(
+        events=EVENTS,
+        engine_id="decode",
+        tp_rank=1,
+        tp_size=2,
+        epoch=7,
+        ready=True,
+        draining=False,
+        peers=(
+            PeerInfo(
+                engine_id="p",
+                state=PeerState.QUARANTINED,
+                tp_size=2,
+                epoch=3,
+                ranks_connected=0,
+                last_error="x",
+            ),
+        ),
+        reads_in_flight=4,
+        holds_active=5,
+        counters={"reads_done": 9},
+        agent_name="agent",
+        watch_connected=True,
+    )
+    pb = _bytes_round_trip(wire_engine.status_to_proto(status))
+    back = wire_engine.status_from_proto(pb)  # type: ignore[arg-type]
+    assert back == status
+    assert back.peers[0].state == "quarantined"  # the state compares equal to its string
+    registered = Registered(agent_name="a", epoch=2, compat_digest="d", registered_bytes=10)
+    assert wire_engine.registered_from_proto(wire_engine.registered_to_proto(registered)) == (
+        registered
+    )
+    posted = ReadPosted(reads_posted=2, notifications_sent=1, bytes=100)
+    assert wire_engine.read_posted_from_proto(wire_engine.read_posted_to_proto(posted)) == posted
+
+
+def test_plan_info_decodes_what_the_daemon_encodes() -> None:
+    from kvsidecar.plan import build_peer_plan
+
+    local = EngineGeometry(engine_id="d", tp_rank=0, tp_size=2, views=VIEWS)
+    remote = EngineGeometry(engine_id="p", tp_rank=0, tp_size=2, views=VIEWS)
+    bases = {v.name: (4096, 0) for v in VIEWS}
+    plan = build_peer_plan(
+        local=local, remote=remote, local_bases=bases, remote_bases={0: bases, 1: bases}
+    )
+    info = wire_engine.plan_info_from_proto(wire_engine.plan_to_proto(plan, 5, 6))
+    assert isinstance(info, PlanInfo)
+    assert (info.local_epoch, info.remote_epoch, info.remote_tp_size) == (5, 6, 2)
+    assert info.ranks == tuple(
+        RankPlanInfo(
+            remote_rank=r.remote_rank,
+            rows=r.num_rows,
+            bytes_per_block=r.bytes_per_block,
+            notify_only=r.notify_only,
+            expected_consumers=r.expected_consumers,
+        )
+        for r in plan.ranks
+    )
+    assert info.description == plan.describe()
+
+
+def test_views_memories_and_block_ids_round_trip() -> None:
+    for view in VIEWS:
+        assert view_from_proto(_bytes_round_trip(view_to_proto(view))) == view  # type: ignore[arg-type]
+    for spec in (
+        HostShmSpec(path="/dev/shm/x", size=64),
+        CudaIpcSpec(handle=b"h" * 64, device_uuid="GPU-1234", offset=8, size=32),
+    ):
+        assert memory_from_proto(0, memory_to_proto("m", spec)) == ("m", spec)
+    groups = ((0, 5, 2**31 - 1), ())
+    arrays = block_ids_from_proto("ids", block_ids_to_proto(groups))
+    assert [a.tolist() for a in arrays] == [list(g) for g in groups]
+    assert all(a.dtype == np.int64 for a in arrays)
+
+
+def test_bad_geometry_memory_and_ids_name_the_field() -> None:
+    with pytest.raises(BlockIdError, match=r"local\[0\]\[1\]=-1"):
+        block_ids_to_proto([[0, -1]], "local")
+    with pytest.raises(BlockIdError, match=r"ids\[0\]\[0\]=2147483648"):
+        block_ids_from_proto("ids", [geometry_pb2.BlockIds(ids=[2**31])])
+    with pytest.raises(MemoryImportError, match=r"memories\[3\] \('m'\) has no kind"):
+        memory_from_proto(3, geometry_pb2.Memory(id="m", size=1))
+    bad = view_to_proto(VIEWS[0])
+    bad.spans[0].length = 0
+    with pytest.raises(GeometryError, match=r"views\[1\] \('layers.0.k'\)"):
+        geometry_from_proto(
+            engine_id="e", tp_rank=0, tp_size=2, num_groups=0, views=[view_to_proto(VIEWS[1]), bad]
+        )
+
+
+def test_agent_info_and_directory_round_trip() -> None:
+    geometry = EngineGeometry(engine_id="p", tp_rank=1, tp_size=2, views=VIEWS)
+    info = AgentInfo(
+        protocol_version=1,
+        compat_digest="abc",
+        epoch=11,
+        nixl_agent_metadata=b"\x00md",
+        agent_name="agent-p1",
+        geometry=geometry,
+        view_bases={v.name: (1 << 20, 0) for v in VIEWS},
+        compat=CompatItems(model="m", dtype="bf16", extra=(("a", "1"),)),
+        mem_type="DRAM",
+    )
+    pb = _bytes_round_trip(agent_info_to_proto(info))
+    assert agent_info_from_proto(pb) == info  # type: ignore[arg-type]
+    d = EngineDirectory(engine_id="p", tp_size=2, endpoints=("h:1", "h:2"), epoch=3)
+    assert directory_from_proto(directory_to_proto(d)) == d
+
+
+def test_notifications_round_trip_and_garbage_is_a_typed_error() -> None:
+    n = PeerNotification(
+        kind=NotificationKind.HEARTBEAT,
+        remote_request_id="",
+        expected_consumers=0,
+        epoch=9,
+        consumer_engine_id="d",
+        consumer_rank=3,
+        heartbeat_ids=("x", "y"),
+    )
+    assert decode_notification(encode_notification(n)) == n
+    unknown = peer_pb2.PeerNotification(kind=77, remote_request_id="r").SerializeToString()  # type: ignore[arg-type]
+    assert decode_notification(unknown).kind is NotificationKind.UNSPECIFIED
+    for garbage in (b"\xff\xff\xff", b"\x0a\x05ab"):
+        with pytest.raises(InvalidArgumentError, match="undecodable notification"):
+            decode_notification(garbage)
+
+
+def test_engine_histograms_render_like_prometheus_client() -> None:
+    """The collector's histogram has the same buckets, counts and sum as the client library's."""
+    values = [0.0, 1e-5, 2.5e-5, 3e-4, 0.002, 0.9, 1.0, 7.0, math.pi]
+    ours = Histogram(POST_BUCKETS)
+    registry = CollectorRegistry()
+    theirs = PromHistogram("h_seconds", "h", buckets=POST_BUCKETS, registry=registry)
+    for v in values:
+        ours.observe(v)
+        theirs.observe(v)
+
+    def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if not s.name.endswith("_created")
+        }
+
+    mine = CollectorRegistry()
+
+    class One(EngineCollector):
+        def collect(self):  # type: ignore[no-untyped-def]
+            yield _histogram("h_seconds", "h", ours.snapshot())
+
+    mine.register(One())
+    assert samples(generate_latest(mine).decode()) == samples(generate_latest(registry).decode())
