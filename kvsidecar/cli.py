@@ -40,7 +40,11 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=name, action="append", default=None, help=help_text)
         elif field.annotation is bool:
             parser.add_argument(
-                flag, dest=name, action="store_const", const=True, default=None, help=help_text
+                flag,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
             )
         else:
             parser.add_argument(flag, dest=name, default=None, help=help_text)
@@ -154,6 +158,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ListenError as exc:
         print(f"kvsidecar: cannot listen: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    except ConfigError as exc:
+        print(f"kvsidecar: invalid setting {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -73,13 +73,15 @@ class EngineCollector(Collector):
             return
         s = self.source()
         t, c, p, peers = s.transfers, s.consumer, s.producer, s.peers
+        # Consumer side: reads.
         yield _counter(
             "kvsidecar_reads_started", "Read requests accepted and posted.", t.reads_started
         )
         yield _counter("kvsidecar_reads_done", "Read requests completed (RECV_DONE).", t.reads_done)
         yield _labelled(
             "kvsidecar_reads_failed",
-            "Read requests failed (RECV_FAILED), by reason.",
+            "Read requests failed (RECV_FAILED), by reason (stale: the producer refused to "
+            "confirm).",
             "reason",
             t.reads_failed,
         )
@@ -99,6 +101,11 @@ class EngineCollector(Collector):
             t.post_duration,
         )
         yield _histogram(
+            "kvsidecar_read_confirm_duration_seconds",
+            "Every READ of a request done to every producer rank's confirmation.",
+            t.confirm_duration,
+        )
+        yield _histogram(
             "kvsidecar_read_descriptors", "Descriptors per posted READ.", t.descriptors
         )
         yield _gauge(
@@ -106,6 +113,7 @@ class EngineCollector(Collector):
             "Read requests posted and not yet completed.",
             t.reads_in_flight,
         )
+        # Consumer side: peers and the notifications sent to them.
         yield _labelled(
             "kvsidecar_handshakes",
             "Handshakes with remote engines, by result.",
@@ -123,14 +131,33 @@ class EngineCollector(Collector):
         yield by_state
         yield _labelled(
             "kvsidecar_notifications_sent",
-            "Notifications sent to remote sidecars, by kind.",
+            "Notifications delivered to producer ranks, by kind.",
             "kind",
             c.notifications_sent,
         )
+        yield _labelled(
+            "kvsidecar_notifications_refused_by_producer",
+            "Notifications this consumer sent that the producer refused, by outcome.",
+            "outcome",
+            c.notifications_refused,
+        )
+        yield _counter(
+            "kvsidecar_notifications_undelivered",
+            "Notifications whose PeerService call failed.",
+            c.notifications_undelivered,
+        )
+        # Producer side: holds and the notifications that complete them.
         yield _counter(
             "kvsidecar_notifications_received",
             "Consumer notifications received.",
             p.notifications_received,
+        )
+        yield _labelled(
+            "kvsidecar_notifications_refused",
+            "Consumer notifications this producer refused, by outcome (stale_epoch, wrong_token, "
+            "unknown_request, hold_ended).",
+            "outcome",
+            p.notifications_refused,
         )
         yield _gauge("kvsidecar_holds_active", "Producer holds awaiting consumers.", p.holds_active)
         yield _counter(
@@ -149,13 +176,20 @@ class EngineCollector(Collector):
         )
         yield _counter(
             "kvsidecar_bad_notifications",
-            "Notification payloads that could not be decoded.",
+            "Notifications with a wrong token, and NIXL notifications (nothing legitimate sends "
+            "them).",
             p.bad_notifications,
         )
+        # The engine.
         yield _counter(
             "kvsidecar_events_dropped",
             "Engine events dropped from a full buffer (no Watch stream and no Status polling).",
             s.events_dropped,
+        )
+        yield _counter(
+            "kvsidecar_events_discarded",
+            "Events of an ended registration, never delivered to the next one.",
+            s.events_discarded,
         )
         yield _gauge(
             "kvsidecar_registered_bytes",
@@ -181,6 +215,11 @@ class Metrics:
         )
         self.build_info.labels(__version__, platform.python_version()).set(1)
         self.ready = Gauge("kvsidecar_ready", "1 when /readyz would answer 200.", registry=r)
+        self.peer_tls = Gauge(
+            "kvsidecar_peer_tls",
+            "1 when PeerService requires mutual TLS; 0 when it runs insecure (peer_insecure).",
+            registry=r,
+        )
         self.poll_lag = Histogram(
             "kvsidecar_poll_loop_lag_seconds",
             "Delay of the event loop's periodic tick.",

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import os
 import signal
-import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import cast
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -28,14 +28,17 @@ from grpc_reflection.v1alpha import reflection
 from kvsidecar.engine.backend import TransferBackend
 from kvsidecar.engine.core import EngineCore
 from kvsidecar.engine.model import CoreConfig
-from kvsidecar.errors import ListenError
+from kvsidecar.errors import ConfigError, ListenError
 from kvsidecar.health import ENGINE_SERVICE, PEER_SERVICE, Condition, HttpEndpoint, Readiness
+from kvsidecar.listen import BoundAddresses, is_loopback, prepare_socket_path
 from kvsidecar.metrics import Metrics
+from kvsidecar.peer_tls import PeerTlsFiles, ServerCredentials
 from kvsidecar.rpc.engine_service import EngineServicer
+from kvsidecar.rpc.handlers import service_handler
 from kvsidecar.rpc.peer_service import PeerServicer
-from kvsidecar.settings import Settings, parse_host_port
+from kvsidecar.settings import Settings, check_peer_tls, parse_host_port
 from kvsidecar.systemd import SystemdNotifier
-from kvsidecar.v1 import engine_pb2_grpc, peer_pb2_grpc
+from kvsidecar.v1 import engine_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -49,50 +52,23 @@ _TICK_S = 0.5
 _CLOSE_CORE_S = 10.0
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BoundAddresses:
-    """Where a started sidecar listens."""
-
-    engine_socket: str
-    engine_tcp: str | None
-    peer: str
-    metrics: str
-
-    def as_dict(self) -> dict[str, str | None]:
-        return {
-            "engine_socket": self.engine_socket,
-            "engine_tcp": self.engine_tcp,
-            "peer": self.peer,
-            "metrics": self.metrics,
-        }
+def _tls_files(s: Settings) -> PeerTlsFiles | None:
+    if s.peer_insecure:
+        return None
+    check_peer_tls(s)
+    assert s.peer_tls_cert is not None
+    assert s.peer_tls_key is not None
+    assert s.peer_tls_ca is not None
+    return PeerTlsFiles(
+        cert=s.peer_tls_cert,
+        key=s.peer_tls_key,
+        ca=s.peer_tls_ca,
+        server_name=s.peer_tls_server_name or "",
+    )
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _prepare_socket_path(path: Path) -> None:
-    """Create the socket's directory (0700) and remove a stale socket; refuse a live one."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not path.exists() and not path.is_symlink():
-        return
-    if not path.is_socket():
-        raise ListenError(f"engine_socket={str(path)!r} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        path.unlink()  # nobody listens: stale socket from a crashed sidecar
-        return
-    finally:
-        probe.close()
-    raise ListenError(f"engine_socket={str(path)!r} is in use by another process")
+def _service(module: ModuleType, name: str) -> ServiceDescriptor:
+    return cast(ServiceDescriptor, module.DESCRIPTOR.services_by_name[name])
 
 
 class Sidecar:
@@ -118,6 +94,7 @@ class Sidecar:
         self._http: HttpEndpoint | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._socket_path: Path | None = None
+        self._tls: PeerTlsFiles | None = None
         self.addresses: BoundAddresses | None = None
 
     def _on_ready_change(self, ready: bool) -> None:
@@ -151,6 +128,14 @@ class Sidecar:
         return addresses
 
     async def _start_core(self, s: Settings) -> None:
+        self._tls = _tls_files(s)
+        if self._tls is None:
+            log.warning(
+                "PeerService runs WITHOUT TLS (peer_insecure): anyone who can reach %s gets the "
+                "NIXL metadata that opens this engine's memory",
+                s.peer_listen,
+            )
+        self.metrics.peer_tls.set(0 if self._tls is None else 1)
         if self._backend is None:
             from kvsidecar.engine.nixl_backend import NixlBackend
 
@@ -161,6 +146,8 @@ class Sidecar:
             read_deadline_s=s.read_deadline_s,
             handshake_timeout_s=s.handshake_timeout_s,
             shm_roots=s.shm_roots,
+            confirm_reads=s.confirm_reads,
+            tls=self._tls.current if self._tls is not None else None,
         )
 
         async def on_registered(held: bool) -> None:
@@ -186,8 +173,12 @@ class Sidecar:
         peer = grpc.aio.server(options=_GRPC_OPTIONS)
         self._engine_server, self._peer_server = engine, peer
         assert self.core is not None
-        engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self.core), engine)
-        peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self.core), peer)
+        engine.add_generic_rpc_handlers(
+            (service_handler(EngineServicer(self.core), _service(engine_pb2, "EngineService")),)
+        )
+        peer.add_generic_rpc_handlers(
+            (service_handler(PeerServicer(self.core), _service(peer_pb2, "PeerService")),)
+        )
         service_names = [reflection.SERVICE_NAME]
         for server in (engine, peer):
             health = health_aio.HealthServicer()
@@ -200,14 +191,14 @@ class Sidecar:
             ["grpc.health.v1.Health", PEER_SERVICE, *service_names], peer
         )
 
-        _prepare_socket_path(s.engine_socket)
+        prepare_socket_path(s.engine_socket)
         self._bind(engine, f"unix:{s.engine_socket}", "engine_socket", str(s.engine_socket))
         self._socket_path = s.engine_socket
         os.chmod(s.engine_socket, 0o600)
         engine_tcp: str | None = None
         if s.engine_listen:
             host, _ = parse_host_port(s.engine_listen)
-            if not _is_loopback(host) and not s.allow_remote_engine:
+            if not is_loopback(host) and not s.allow_remote_engine:
                 raise ListenError(
                     f"engine_listen={s.engine_listen!r} is not a loopback address "
                     "(set allow_remote_engine to expose EngineService)"
@@ -215,7 +206,8 @@ class Sidecar:
             port = self._bind(engine, s.engine_listen, "engine_listen", s.engine_listen)
             engine_tcp = f"{host}:{port}"
         peer_host, _ = parse_host_port(s.peer_listen)
-        peer_port = self._bind(peer, s.peer_listen, "peer_listen", s.peer_listen)
+        server_tls = self._tls.server if self._tls is not None else None
+        peer_port = self._bind(peer, s.peer_listen, "peer_listen", s.peer_listen, server_tls)
 
         await engine.start()
         await peer.start()
@@ -234,14 +226,38 @@ class Sidecar:
         )
 
     @staticmethod
-    def _bind(server: grpc.aio.Server, address: str, setting: str, value: str) -> int:
+    def _bind(
+        server: grpc.aio.Server,
+        address: str,
+        setting: str,
+        value: str,
+        tls: ServerCredentials | None = None,
+    ) -> int:
         try:
-            port = server.add_insecure_port(address)
+            if tls is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, tls.credentials)
         except RuntimeError as exc:
             raise ListenError(f"{setting}={value!r}: cannot bind ({exc})") from None
         if port == 0 and not address.startswith("unix:"):
             raise ListenError(f"{setting}={value!r}: cannot bind (address in use?)")
         return port
+
+    async def reload_tls(self) -> bool:
+        """Re-read the TLS files (SIGHUP): new connections, both ways, use them. A file that does
+        not load keeps the old certificates and is logged. True if reloaded."""
+        if self._tls is None or self.core is None:
+            log.info("TLS reload requested, but PeerService runs without TLS")
+            return False
+        try:
+            tls = self._tls.reload()
+        except ConfigError as exc:
+            log.error("TLS reload failed, keeping the current certificates: %s", exc)
+            return False
+        await self.core.peers.link.reload(tls)
+        log.info("TLS certificates reloaded")
+        return True
 
     async def _tick(self) -> None:
         """Loop-lag measurement and systemd watchdog, every 0.5 s (or half the watchdog period)."""
@@ -314,6 +330,14 @@ async def run(settings: Settings) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def on_hup() -> None:
+        task = loop.create_task(sidecar.reload_tls())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     try:
         await stop.wait()
         started = time.monotonic()
@@ -331,5 +355,5 @@ async def run(settings: Settings) -> int:
         log.info("shutdown took %.3fs", time.monotonic() - started)
         return 0
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)

@@ -95,6 +95,32 @@ class Settings(BaseSettings):
         default=None,
         description="Address other sidecars use to reach PeerService (default: the bound address).",
     )
+    peer_tls_cert: Path | None = Field(
+        default=None,
+        description="PEM certificate chain of this sidecar, for PeerService and as a client of "
+        "other sidecars' (mutual TLS).",
+    )
+    peer_tls_key: Path | None = Field(default=None, description="PEM private key of peer_tls_cert.")
+    peer_tls_ca: Path | None = Field(
+        default=None,
+        description="PEM CA bundle that signs every peer's certificate (clients and servers).",
+    )
+    peer_tls_server_name: str | None = Field(
+        default=None,
+        description="Name to verify in a peer's certificate instead of its endpoint host "
+        "(e.g. one fleet-wide name when peers are reached by pod IP).",
+    )
+    peer_insecure: bool = Field(
+        default=False,
+        description="Serve PeerService without TLS. Anyone who can reach it gets the NIXL "
+        "metadata that opens this engine's memory; for isolated test networks only.",
+    )
+    confirm_reads: bool = Field(
+        default=True,
+        description="Report RECV_DONE only after the producer confirmed its hold was live (off: "
+        "one PeerService round trip less per read, but a producer restart or an ended hold can "
+        "be reported as success).",
+    )
     metrics_listen: str = Field(
         default="127.0.0.1:9464", description="HTTP address for /metrics, /healthz, /readyz."
     )
@@ -211,9 +237,29 @@ def load_settings(
             del merged[key]
     merged.update({k: v for k, v in cli.items() if v is not None})
     try:
-        return Settings(**merged)
+        settings = Settings(**merged)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "settings"
         value = err.get("input")
         raise ConfigError(field, f"invalid value {value!r}: {err['msg']}") from None
+    check_peer_tls(settings)
+    return settings
+
+
+TLS_FILES = ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")
+
+
+def check_peer_tls(settings: Settings) -> None:
+    """PeerService runs with mutual TLS (all three files) or, explicitly, insecure (none)."""
+    given = [name for name in TLS_FILES if getattr(settings, name) is not None]
+    if settings.peer_insecure and given:
+        raise ConfigError(given[0], "is set together with peer_insecure; choose one")
+    if not settings.peer_insecure and len(given) != len(TLS_FILES):
+        missing = next(name for name in TLS_FILES if name not in given)
+        raise ConfigError(
+            missing,
+            "is required: PeerService hands out the NIXL metadata that opens this engine's "
+            "memory, so it runs with mutual TLS (peer_tls_cert, peer_tls_key, peer_tls_ca); "
+            "set peer_insecure to run without it on an isolated test network",
+        )

@@ -36,6 +36,8 @@ class FailReason(enum.Enum):
     PEER_DISCONNECTED = 3
     ENGINE_GONE = 4
     SHUTDOWN = 5
+    STALE = 6  #: the producer refused to confirm: its hold was not live under the token and epoch
+    LOCAL_MEMORY = 7  #: this sidecar's own memory failed (the producer is not blamed)
 
 
 # Events. ``seq`` and ``timestamp`` are stamped by the sidecar when it emits the event (``seq``
@@ -174,3 +176,5 @@ class SidecarStatus:
     counters: Mapping[str, int]
     agent_name: str
     watch_connected: bool
+    peer_tls: bool  #: PeerService uses mutual TLS (False only when configured insecure)
+    confirm_reads: bool  #: RECV_DONE waits for the producer's confirmation

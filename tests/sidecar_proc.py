@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
+
 KVSIDECAR = [sys.executable, "-m", "kvsidecar.cli"]
 
 
@@ -77,8 +79,19 @@ def start(
     raise TimeoutError(f"sidecar not ready after {timeout}s:\n{sc.log()}")
 
 
-def default_args(tmp_path: Path, name: str = "sidecar") -> list[str]:
-    """Listener flags that never collide between tests: a private socket and ephemeral ports."""
+def certificates(tmp_path: Path) -> PeerCertificates:
+    """The test's throwaway PKI (created once per ``tmp_path``)."""
+    pki = tmp_path / "pki"
+    if (pki / "peer.key").exists():
+        return PeerCertificates(ca=pki / "ca.pem", cert=pki / "peer.pem", key=pki / "peer.key")
+    return make_peer_certificates(pki)
+
+
+def default_args(
+    tmp_path: Path, name: str = "sidecar", certs: PeerCertificates | None = None
+) -> list[str]:
+    """Listener flags that never collide between tests (a private socket and ephemeral ports),
+    and mutual TLS for PeerService from ``certs`` (default: the test's own throwaway PKI)."""
     return [
         "--engine-socket",
         str(tmp_path / f"{name}.sock"),
@@ -86,4 +99,5 @@ def default_args(tmp_path: Path, name: str = "sidecar") -> list[str]:
         "127.0.0.1:0",
         "--metrics-listen",
         "127.0.0.1:0",
+        *(certs or certificates(tmp_path)).flags(),
     ]

@@ -64,7 +64,10 @@ class AsyncSidecarClient:
         dtype: str = "",
         extra: Mapping[str, str] | None = None,
         num_groups: int = 1,
+        takeover: bool = False,
     ) -> Registered:
+        """Register the engine's memory and geometry. ``takeover`` replaces a registration whose
+        Watch stream is still open (otherwise refused: FailedPreconditionError)."""
         request = requests.register(
             engine_id=engine_id,
             tp_rank=tp_rank,
@@ -76,6 +79,7 @@ class AsyncSidecarClient:
             dtype=dtype,
             extra=extra,
             num_groups=num_groups,
+            takeover=takeover,
         )
         return wire.registered_from_proto(await self._call(self._stub.RegisterEngine, request))
 
@@ -100,7 +104,10 @@ class AsyncSidecarClient:
         endpoints: Sequence[str] = (),
         endpoint: str = "",
         deadline_s: float = 0.0,
+        token: str = "",
     ) -> ReadPosted:
+        """Pull ``remote_block_ids`` of the producer's ``remote_request_id`` into
+        ``local_block_ids``; ``token`` is the producer's hold token. Completion is an event."""
         request = requests.read(
             ReadSpec(
                 request_id=request_id,
@@ -111,6 +118,7 @@ class AsyncSidecarClient:
                 endpoints=tuple(endpoints),
                 endpoint=endpoint,
                 deadline_s=deadline_s,
+                token=token,
             )
         )
         return wire.read_posted_from_proto(await self._call(self._stub.Read, request))
@@ -124,10 +132,18 @@ class AsyncSidecarClient:
         )
 
     async def hold(
-        self, request_id: str, *, block_ids: BlockIdGroups = (), lease_s: float = 0.0
-    ) -> None:
-        """Keep blocks until every consumer has read them (``lease_s`` 0 = the sidecar's default)."""
-        await self._call(self._stub.Notify, requests.hold(request_id, block_ids, lease_s))
+        self,
+        request_id: str,
+        *,
+        block_ids: BlockIdGroups = (),
+        lease_s: float = 0.0,
+        token: str = "",
+    ) -> str:
+        """Keep blocks until every consumer has read them (``lease_s`` 0 = the sidecar's
+        default). Returns the hold's token (``token``, or one the sidecar generated) for the
+        consumers' transfer parameters; engines with TP > 1 pass one token to every rank."""
+        request = requests.hold(request_id, block_ids, lease_s, token)
+        return str((await self._call(self._stub.Notify, request)).token)
 
     async def release(self, request_id: str) -> None:
         await self._call(self._stub.Notify, requests.release(request_id))
@@ -139,12 +155,17 @@ class AsyncSidecarClient:
         *,
         endpoints: Sequence[str] = (),
         endpoint: str = "",
+        token: str = "",
     ) -> int:
-        request = requests.consumed(remote_engine_id, remote_request_id, endpoints, endpoint)
+        """Tell every producer rank of the plan that this rank will not read. Returns the
+        notifications sent."""
+        request = requests.consumed(remote_engine_id, remote_request_id, endpoints, endpoint, token)
         return int((await self._call(self._stub.Notify, request)).notifications_sent)
 
-    async def heartbeat(self, remote_engine_id: str, remote_request_ids: Sequence[str]) -> int:
-        request = requests.heartbeat(remote_engine_id, remote_request_ids)
+    async def heartbeat(self, remote_engine_id: str, holds: Mapping[str, str]) -> int:
+        """Extend the producer leases of ``holds`` (remote request id -> hold token) on every
+        rank of the plan. Returns the notifications sent."""
+        request = requests.heartbeat(remote_engine_id, holds)
         return int((await self._call(self._stub.Notify, request)).notifications_sent)
 
     async def status(self, max_events: int = 0, *, drain: bool = True) -> SidecarStatus:

@@ -7,7 +7,7 @@ built here from the same keyword arguments, and each answer is decoded by ``kvsi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -33,7 +33,7 @@ OPTIONS = (("grpc.max_receive_message_length", 64 * 1024 * 1024),)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReadSpec:
     """One read of a ``read_batch`` call (the arguments of ``read``; ``deadline_s`` 0 = the
-    sidecar's default)."""
+    sidecar's default; ``token`` is the producer's hold token from the transfer parameters)."""
 
     request_id: str
     remote_engine_id: str
@@ -43,6 +43,7 @@ class ReadSpec:
     endpoints: tuple[str, ...] = ()
     endpoint: str = ""
     deadline_s: float = 0.0
+    token: str = field(default="", repr=False)  #: the producer's hold token
 
 
 def target_for(socket_or_target: str) -> str:
@@ -103,6 +104,7 @@ def register(
     dtype: str = "",
     extra: Mapping[str, str] | None = None,
     num_groups: int = 1,
+    takeover: bool = False,
 ) -> engine_pb2.RegisterEngineRequest:
     compat = CompatItems(model=model, dtype=dtype, extra=tuple(sorted((extra or {}).items())))
     return engine_pb2.RegisterEngineRequest(
@@ -114,6 +116,7 @@ def register(
         peer_endpoints=list(peer_endpoints),
         num_groups=num_groups,
         compat=compat_to_proto(compat),
+        takeover=takeover,
     )
 
 
@@ -137,6 +140,7 @@ def read(spec: ReadSpec) -> engine_pb2.ReadRequest:
         remote_endpoints=list(spec.endpoints),
         remote_endpoint=spec.endpoint,
         deadline_s=spec.deadline_s,
+        remote_token=spec.token,
     )
 
 
@@ -144,10 +148,15 @@ def read_batch(reads: Sequence[ReadSpec]) -> engine_pb2.ReadBatchRequest:
     return engine_pb2.ReadBatchRequest(reads=[read(r) for r in reads])
 
 
-def hold(request_id: str, block_ids: BlockIdGroups, lease_s: float) -> engine_pb2.NotifyRequest:
+def hold(
+    request_id: str, block_ids: BlockIdGroups, lease_s: float, token: str
+) -> engine_pb2.NotifyRequest:
     return engine_pb2.NotifyRequest(
         hold=engine_pb2.Hold(
-            request_id=request_id, block_ids=block_ids_to_proto(block_ids), lease_s=lease_s
+            request_id=request_id,
+            block_ids=block_ids_to_proto(block_ids),
+            lease_s=lease_s,
+            token=token,
         )
     )
 
@@ -157,7 +166,11 @@ def release(request_id: str) -> engine_pb2.NotifyRequest:
 
 
 def consumed(
-    remote_engine_id: str, remote_request_id: str, endpoints: Sequence[str], endpoint: str
+    remote_engine_id: str,
+    remote_request_id: str,
+    endpoints: Sequence[str],
+    endpoint: str,
+    token: str,
 ) -> engine_pb2.NotifyRequest:
     return engine_pb2.NotifyRequest(
         consumed=engine_pb2.Consumed(
@@ -165,14 +178,18 @@ def consumed(
             remote_request_id=remote_request_id,
             remote_endpoints=list(endpoints),
             remote_endpoint=endpoint,
+            remote_token=token,
         )
     )
 
 
-def heartbeat(remote_engine_id: str, ids: Sequence[str]) -> engine_pb2.NotifyRequest:
+def heartbeat(remote_engine_id: str, holds: Mapping[str, str]) -> engine_pb2.NotifyRequest:
+    """``holds``: remote request id -> its hold token."""
     return engine_pb2.NotifyRequest(
         heartbeat=engine_pb2.Heartbeat(
-            remote_engine_id=remote_engine_id, remote_request_ids=list(ids)
+            remote_engine_id=remote_engine_id,
+            remote_request_ids=list(holds),
+            remote_tokens=list(holds.values()),
         )
     )
 

@@ -65,7 +65,10 @@ class SidecarClient:
         dtype: str = "",
         extra: Mapping[str, str] | None = None,
         num_groups: int = 1,
+        takeover: bool = False,
     ) -> Registered:
+        """Register the engine's memory and geometry. ``takeover`` replaces a registration whose
+        Watch stream is still open (otherwise refused: FailedPreconditionError)."""
         request = requests.register(
             engine_id=engine_id,
             tp_rank=tp_rank,
@@ -77,6 +80,7 @@ class SidecarClient:
             dtype=dtype,
             extra=extra,
             num_groups=num_groups,
+            takeover=takeover,
         )
         return wire.registered_from_proto(self._call(self._stub.RegisterEngine, request))
 
@@ -101,7 +105,10 @@ class SidecarClient:
         endpoints: Sequence[str] = (),
         endpoint: str = "",
         deadline_s: float = 0.0,
+        token: str = "",
     ) -> ReadPosted:
+        """Pull ``remote_block_ids`` of the producer's ``remote_request_id`` into
+        ``local_block_ids``; ``token`` is the producer's hold token. Completion is an event."""
         request = requests.read(
             ReadSpec(
                 request_id=request_id,
@@ -112,6 +119,7 @@ class SidecarClient:
                 endpoints=tuple(endpoints),
                 endpoint=endpoint,
                 deadline_s=deadline_s,
+                token=token,
             )
         )
         return wire.read_posted_from_proto(self._call(self._stub.Read, request))
@@ -121,9 +129,19 @@ class SidecarClient:
         read never affects the others). Completions arrive as events, as for ``read``."""
         return requests.read_results(self._call(self._stub.ReadBatch, requests.read_batch(reads)))
 
-    def hold(self, request_id: str, *, block_ids: BlockIdGroups = (), lease_s: float = 0.0) -> None:
-        """Keep blocks until every consumer has read them (``lease_s`` 0 = the sidecar's default)."""
-        self._call(self._stub.Notify, requests.hold(request_id, block_ids, lease_s))
+    def hold(
+        self,
+        request_id: str,
+        *,
+        block_ids: BlockIdGroups = (),
+        lease_s: float = 0.0,
+        token: str = "",
+    ) -> str:
+        """Keep blocks until every consumer has read them (``lease_s`` 0 = the sidecar's
+        default). Returns the hold's token (``token``, or one the sidecar generated) for the
+        consumers' transfer parameters; engines with TP > 1 pass one token to every rank."""
+        request = requests.hold(request_id, block_ids, lease_s, token)
+        return str(self._call(self._stub.Notify, request).token)
 
     def release(self, request_id: str) -> None:
         self._call(self._stub.Notify, requests.release(request_id))
@@ -135,12 +153,17 @@ class SidecarClient:
         *,
         endpoints: Sequence[str] = (),
         endpoint: str = "",
+        token: str = "",
     ) -> int:
-        request = requests.consumed(remote_engine_id, remote_request_id, endpoints, endpoint)
+        """Tell every producer rank of the plan that this rank will not read. Returns the
+        notifications sent."""
+        request = requests.consumed(remote_engine_id, remote_request_id, endpoints, endpoint, token)
         return int(self._call(self._stub.Notify, request).notifications_sent)
 
-    def heartbeat(self, remote_engine_id: str, remote_request_ids: Sequence[str]) -> int:
-        request = requests.heartbeat(remote_engine_id, remote_request_ids)
+    def heartbeat(self, remote_engine_id: str, holds: Mapping[str, str]) -> int:
+        """Extend the producer leases of ``holds`` (remote request id -> hold token) on every
+        rank of the plan. Returns the notifications sent."""
+        request = requests.heartbeat(remote_engine_id, holds)
         return int(self._call(self._stub.Notify, request).notifications_sent)
 
     def status(self, max_events: int = 0, *, drain: bool = True) -> SidecarStatus:

@@ -161,8 +161,8 @@ class TransferBackend(Protocol):
         notification: bytes,
     ) -> XferHandle:
         """Create and post a READ of ``remote[remote_ids[k]]`` into ``local[local_ids[k]]``; the
-        remote agent receives ``notification`` once it completes. Failing to post raises (and leaves
-        no handle behind)."""
+        remote agent receives ``notification`` once it completes (nothing when it is empty).
+        Failing to post raises (and leaves no handle behind)."""
         ...
 
     async def poll(self, xfers: Sequence[XferHandle]) -> tuple[XferState, ...]:

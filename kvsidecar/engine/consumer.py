@@ -9,14 +9,13 @@ reads its counters.
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from kvsidecar.engine import handshake
-from kvsidecar.engine.backend import TransferBackend
+from kvsidecar.engine.confirm import Confirmer
 from kvsidecar.engine.guard import PeerGuard
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Endpoints, ReadCommand
@@ -33,7 +32,7 @@ from kvsidecar.errors import (
 )
 from kvsidecar.plan import validate_request_ids
 from kvsidecar.types import ReadPosted
-from kvsidecar.wire.peer import NotificationKind, PeerNotification, encode_notification
+from kvsidecar.wire.peer import NotificationKind, PeerNotification
 
 T = TypeVar("T")
 
@@ -57,20 +56,19 @@ class Consumer:
     def __init__(
         self,
         *,
-        backend: TransferBackend,
         peers: PeerRegistry,
         transfers: TransferManager,
         guard: PeerGuard,
+        confirmer: Confirmer,
         read_deadline_s: float,
     ) -> None:
-        self._backend = backend
         self._peers = peers
         self._transfers = transfers
         self._guard = guard
         self._read_deadline_s = read_deadline_s
         self._posting: set[str] = set()  # request ids between validation and posting
         self._rejected: dict[str, int] = {}
-        self._sent = {"consumed": 0, "heartbeat": 0}
+        self._confirmer = confirmer
 
     def _local(self) -> LocalEngine:
         local = self._peers.local
@@ -158,23 +156,18 @@ class Consumer:
             validate_request_ids(
                 local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry
             )
+            me = (local.geometry.engine_id, local.geometry.tp_rank)
             post = self._guard.run(
                 peer,
                 "posting a READ",
-                lambda: self._transfers.post(
-                    cmd,
-                    peer,
-                    deadline_s=deadline_s,
-                    consumer_engine_id=local.geometry.engine_id,
-                    consumer_rank=local.geometry.tp_rank,
-                ),
+                lambda: self._transfers.post(cmd, peer, deadline_s=deadline_s, consumer=me),
                 local=local,
             )
             # Shielded: a cancelled RPC must not orphan a READ the backend already posted.
             posted = await shielded(post)
         finally:
             self._posting.discard(cmd.request_id)
-        self._sent["consumed"] += posted.notifications_sent
+        self._confirmer.send(self._transfers.take_outgoing())
         return posted
 
     def rejected(self, code: str) -> None:
@@ -184,51 +177,79 @@ class Consumer:
     # --- notifications --------------------------------------------------------------------------
 
     async def consumed(
-        self, remote_engine_id: str, remote_request_id: str, endpoints: Endpoints
-    ) -> int:
-        """Tell every producer rank of the plan that this rank will not read (notify only)."""
+        self, remote_engine_id: str, remote_request_id: str, endpoints: Endpoints, token: str
+    ) -> tuple[int, int]:
+        """Tell every producer rank of the plan that this rank will not read (notify only).
+        Returns (notifications sent, refused by the producer)."""
         check_id("remote_request_id", remote_request_id)
         self._local()
         peer = await self.peer(remote_engine_id, endpoints)
-        return await self._notify_all(peer, NotificationKind.CONSUMED, remote_request_id)
+        return await self._notify_all(
+            peer, NotificationKind.CONSUMED, remote_request_id=remote_request_id, token=token
+        )
 
-    async def heartbeat(self, remote_engine_id: str, remote_request_ids: tuple[str, ...]) -> int:
-        """Extend the producer leases of ``remote_request_ids`` on every rank of the plan."""
+    async def heartbeat(
+        self, remote_engine_id: str, remote_request_ids: tuple[str, ...], tokens: tuple[str, ...]
+    ) -> tuple[int, int]:
+        """Extend the producer leases of ``remote_request_ids`` (whose hold tokens are
+        ``tokens``, in order) on every rank of the plan. Returns (sent, refused)."""
         self._local()
+        if len(tokens) != len(remote_request_ids):
+            raise InvalidArgumentError(
+                f"remote_tokens has {len(tokens)} entries for {len(remote_request_ids)} "
+                "remote_request_ids"
+            )
         peer = self._peers.peer(remote_engine_id)
         if peer is None:
             raise NotFoundError(f"remote_engine_id={remote_engine_id!r} has no handshake")
-        return await self._notify_all(peer, NotificationKind.HEARTBEAT, "", remote_request_ids)
+        return await self._notify_all(
+            peer, NotificationKind.HEARTBEAT, heartbeat_ids=remote_request_ids, tokens=tokens
+        )
 
     async def _notify_all(
         self,
         peer: Peer,
         kind: NotificationKind,
-        remote_request_id: str,
+        *,
+        remote_request_id: str = "",
+        token: str = "",
         heartbeat_ids: tuple[str, ...] = (),
-    ) -> int:
+        tokens: tuple[str, ...] = (),
+    ) -> tuple[int, int]:
+        """One notification to every rank of the plan, all at once; (sent, refused)."""
         me = self._local().geometry
-        label = kind.name.lower()
-        for link in peer.links.values():
-            payload = encode_notification(
-                PeerNotification(
-                    kind=kind,
-                    remote_request_id=remote_request_id,
-                    expected_consumers=(
-                        0 if kind is NotificationKind.HEARTBEAT else link.plan.expected_consumers
-                    ),
-                    epoch=link.epoch,
-                    consumer_engine_id=me.engine_id,
-                    consumer_rank=me.tp_rank,
-                    heartbeat_ids=heartbeat_ids,
-                )
+
+        def note(epoch: int, expected: int) -> PeerNotification:
+            return PeerNotification(
+                kind=kind,
+                remote_request_id=remote_request_id,
+                expected_consumers=expected,
+                epoch=epoch,
+                consumer_engine_id=me.engine_id,
+                consumer_rank=me.tp_rank,
+                token=token,
+                heartbeat_ids=heartbeat_ids,
+                heartbeat_tokens=tokens,
             )
-            send = functools.partial(self._backend.send_notification, link.agent, payload)
-            await self._guard.run(peer, "sending a notification", send)
-            self._sent[label] += 1
-        return len(peer.links)
+
+        heartbeat = kind is NotificationKind.HEARTBEAT
+        refused = await asyncio.gather(
+            *(
+                self._confirmer.deliver(
+                    peer,
+                    link.endpoint,
+                    [note(link.epoch, 0 if heartbeat else link.plan.expected_consumers)],
+                )
+                for link in peer.links.values()
+            )
+        )
+        return len(peer.links), sum(refused)
 
     def stats(self) -> ConsumerStats:
+        c = self._confirmer
         return ConsumerStats(
-            reads_rejected=dict(self._rejected), notifications_sent=dict(self._sent)
+            reads_rejected=dict(self._rejected),
+            notifications_sent=dict(c.sent),
+            notifications_refused=dict(c.refused),
+            notifications_undelivered=c.undelivered,
         )

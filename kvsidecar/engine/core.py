@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from kvsidecar.engine.backend import TransferBackend
+from kvsidecar.engine.confirm import Confirmer
 from kvsidecar.engine.consumer import Consumer, shielded
 from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.guard import PeerGuard
@@ -24,11 +25,15 @@ from kvsidecar.engine.peer_link import PeerLink
 from kvsidecar.engine.peers import PeerRegistry
 from kvsidecar.engine.poller import Poller
 from kvsidecar.engine.producer import Producer
+from kvsidecar.engine.registrar import Registrar
 from kvsidecar.engine.stats import EngineStats
 from kvsidecar.engine.transfers import TransferManager
-from kvsidecar.errors import NotRegisteredError, ShuttingDownError
-from kvsidecar.types import FailReason, ReadPosted, Registered, SidecarStatus
-from kvsidecar.wire.peer import AgentInfo
+from kvsidecar.errors import (
+    NotFoundError,
+    ShuttingDownError,
+)
+from kvsidecar.types import ReadPosted, Registered, SidecarStatus
+from kvsidecar.wire.peer import AgentInfo, Outcome, PeerNotification
 
 log = logging.getLogger(__name__)
 
@@ -47,28 +52,40 @@ class EngineCore:
         self._config = config
         self._on_registered = on_registered
         self.events = EventHub()
-        link = PeerLink(timeout_s=config.handshake_timeout_s)
+        link = PeerLink(timeout_s=config.handshake_timeout_s, tls=config.tls)
         self.peers = PeerRegistry(backend=backend, link=link)
-        self.transfers = TransferManager(backend=backend, events=self.events)
+        self.transfers = TransferManager(
+            backend=backend, events=self.events, confirm=config.confirm_reads
+        )
         self.producer = Producer(lease_s=config.lease_s, events=self.events)
-        self._guard = PeerGuard(peers=self.peers, transfers=self.transfers)
+        guard = PeerGuard(peers=self.peers, transfers=self.transfers)
+        self._guard = guard
+        self._confirmer = Confirmer(link=link, transfers=self.transfers, guard=guard)
         self.consumer = Consumer(
-            backend=backend,
             peers=self.peers,
             transfers=self.transfers,
-            guard=self._guard,
+            guard=guard,
+            confirmer=self._confirmer,
             read_deadline_s=config.read_deadline_s,
         )
         self._poller = Poller(
             backend=backend,
             transfers=self.transfers,
             producer=self.producer,
-            guard=self._guard,
+            guard=guard,
             peers=self.peers,
+            confirmer=self._confirmer,
         )
-        self._local: LocalEngine | None = None
-        self._epoch = int(time.time() * 1000)  # survives restarts as "newer"
-        self._lock = asyncio.Lock()  # registration changes
+        self.registrar = Registrar(
+            backend=backend,
+            shm_roots=config.shm_roots,
+            peers=self.peers,
+            transfers=self.transfers,
+            producer=self.producer,
+            events=self.events,
+            guard=guard,
+            on_registered=on_registered,
+        )
         self.draining = False
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -99,21 +116,19 @@ class EngineCore:
     async def aclose(self) -> None:
         """Fail what is left, release peers, memory and the backend; stop the poller."""
         self.draining = True
-        async with self._lock:
-            await self._drop_local(FailReason.SHUTDOWN, "sidecar shutting down")
+        await self.registrar.shutdown()
         await self._poller.aclose()
+        await self._confirmer.aclose()
         await self.peers.link.aclose()
 
     # --- registration ---------------------------------------------------------------------------
 
     @property
     def local(self) -> LocalEngine | None:
-        return self._local
+        return self.registrar.local
 
     def require_local(self) -> LocalEngine:
-        if self._local is None:
-            raise NotRegisteredError("no engine is registered with this sidecar (RegisterEngine)")
-        return self._local
+        return self.registrar.require()
 
     async def register(self, registration: Registration) -> Registered:
         """Import and register memory; replaces (and releases) any earlier registration.
@@ -122,73 +137,13 @@ class EngineCore:
         leave backend handles nobody owns."""
         if self.draining:
             raise ShuttingDownError("sidecar is shutting down")
-        local = await shielded(self._register(registration))
+        local = await shielded(self.registrar.register(registration))
         return Registered(
             agent_name=self._backend.agent_name,
             epoch=local.epoch,
             compat_digest=local.digest,
             registered_bytes=local.registered_bytes,
         )
-
-    async def _register(self, registration: Registration) -> LocalEngine:
-        async with self._lock:
-            local = await LocalEngine.open(
-                registration,
-                epoch=self._epoch + 1,
-                backend=self._backend,
-                shm_roots=self._config.shm_roots,
-            )
-            try:
-                await self._drop_local(FailReason.ENGINE_GONE, "engine re-registered")
-            except BaseException:
-                await local.aclose(self._backend)
-                raise
-            self._epoch += 1
-            self._local = local
-            self.peers.bind(local)
-            self.events.rebind(local.epoch)
-        await self._on_registered(True)
-        g = local.geometry
-        log.info(
-            "engine %r rank %d/%d registered: epoch %d, %d views, %d bytes",
-            g.engine_id,
-            g.tp_rank,
-            g.tp_size,
-            local.epoch,
-            len(g.views),
-            local.registered_bytes,
-        )
-        return local
-
-    async def engine_gone(self, why: str, epoch: int | None) -> None:
-        """The Watch stream of registration ``epoch`` dropped: fail reads, drop holds, release
-        memory. A stream of an older registration (a restarted engine's) changes nothing."""
-        async with self._lock:
-            if self._local is None or (epoch is not None and epoch != self._local.epoch):
-                return
-            log.warning(
-                "engine %r gone (%s): releasing its reads, holds and memory",
-                self._local.geometry.engine_id,
-                why,
-            )
-            await self._drop_local(FailReason.ENGINE_GONE, why)
-        await self._on_registered(False)
-
-    async def _drop_local(self, reason: FailReason, why: str) -> None:
-        # Unbind first: RPCs arriving from here on see no engine and start no handshake.
-        local, self._local = self._local, None
-        self.peers.bind(None)
-        # Before taking the guard: an abandoned handshake's backend phase may quarantine a stale
-        # peer, which takes it.
-        await self.peers.abandon_pending()
-        async with self._guard.exclusive():  # no Read is mid-post while its handles go
-            await self.transfers.fail_all(reason, why)
-            dropped = self.producer.drop_all()
-            if dropped:
-                log.info("dropped %d holds (%s)", dropped, why)
-            await self.peers.release_all()
-            if local is not None:
-                await local.aclose(self._backend)
 
     # --- consumer side --------------------------------------------------------------------------
 
@@ -202,13 +157,30 @@ class EngineCore:
     # --- producer side --------------------------------------------------------------------------
 
     def hold(
-        self, request_id: str, lease_s: float | None, block_ids: tuple[tuple[int, ...], ...]
-    ) -> None:
+        self,
+        request_id: str,
+        lease_s: float | None,
+        block_ids: tuple[tuple[int, ...], ...],
+        token: str,
+    ) -> str:
+        """Start a hold; returns its token (``token``, or a new one when empty)."""
         self.require_local()
         if self.draining:
             raise ShuttingDownError("sidecar is shutting down; no new holds")
-        self.producer.hold(request_id, lease_s, block_ids)
+        token = self.producer.hold(request_id, lease_s, block_ids, token)
         self._poller.wake()
+        return token
+
+    def peer_notify(
+        self, engine_id: str, notes: Sequence[PeerNotification]
+    ) -> tuple[int, list[Outcome]]:
+        """Notifications from a consumer sidecar (PeerService.Notify): (epoch, outcomes)."""
+        local = self.require_local()
+        if engine_id != local.geometry.engine_id:
+            raise NotFoundError(
+                f"this sidecar serves engine {local.geometry.engine_id!r}, not {engine_id!r}"
+            )
+        return local.epoch, self.producer.on_peer(notes, local.epoch)
 
     async def agent_info(self, engine_id: str, tp_rank: int) -> AgentInfo:
         """What a remote sidecar needs to read from this engine (GetAgent)."""
@@ -226,12 +198,13 @@ class EngineCore:
             producer=self.producer.stats(),
             peers=self.peers.stats(),
             events_dropped=self.events.dropped,
-            registered_bytes=self._local.registered_bytes if self._local is not None else 0,
+            events_discarded=self.events.discarded,
+            registered_bytes=local.registered_bytes if (local := self.local) is not None else 0,
         )
 
     def status(self, max_events: int, *, drain: bool = True) -> SidecarStatus:
         """State and counters; with ``drain``, also the queued events (up to ``max_events``)."""
-        local = self._local
+        local = self.local
         g = local.geometry if local is not None else None
         return SidecarStatus(
             events=self.events.drain(max_events) if drain else (),
@@ -247,4 +220,6 @@ class EngineCore:
             counters=self.stats().counters(),
             agent_name=self._backend.agent_name,
             watch_connected=self.events.watching,
+            peer_tls=self._config.tls is not None,
+            confirm_reads=self._config.confirm_reads,
         )

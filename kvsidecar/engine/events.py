@@ -29,38 +29,54 @@ class WatchBinding:
 class EventHub:
     """Sequences events and delivers them to the one Watch subscriber or the drain buffer.
 
-    ``max_buffered`` bounds the drain buffer; when full the oldest event is dropped and counted in
-    ``dropped`` (an engine that neither watches nor polls must not grow the sidecar without bound).
+    Every event belongs to the registration (epoch) current when it was emitted, and only reaches
+    that registration's engine: a new registration discards the buffered events of the old one
+    (counted in ``discarded``), so a restarted engine that reuses request ids never sees a dead
+    registration's RECV_FAILED for a read it just posted. ``max_buffered`` bounds the drain buffer;
+    when full the oldest event is dropped and counted in ``dropped`` (an engine that neither
+    watches nor polls must not grow the sidecar without bound).
     """
 
     def __init__(self, *, max_buffered: int = 65536) -> None:
         self._seq = itertools.count(1)
-        self._buffer: collections.deque[Event] = collections.deque(maxlen=max_buffered)
+        self._epoch: int | None = None
+        self._buffer: collections.deque[tuple[int | None, Event]] = collections.deque(
+            maxlen=max_buffered
+        )
         self._subscriber: tuple[asyncio.Queue[Event | None], WatchBinding] | None = None
         self.dropped = 0
+        self.discarded = 0
 
     @property
     def watching(self) -> bool:
         return self._subscriber is not None
 
+    @property
+    def watched_epoch(self) -> int | None:
+        """The registration the open Watch stream belongs to (``None``: no stream, or one opened
+        before any registration)."""
+        return self._subscriber[1].epoch if self._subscriber is not None else None
+
     def emit(self, event: Event) -> Event:
-        """Stamp ``event`` with the next sequence number and the time, and deliver it."""
+        """Stamp ``event`` with the next sequence number and the time, and deliver it to the
+        current registration's engine."""
         event = dataclasses.replace(event, seq=next(self._seq), timestamp=time.time())
-        if self._subscriber is not None:
-            self._subscriber[0].put_nowait(event)
+        sub = self._subscriber
+        if sub is not None and sub[1].epoch in (None, self._epoch):
+            sub[0].put_nowait(event)
         else:
             if len(self._buffer) == self._buffer.maxlen:
                 self.dropped += 1
-            self._buffer.append(event)
+            self._buffer.append((self._epoch, event))
         return event
 
     def drain(self, max_events: int = 0) -> tuple[Event, ...]:
         """Remove and return buffered events, oldest first (all of them when ``max_events`` is 0)."""
         count = len(self._buffer) if max_events <= 0 else min(max_events, len(self._buffer))
-        return tuple(self._buffer.popleft() for _ in range(count))
+        return tuple(self._buffer.popleft()[1] for _ in range(count))
 
     def subscribe(self, epoch: int | None) -> tuple[asyncio.Queue[Event | None], WatchBinding]:
-        """Open the Watch stream for registration ``epoch``; buffered events come first.
+        """Open the Watch stream for registration ``epoch``; its buffered events come first.
 
         A ``None`` item in the queue ends the stream (evicted). WatchBusyError if a stream of the
         same registration is open; a stream of an older registration is evicted instead.
@@ -71,15 +87,25 @@ class EventHub:
                 raise WatchBusyError("a Watch stream is already open")
             self._evict()
         queue: asyncio.Queue[Event | None] = asyncio.Queue()
-        while self._buffer:
-            queue.put_nowait(self._buffer.popleft())
+        for tag, event in self._buffer:
+            if epoch is None or tag == epoch:
+                queue.put_nowait(event)
+            else:
+                self.discarded += 1
+        self._buffer.clear()
         binding = WatchBinding(epoch)
         self._subscriber = (queue, binding)
         return queue, binding
 
     def rebind(self, epoch: int) -> None:
-        """A registration succeeded: an open stream opened before any registration now belongs to
-        it; a stream of an older registration is ended (the engine opens a new one)."""
+        """A registration succeeded: from now on events belong to ``epoch``; the old one's
+        buffered events are discarded. An open stream opened before any registration now belongs
+        to it; a stream of an older registration is ended (the engine opens a new one)."""
+        self._epoch = epoch
+        kept = [(tag, event) for tag, event in self._buffer if tag == epoch]
+        self.discarded += len(self._buffer) - len(kept)
+        self._buffer.clear()
+        self._buffer.extend(kept)
         if self._subscriber is None:
             return
         binding = self._subscriber[1]
@@ -99,8 +125,9 @@ class EventHub:
         """Close the Watch stream; events it did not deliver go back to the drain buffer."""
         if self._subscriber is None or self._subscriber[0] is not queue:
             return
+        tag = self._subscriber[1].epoch
         self._subscriber = None
         while not queue.empty():
             item = queue.get_nowait()
             if item is not None:
-                self._buffer.append(item)
+                self._buffer.append((tag, item))

@@ -290,7 +290,8 @@ class FakeBackend:
             post_duration_us=0,
             xfer_duration_us=0,
         )
-        peer.deliver(Notification(self._name, x.notification))
+        if x.notification:  # as NIXL: an empty payload sends nothing
+            peer.deliver(Notification(self._name, x.notification))
 
     def deliver(self, notification: Notification) -> None:
         """Called by a peer on this fabric: queue a notification for ``drain_notifications``."""

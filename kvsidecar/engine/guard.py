@@ -49,6 +49,16 @@ class PeerGuard:
             await self._transfers.fail_peer(engine_id, FailReason.PEER_DISCONNECTED, reason)
             await self._peers.remove(engine_id, reason)
 
+    async def invalidate(self, peer: Peer, reason: str) -> None:
+        """``peer``'s plan is stale (its engine re-registered): fail its in-flight reads as STALE
+        and release it, without backoff, so that the next request re-handshakes at once. Nothing
+        happens if the engine already has another peer (a newer handshake won the race)."""
+        async with self._lock:
+            if self._peers.peer(peer.engine_id) is not peer:
+                return
+            await self._transfers.fail_peer(peer, FailReason.STALE, reason)
+            await self._peers.remove(peer.engine_id, reason, backoff=False)
+
     async def run(
         self,
         peer: Peer,

@@ -15,15 +15,16 @@ Peer data (notifications, heartbeats) never raises; only the local engine's call
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import heapq
-import itertools
 import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvsidecar.engine.deadlines import DeadlineHeap
+from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.errors import AlreadyExistsError, InvalidArgumentError
 from kvsidecar.types import SendDone
 
@@ -52,6 +53,23 @@ class LedgerCounters:
     early_matched: int  # holds that absorbed notifications which arrived before them
     released: int  # holds dropped by RELEASE
     expected_mismatch: int  # notifications whose expected_consumers differed from the known one
+    wrong_token: int = 0  # notifications (or early ones at HOLD) whose token was not the hold's
+    unknown: int = 0  # notifications that required a live hold and found none
+
+
+@dataclass(slots=True)
+class _Counts:
+    """The ledger's monotonic counters (``LedgerCounters`` without the gauge)."""
+
+    sends_done: int = 0
+    leases_expired: int = 0
+    stale_notifications: int = 0
+    duplicate_notifications: int = 0
+    early_matched: int = 0
+    released: int = 0
+    expected_mismatch: int = 0
+    wrong_token: int = 0
+    unknown: int = 0
 
 
 class NotificationOutcome(enum.Enum):
@@ -62,6 +80,8 @@ class NotificationOutcome(enum.Enum):
     EARLY = enum.auto()  # no hold yet; kept for ``early_ttl_s`` seconds
     STALE = enum.auto()  # closed, full or malformed; counted and logged
     DUPLICATE = enum.auto()  # this consumer was already counted
+    WRONG_TOKEN = enum.auto()  # held, but the token is not the hold's; not counted
+    UNKNOWN = enum.auto()  # ``require_hold`` and no hold (nor an ended one) of that id
 
 
 @dataclass(slots=True, kw_only=True)
@@ -73,6 +93,7 @@ class _Entry:
     block_ids: tuple[tuple[int, ...], ...] = ()
     consumers: set[ConsumerId] = field(default_factory=set)
     expected: int = 0  # largest expected_consumers seen; 0 = none yet
+    token: str = ""  # a hold's token; for an early entry, the token its consumers named
 
     def full(self) -> bool:
         return self.expected > 0 and len(self.consumers) >= self.expected
@@ -140,17 +161,9 @@ class ProducerLedger:
         self._holds: dict[str, _Entry] = {}
         self._early: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
         self._closed = _Recent(max_closed)  # ended holds: late notifications are stale at once
-        # (deadline, tie-break, request id) of every entry; items whose entry is gone or whose
-        # deadline moved are outdated and skipped (or compacted away).
-        self._deadlines: list[tuple[float, int, str]] = []
-        self._tiebreak = itertools.count()
-        self._sends_done = 0
-        self._leases_expired = 0
-        self._stale = 0
-        self._duplicates = 0
-        self._early_matched = 0
-        self._released = 0
-        self._mismatch = 0
+        self._deadlines = DeadlineHeap(self._current)  # of every hold and early entry
+        self._n = _Counts()
+        self._log = RateLimited(logger)
 
     # --- engine calls ---------------------------------------------------------------------------
 
@@ -160,12 +173,15 @@ class ProducerLedger:
         *,
         lease_s: float | None = None,
         block_ids: tuple[tuple[int, ...], ...] = (),
+        token: str = "",
     ) -> SendDone | None:
-        """Start a lease of ``lease_s`` seconds (default ``default_lease_s``) for ``request_id``.
+        """Start a lease of ``lease_s`` seconds (default ``default_lease_s``) for ``request_id``;
+        notifications count only if they name ``token``.
 
-        Returns a SendDone when notifications that arrived earlier already complete it. Raises
-        :class:`AlreadyExistsError` if it is held, :class:`InvalidArgumentError` for bad input.
-        A request id whose hold has ended may be held again.
+        Returns a SendDone when notifications that arrived earlier (with the same token) already
+        complete it. Raises :class:`AlreadyExistsError` if it is held,
+        :class:`InvalidArgumentError` for bad input. A request id whose hold has ended may be held
+        again.
         """
         if not request_id:
             raise InvalidArgumentError(f"hold.request_id={request_id!r} must be non-empty")
@@ -176,16 +192,22 @@ class ProducerLedger:
             raise AlreadyExistsError(f"hold.request_id={request_id!r} is already held")
         self._closed.discard(request_id)
         entry = _Entry(
-            deadline=self._clock() + lease_s, lease_s=float(lease_s), block_ids=block_ids
+            deadline=self._clock() + lease_s,
+            lease_s=float(lease_s),
+            block_ids=block_ids,
+            token=token,
         )
         early = self._early.pop(request_id, None)
-        if early is not None:
-            self._early_matched += 1
+        if early is not None and early.token != token:
+            self._n.wrong_token += len(early.consumers)
+            self._log.warning("request %r: early notifications named another token", request_id)
+        elif early is not None:
+            self._n.early_matched += 1
             entry.consumers = early.consumers
             entry.expected = early.expected
             if entry.full():
                 self._closed.add(request_id)
-                self._sends_done += 1
+                self._n.sends_done += 1
                 return entry.done(request_id, expired=False)
         self._holds[request_id] = entry
         self._schedule(request_id, entry)
@@ -196,7 +218,7 @@ class ProducerLedger:
         if self._holds.pop(request_id, None) is None:
             return False
         self._closed.add(request_id)
-        self._released += 1
+        self._n.released += 1
         return True
 
     def drop_all(self) -> int:
@@ -217,12 +239,19 @@ class ProducerLedger:
     # --- peer calls (never raise) ---------------------------------------------------------------
 
     def notify(
-        self, request_id: str, *, expected_consumers: int, consumer: ConsumerId
+        self,
+        request_id: str,
+        *,
+        expected_consumers: int,
+        consumer: ConsumerId,
+        token: str = "",
+        require_hold: bool = False,
     ) -> tuple[NotificationOutcome, SendDone | None]:
-        """Count ``consumer``'s read (or notify-only) of ``request_id``.
+        """Count ``consumer``'s read (or notify-only) of ``request_id`` under the hold's ``token``.
 
         ``expected_consumers`` is the total number of consumers this producer rank should hear from.
-        Returns the outcome and, for ``COMPLETED``, the SendDone to emit.
+        ``require_hold``: only a live hold may count it (no early entry: the consumer waits for this
+        answer to report its read). Returns the outcome and, for ``COMPLETED``, the SendDone to emit.
         """
         if not request_id:
             return self._stale_one(request_id, "empty request id")
@@ -232,22 +261,34 @@ class ProducerLedger:
             return self._stale_one(request_id, "hold already ended")
         entry = self._holds.get(request_id)
         early = entry is None
+        if entry is not None and entry.token != token:
+            self._n.wrong_token += 1
+            self._log.warning(
+                "request %r: notification from %s with a wrong token", request_id, consumer
+            )
+            return NotificationOutcome.WRONG_TOKEN, None
+        if entry is None and require_hold:
+            self._n.unknown += 1
+            self._log.warning("request %r: notification from %s for no hold", request_id, consumer)
+            return NotificationOutcome.UNKNOWN, None
         if entry is None:
             entry = self._early.get(request_id)
             if entry is None:
                 if len(self._early) >= self._max_early:
                     oldest_id, oldest = self._early.popitem(last=False)
                     self._stale_early(oldest_id, oldest, "early table full")
-                entry = _Entry(deadline=self._clock() + self._early_ttl_s)
+                entry = _Entry(deadline=self._clock() + self._early_ttl_s, token=token)
                 self._early[request_id] = entry
                 self._schedule(request_id, entry)
+            elif entry.token != token:
+                return self._stale_one(request_id, f"{consumer} named another token early")
         if consumer in entry.consumers:
-            self._duplicates += 1
+            self._n.duplicate_notifications += 1
             return NotificationOutcome.DUPLICATE, None
         if entry.full():  # only an early entry can be full: a full hold is closed at once
             return self._stale_one(request_id, f"{consumer} beyond {entry.expected} consumers")
         if entry.expected and expected_consumers != entry.expected:
-            self._mismatch += 1
+            self._n.expected_mismatch += 1
             why = f"expected_consumers={expected_consumers} from {consumer}, was {entry.expected}"
             logger.warning("request %r: %s; keeping the largest", request_id, why)
         entry.expected = max(entry.expected, expected_consumers)
@@ -258,20 +299,29 @@ class ProducerLedger:
             return NotificationOutcome.COUNTED, None
         del self._holds[request_id]
         self._closed.add(request_id)
-        self._sends_done += 1
+        self._n.sends_done += 1
         return NotificationOutcome.COMPLETED, entry.done(request_id, expired=False)
 
-    def heartbeat(self, request_ids: Iterable[str], *, extend_s: float | None = None) -> int:
+    def heartbeat(
+        self,
+        request_ids: Iterable[str],
+        *,
+        extend_s: float | None = None,
+        tokens: Iterable[str] | None = None,
+    ) -> int:
         """Restart the leases of the held ``request_ids`` from now, for ``extend_s`` seconds
-        (default: each hold's own lease length). A lease is never shortened; unknown ids are
-        ignored. Returns the number of distinct holds extended."""
+        (default: each hold's own lease length). A lease is never shortened; unknown ids, and ids
+        whose token (``tokens``, paired with ``request_ids``; all "" when omitted) is not the
+        hold's, are ignored. Returns the number of distinct holds extended."""
         if extend_s is not None:
             _positive("heartbeat.extend_s", extend_s)
         now = self._clock()
         extended = 0
-        for request_id in dict.fromkeys(request_ids):
+        ids = list(request_ids)
+        named = dict(zip(ids, tokens if tokens is not None else [""] * len(ids), strict=False))
+        for request_id, token in named.items():
             entry = self._holds.get(request_id)
-            if entry is not None:
+            if entry is not None and entry.token == token:
                 length = entry.lease_s if extend_s is None else extend_s
                 if now + length > entry.deadline:
                     entry.deadline = now + length
@@ -287,31 +337,21 @@ class ProducerLedger:
         Returns SendDone(expired=True) per expired hold, earliest deadline first; expired early
         entries count as stale.
         """
-        now = self._clock()
         out: list[SendDone] = []
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            deadline, _, request_id = heapq.heappop(heap)
-            entry = self._holds.get(request_id)
-            if entry is not None and entry.deadline == deadline:
-                del self._holds[request_id]
+        for request_id, _ in self._deadlines.due(self._clock()):
+            entry = self._holds.pop(request_id, None)
+            if entry is not None:
                 self._closed.add(request_id)
-                self._leases_expired += 1
+                self._n.leases_expired += 1
                 out.append(entry.done(request_id, expired=True))
                 logger.warning("request %r: lease expired (%s)", request_id, out[-1])
-                continue
-            entry = self._early.get(request_id)
-            if entry is not None and entry.deadline == deadline:
-                del self._early[request_id]
-                self._stale_early(request_id, entry, "no HOLD within TTL")
+            else:
+                self._stale_early(request_id, self._early.pop(request_id), "no HOLD within TTL")
         return tuple(out)
 
     def next_deadline(self) -> float | None:
         """Earliest lease or early-TTL deadline (clock seconds), or None when both tables are empty."""
-        heap = self._deadlines
-        while heap and not self._current(heap[0]):
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        return self._deadlines.earliest()
 
     # --- inspection -----------------------------------------------------------------------------
 
@@ -322,38 +362,24 @@ class ProducerLedger:
     @property
     def counters(self) -> LedgerCounters:
         """A snapshot of the counters."""
-        return LedgerCounters(
-            holds_active=len(self._holds),
-            sends_done=self._sends_done,
-            leases_expired=self._leases_expired,
-            stale_notifications=self._stale,
-            duplicate_notifications=self._duplicates,
-            early_matched=self._early_matched,
-            released=self._released,
-            expected_mismatch=self._mismatch,
-        )
+        return LedgerCounters(holds_active=len(self._holds), **dataclasses.asdict(self._n))
 
     # --- internals ------------------------------------------------------------------------------
 
     def _schedule(self, request_id: str, entry: _Entry) -> None:
-        heapq.heappush(self._deadlines, (entry.deadline, next(self._tiebreak), request_id))
-        live = len(self._holds) + len(self._early)
-        if len(self._deadlines) > 2 * live + 1024:  # ended holds left many outdated items
-            self._deadlines = [item for item in self._deadlines if self._current(item)]
-            heapq.heapify(self._deadlines)
+        self._deadlines.push(request_id, entry.deadline, live=len(self._holds) + len(self._early))
 
-    def _current(self, item: tuple[float, int, str]) -> bool:
-        """Whether a heap item is still the deadline of a live hold or early entry."""
-        deadline, _, request_id = item
+    def _current(self, request_id: str, deadline: float) -> bool:
+        """Whether ``deadline`` is still that of a live hold or early entry of ``request_id``."""
         entry = self._holds.get(request_id) or self._early.get(request_id)
         return entry is not None and entry.deadline == deadline
 
     def _stale_one(self, request_id: str, why: str) -> tuple[NotificationOutcome, None]:
-        self._stale += 1
-        logger.warning("stale notification for request %r: %s", request_id, why)
+        self._n.stale_notifications += 1
+        self._log.warning("stale notification for request %r: %s", request_id, why)
         return NotificationOutcome.STALE, None
 
     def _stale_early(self, request_id: str, entry: _Entry, why: str) -> None:
-        self._stale += len(entry.consumers)
+        self._n.stale_notifications += len(entry.consumers)
         why = f"{len(entry.consumers)} early notification(s) dropped: {why}"
-        logger.warning("stale notification(s) for request %r: %s", request_id, why)
+        self._log.warning("stale notification(s) for request %r: %s", request_id, why)

@@ -45,6 +45,7 @@ class Registration:
     memories: tuple[tuple[str, MemorySpec], ...]  # (engine-chosen id, spec)
     peer_endpoints: tuple[str, ...]
     compat: CompatItems
+    takeover: bool = False  # replace a registration whose engine is still live
 
     @property
     def engine_id(self) -> str:
@@ -137,6 +138,14 @@ class LocalEngine:
             await _release(backend, done)
             raise
         return cls(registration, epoch, tuple(done))
+
+    def memory_fault(self) -> str | None:
+        """The first imported memory that can no longer be used safely, and why (``None``)."""
+        for mid, mem, _ in self._imported:
+            fault = mem.fault()
+            if fault is not None:
+                return f"memory {mid!r}: {fault}"
+        return None
 
     def check_serves(self, engine_id: str, tp_rank: int) -> None:
         """NotFoundError unless this is rank ``tp_rank`` of engine ``engine_id``."""

@@ -12,14 +12,30 @@ IdArrays = tuple[npt.NDArray[np.int64], ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PeerTls:
+    """Mutual TLS between sidecars: PEM bytes of the CA bundle that signs every peer, and this
+    sidecar's certificate chain and key (used as server and as client). ``server_name``: the name
+    to verify in a peer's certificate instead of the endpoint's host ("" = the host)."""
+
+    ca: bytes = field(repr=False)
+    cert: bytes = field(repr=False)
+    key: bytes = field(repr=False)
+    server_name: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CoreConfig:
     """``lease_s``: default hold lease; ``read_deadline_s``: default Read deadline;
-    ``handshake_timeout_s``: bound on one remote rank's GetAgent (all seconds)."""
+    ``handshake_timeout_s``: bound on one call to a remote sidecar (all seconds).
+    ``confirm_reads``: RECV_DONE only after the producer confirmed. ``tls``: ``None`` only when
+    PeerService is explicitly configured insecure."""
 
     lease_s: float
     read_deadline_s: float
     handshake_timeout_s: float
     shm_roots: tuple[Path, ...]
+    confirm_reads: bool = True
+    tls: PeerTls | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,6 +55,7 @@ class ReadCommand:
     """One Read call: pull ``remote_ids`` of ``remote_request_id`` into ``local_ids`` (per group).
 
     ``deadline_s``: seconds from the call until the read fails; ``None`` = the sidecar's default.
+    ``token``: the producer's hold token (from its engine, with the transfer parameters).
     """
 
     request_id: str
@@ -48,3 +65,4 @@ class ReadCommand:
     remote_ids: IdArrays = field(compare=False)
     endpoints: Endpoints
     deadline_s: float | None = None
+    token: str = field(default="", repr=False)

@@ -190,13 +190,15 @@ class PeerRegistry:
 
     # --- release --------------------------------------------------------------------------------
 
-    async def remove(self, engine_id: str, reason: str) -> None:
+    async def remove(self, engine_id: str, reason: str, *, backoff: bool = True) -> None:
         """Quarantine: release every handle of the peer and close its channels; the next request
-        re-handshakes after backoff. The caller has already failed the peer's in-flight reads."""
+        re-handshakes (after backoff, unless ``backoff`` is False: a stale plan, not a failure).
+        The caller has already failed the peer's in-flight reads."""
         peer = self._peers.pop(engine_id, None)
         if peer is None:
             return
-        self._back_off(engine_id, reason)
+        if backoff:
+            self._back_off(engine_id, reason)
         peer.state = PeerState.QUARANTINED
         await self.release(peer)
         for endpoint in peer.endpoints:

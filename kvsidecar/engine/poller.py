@@ -1,4 +1,4 @@
-"""The one task that drives completions: advance reads, drain notifications, reap leases.
+"""The one task that drives completions: advance reads, send notifications, reap leases.
 
 It runs at once when woken (a Read was posted: same-host cma READs are already DONE then), then
 every 1 ms while reads are in flight or holds are active, and every 50 ms when idle: event-loop
@@ -13,6 +13,7 @@ import contextlib
 import logging
 
 from kvsidecar.engine.backend import TransferBackend
+from kvsidecar.engine.confirm import Confirmer
 from kvsidecar.engine.guard import PeerGuard
 from kvsidecar.engine.peers import PeerRegistry
 from kvsidecar.engine.producer import Producer
@@ -25,8 +26,8 @@ _BUSY_S, _IDLE_S = 0.001, 0.05
 
 
 class Poller:
-    """``start()`` once, ``wake()`` after posting, ``aclose()`` once. Notifications are checked
-    against the epoch of the registration bound to ``peers`` (none bound: every one is stale)."""
+    """``start()`` once, ``wake()`` after posting, ``aclose()`` once. A failed READ is checked
+    against the memory of the registration bound to ``peers`` before its peer is blamed."""
 
     def __init__(
         self,
@@ -36,12 +37,14 @@ class Poller:
         producer: Producer,
         guard: PeerGuard,
         peers: PeerRegistry,
+        confirmer: Confirmer,
     ) -> None:
         self._backend = backend
         self._transfers = transfers
         self._producer = producer
         self._guard = guard
         self._peers = peers
+        self._confirmer = confirmer
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -78,19 +81,18 @@ class Poller:
                 await asyncio.wait_for(self._wake.wait(), _BUSY_S if busy else _IDLE_S)
 
     async def poll_once(self) -> None:
-        # Three independent duties: a failure in one must not stop the others.
+        # Independent duties: a failure in one must not stop the others.
         try:
-            failed = await self._transfers.poll()
+            blamed = await self._transfers.poll(self._peers.local)
         except KvSidecarError:
             log.exception("polling transfers failed")
-            failed = set()
-        for engine_id in failed:
-            await self._guard.quarantine(engine_id, f"a READ from {engine_id!r} failed")
-        local = self._peers.local
-        epoch = local.epoch if local is not None else None
-        try:
-            for agent, payload in await self._backend.drain_notifications():
-                self._producer.on_notification(agent, payload, epoch)
+            blamed = set()
+        for engine_id in blamed:
+            await self._guard.quarantine(engine_id, f"a READ from {engine_id!r} failed or hung")
+        self._confirmer.send(self._transfers.take_outgoing())
+        try:  # nothing legitimate sends NIXL notifications: drain them so they cannot pile up
+            drained = await self._backend.drain_notifications()
+            self._producer.on_nixl_notifications([n.agent for n in drained])
         except KvSidecarError:
             log.exception("draining notifications failed")
         self._producer.reap()

@@ -81,15 +81,19 @@ class TransferStats:
     reads_in_flight: int
     read_duration: HistogramSnapshot
     post_duration: HistogramSnapshot
+    confirm_duration: HistogramSnapshot  # every READ done -> every producer rank confirmed
     descriptors: HistogramSnapshot
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConsumerStats:
-    """Read calls rejected before posting (by gRPC status name) and notifications sent (by kind)."""
+    """Read calls rejected before posting (by gRPC status name); notifications this consumer sent
+    to producer ranks (by kind) and what became of them."""
 
     reads_rejected: Mapping[str, int]
-    notifications_sent: Mapping[str, int]
+    notifications_sent: Mapping[str, int]  # delivered to producer ranks, by kind
+    notifications_refused: Mapping[str, int]  # by the producer's outcome (hold_ended, ...)
+    notifications_undelivered: int  # Notify calls that failed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,9 +104,10 @@ class ProducerStats:
     sends_done: int
     leases_expired: int
     notifications_received: int
+    notifications_refused: Mapping[str, int]  # by outcome (stale_epoch, wrong_token, ...)
     stale_notifications: int  # unknown, ended, expired or stale-epoch requests
     duplicate_notifications: int
-    bad_notifications: int  # undecodable payloads
+    bad_notifications: int  # wrong tokens, and NIXL notifications (nothing legitimate sends them)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +128,7 @@ class EngineStats:
     producer: ProducerStats
     peers: PeerStats
     events_dropped: int  # events evicted from a full drain buffer (nobody watched or polled)
+    events_discarded: int  # events of an ended registration, never shown to the next one
     registered_bytes: int
 
     def counters(self) -> dict[str, int]:
@@ -135,12 +141,16 @@ class EngineStats:
             "reads_rejected": sum(c.reads_rejected.values()),
             "bytes_read": t.bytes_read,
             "notifications_sent": sum(c.notifications_sent.values()),
+            "refused_by_producer": sum(c.notifications_refused.values()),
+            "notifications_undelivered": c.notifications_undelivered,
             "notifications_received": p.notifications_received,
+            "notifications_refused": sum(p.notifications_refused.values()),
             "sends_done": p.sends_done,
             "leases_expired": p.leases_expired,
             "stale_notifications": p.stale_notifications,
             "duplicate_notifications": p.duplicate_notifications,
             "bad_notifications": p.bad_notifications,
             "events_dropped": self.events_dropped,
+            "events_discarded": self.events_discarded,
             "handshakes": sum(self.peers.handshakes.values()),
         }

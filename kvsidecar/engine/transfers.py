@@ -1,9 +1,14 @@
-"""In-flight reads: post one READ per remote rank, poll, enforce deadlines, report one event each.
+"""In-flight reads: post one READ per remote rank, poll, confirm, enforce deadlines, report once.
 
-A request completes with ``RecvDone`` when every sibling READ is DONE. If any fails, the siblings are
-still awaited (until the deadline) and every handle is released before ``RecvFailed`` names the local
-block ids that may hold garbage. The producer is notified by NIXL only for READs that complete; a
-failed read is never reported to it (its lease expires).
+A request completes with ``RecvDone`` when every sibling READ is DONE and (with confirmed reads,
+the default) every producer rank read from has confirmed that the request's hold was live under the
+token and epoch the consumer named. If a READ fails, the siblings are still awaited (until the
+deadline) and every handle is released before ``RecvFailed`` names the local block ids that may
+hold garbage; a refused confirmation fails the read as STALE. The producer hears READ_DONE only for
+READs that completed; a failed read is never reported to it (its lease expires).
+
+Notifications to producers leave through ``take_outgoing`` (the poller hands them to the
+``Confirmer``, which sends them over PeerService) and their outcomes come back via ``resolve``.
 """
 
 from __future__ import annotations
@@ -12,12 +17,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvsidecar.engine.backend import TransferBackend, XferHandle, XferState
 from kvsidecar.engine.events import EventHub
+from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import ReadCommand
-from kvsidecar.engine.peers import Peer, RankLink
+from kvsidecar.engine.peers import Peer
+from kvsidecar.engine.reads import InFlightRead, Outgoing, Phase, Xfer, outgoing
 from kvsidecar.engine.stats import (
     DESCRIPTOR_BUCKETS,
     DURATION_BUCKETS,
@@ -25,234 +31,44 @@ from kvsidecar.engine.stats import (
     Histogram,
     TransferStats,
 )
-from kvsidecar.errors import AlreadyExistsError, KvSidecarError
+from kvsidecar.errors import AlreadyExistsError, BackendError, KvSidecarError
 from kvsidecar.plan import request_ids
 from kvsidecar.types import FailReason, ReadPosted, RecvDone, RecvFailed
-from kvsidecar.wire.peer import NotificationKind, PeerNotification, encode_notification
+from kvsidecar.wire.peer import NotificationKind, Outcome
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True, kw_only=True)
-class _Xfer:
-    rank: int
-    handle: XferHandle
-    state: XferState = XferState.PROC
+class ReadReport:
+    """How reads ended: their events to the engine, and the counters and histograms of them."""
 
-
-@dataclass(slots=True, kw_only=True)
-class InFlightRead:
-    cmd: ReadCommand
-    peer: Peer
-    xfers: list[_Xfer]
-    bytes: int
-    started: float  # perf_counter at the Read call
-    deadline_s: float  # seconds from the call
-    deadline: float  # clock() value
-    failure: tuple[FailReason, str] | None = None
-
-
-class TransferManager:
-    """Owns every in-flight read and its transfer handles (released exactly once)."""
-
-    def __init__(
-        self,
-        *,
-        backend: TransferBackend,
-        events: EventHub,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._backend = backend
+    def __init__(self, events: EventHub) -> None:
         self._events = events
-        self._clock = clock
-        self._reads: dict[str, InFlightRead] = {}
-        self._to_release: list[XferHandle] = []  # completed, reported, not yet released
-        self._started = self._done = self._bytes = 0
-        self._failed: dict[str, int] = {}
-        self._read_duration = Histogram(DURATION_BUCKETS)
-        self._post_duration = Histogram(POST_BUCKETS)
-        self._descriptors = Histogram(DESCRIPTOR_BUCKETS)
+        self.started = self.done = self.bytes = 0
+        self.failed: dict[str, int] = {}
+        self.read_duration = Histogram(DURATION_BUCKETS)
+        self.post_duration = Histogram(POST_BUCKETS)
+        self.confirm_duration = Histogram(DURATION_BUCKETS)
+        self.descriptors = Histogram(DESCRIPTOR_BUCKETS)
 
-    def stats(self) -> TransferStats:
+    def stats(self, in_flight: int) -> TransferStats:
         return TransferStats(
-            reads_started=self._started,
-            reads_done=self._done,
-            reads_failed=dict(self._failed),
-            bytes_read=self._bytes,
-            reads_in_flight=len(self._reads),
-            read_duration=self._read_duration.snapshot(),
-            post_duration=self._post_duration.snapshot(),
-            descriptors=self._descriptors.snapshot(),
+            reads_started=self.started,
+            reads_done=self.done,
+            reads_failed=dict(self.failed),
+            bytes_read=self.bytes,
+            reads_in_flight=in_flight,
+            read_duration=self.read_duration.snapshot(),
+            post_duration=self.post_duration.snapshot(),
+            confirm_duration=self.confirm_duration.snapshot(),
+            descriptors=self.descriptors.snapshot(),
         )
 
-    def __len__(self) -> int:
-        return len(self._reads)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._reads
-
-    def check_new(self, request_id: str) -> None:
-        if request_id in self._reads:
-            raise AlreadyExistsError(f"request_id={request_id!r} is already in flight")
-
-    async def post(
-        self,
-        cmd: ReadCommand,
-        peer: Peer,
-        *,
-        deadline_s: float,
-        consumer_engine_id: str,
-        consumer_rank: int,
-    ) -> ReadPosted:
-        """Post READs (and notify-only messages) for every rank of the peer's plan; the read fails
-        ``deadline_s`` seconds from now unless it completed."""
-        self.check_new(cmd.request_id)
-        started = time.perf_counter()
-        xfers: list[_Xfer] = []
-        sent = 0
-        total = 0
-        by_rank = {r.remote_rank: r for r in request_ids(peer.plan, cmd.local_ids, cmd.remote_ids)}
-        notify_only = []
-
-        def payload(kind: NotificationKind, link: RankLink) -> bytes:
-            return encode_notification(
-                PeerNotification(
-                    kind=kind,
-                    remote_request_id=cmd.remote_request_id,
-                    expected_consumers=link.plan.expected_consumers,
-                    epoch=link.epoch,
-                    consumer_engine_id=consumer_engine_id,
-                    consumer_rank=consumer_rank,
-                )
-            )
-
-        try:
-            # READs first: if one cannot be posted, no notify-only rank has been told yet.
-            for link in peer.links.values():
-                ids = by_rank.get(link.rank)
-                if ids is None:  # notify-only rank, or nothing to read (full prefix hit)
-                    notify_only.append(link)
-                    continue
-                assert link.local_dlist is not None
-                assert link.remote_dlist is not None
-                handle = await self._backend.post_read(
-                    link.local_dlist,
-                    ids.local_desc_ids,
-                    link.remote_dlist,
-                    ids.remote_desc_ids,
-                    payload(NotificationKind.READ_DONE, link),
-                )
-                state = XferState.DONE if handle.done_at_post else XferState.PROC
-                xfers.append(_Xfer(rank=link.rank, handle=handle, state=state))
-                self._descriptors.observe(len(ids.local_desc_ids))
-                total += ids.num_bytes
-            for link in notify_only:
-                await self._backend.send_notification(
-                    link.agent, payload(NotificationKind.CONSUMED, link)
-                )
-                sent += 1
-        except BaseException:
-            for x in xfers:
-                with contextlib.suppress(Exception):
-                    await self._backend.release_xfer(x.handle)
-            raise
-        posted = ReadPosted(reads_posted=len(xfers), notifications_sent=sent, bytes=total)
-        self._post_duration.observe(time.perf_counter() - started)
-        self._started += 1
-        if not xfers:  # full prefix hit: nothing to wait for
-            self._finish_done(cmd, 0, started)
-            return posted
-        if all(x.state is XferState.DONE for x in xfers):
-            # Completed inside the post (same-host cma): report now, release on the next tick.
-            self._finish_done(cmd, total, started)
-            self._to_release.extend(x.handle for x in xfers)
-            return posted
-        self._reads[cmd.request_id] = InFlightRead(
-            cmd=cmd,
-            peer=peer,
-            xfers=xfers,
-            bytes=total,
-            started=started,
-            deadline_s=deadline_s,
-            deadline=self._clock() + deadline_s,
-        )
-        return posted
-
-    async def poll(self) -> set[str]:
-        """Advance every in-flight read once. Returns engine ids of peers whose READs failed."""
-        await self.release_completed()
-        if not self._reads:
-            return set()
-        pending = [
-            (r, x) for r in self._reads.values() for x in r.xfers if x.state is XferState.PROC
-        ]
-        states = await self._backend.poll([x.handle for _, x in pending]) if pending else ()
-        failed_peers: set[str] = set()
-        for (read, x), state in zip(pending, states, strict=True):
-            x.state = state
-            if state is XferState.ERR and read.failure is None:
-                read.failure = (
-                    FailReason.TRANSFER_ERROR,
-                    f"READ from remote rank {x.rank} of {read.peer.engine_id!r} failed",
-                )
-                failed_peers.add(read.peer.engine_id)
-        now = self._clock()
-        for read in list(self._reads.values()):
-            in_proc = any(x.state is XferState.PROC for x in read.xfers)
-            if in_proc and now >= read.deadline:
-                read.failure = read.failure or (
-                    FailReason.DEADLINE_EXCEEDED,
-                    f"deadline of {read.deadline_s:g}s exceeded reading from "
-                    f"{read.peer.engine_id!r}",
-                )
-                await self._close(read)
-            elif not in_proc:
-                await self._close(read)
-        return failed_peers
-
-    @property
-    def idle(self) -> bool:
-        """No read in flight and no handle waiting to be released."""
-        return not self._reads and not self._to_release
-
-    async def release_completed(self) -> None:
-        """Release the handles of reads that were reported done at post time."""
-        handles, self._to_release = self._to_release, []
-        for handle in handles:
-            try:
-                await self._backend.release_xfer(handle)
-            except KvSidecarError as exc:
-                log.error("releasing a completed READ handle failed: %s", exc)
-
-    async def fail_peer(self, engine_id: str, reason: FailReason, message: str) -> None:
-        """Fail (and release) every in-flight read from ``engine_id``."""
-        await self.release_completed()  # handles go before the peer's lists and agent
-        for read in [r for r in self._reads.values() if r.peer.engine_id == engine_id]:
-            read.failure = read.failure or (reason, message)
-            await self._close(read)
-
-    async def fail_all(self, reason: FailReason, message: str) -> None:
-        await self.release_completed()
-        for read in list(self._reads.values()):
-            read.failure = read.failure or (reason, message)
-            await self._close(read)
-
-    async def _close(self, read: InFlightRead) -> None:
-        """Release every handle of the read, then report it. Exactly once per read."""
-        if self._reads.pop(read.cmd.request_id, None) is None:
-            return
-        if read.failure is None:  # data has landed: report first, then release
-            self._finish_done(read.cmd, read.bytes, read.started)
-            self._to_release.extend(x.handle for x in read.xfers)
-            return
-        for x in read.xfers:
-            try:
-                await self._backend.release_xfer(x.handle)
-            except KvSidecarError as exc:
-                log.error("releasing READ handle of %r failed: %s", read.cmd.request_id, exc)
+    def failure(self, read: InFlightRead) -> None:
+        assert read.failure is not None
         reason, message = read.failure
         label = reason.name.lower()
-        self._failed[label] = self._failed.get(label, 0) + 1
+        self.failed[label] = self.failed.get(label, 0) + 1
         log.warning("read %r failed: %s", read.cmd.request_id, message)
         self._events.emit(
             RecvFailed(
@@ -263,9 +79,253 @@ class TransferManager:
             )
         )
 
-    def _finish_done(self, cmd: ReadCommand, nbytes: int, started: float) -> None:
-        duration = time.perf_counter() - started
-        self._done += 1
-        self._bytes += nbytes
-        self._read_duration.observe(duration)
-        self._events.emit(RecvDone(request_id=cmd.request_id, bytes=nbytes, duration_s=duration))
+    def success(self, read: InFlightRead) -> None:
+        duration = time.perf_counter() - read.started
+        self.done += 1
+        self.bytes += read.bytes
+        self.read_duration.observe(duration)
+        self._events.emit(
+            RecvDone(request_id=read.cmd.request_id, bytes=read.bytes, duration_s=duration)
+        )
+
+
+class TransferManager:
+    """Owns every in-flight read and its transfer handles (released exactly once).
+
+    ``confirm``: report RECV_DONE only once every producer rank read from has confirmed."""
+
+    def __init__(
+        self,
+        *,
+        backend: TransferBackend,
+        events: EventHub,
+        confirm: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._backend = backend
+        self.confirm = confirm
+        self._clock = clock
+        self._reads: dict[str, InFlightRead] = {}
+        self._to_release: list[XferHandle] = []  # completed, not yet released
+        self._outgoing: list[Outgoing] = []
+        self._report = ReadReport(events)
+
+    def stats(self) -> TransferStats:
+        return self._report.stats(len(self._reads))
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    def check_new(self, request_id: str) -> None:
+        if request_id in self._reads:
+            raise AlreadyExistsError(f"request_id={request_id!r} is already in flight")
+
+    @property
+    def idle(self) -> bool:
+        """No read in flight and no handle waiting to be released."""
+        return not self._reads and not self._to_release
+
+    def take_outgoing(self) -> list[Outgoing]:
+        """Notifications to send to producer ranks (each exactly once)."""
+        out, self._outgoing = self._outgoing, []
+        return out
+
+    # --- posting --------------------------------------------------------------------------------
+
+    async def post(
+        self,
+        cmd: ReadCommand,
+        peer: Peer,
+        *,
+        deadline_s: float,
+        consumer: tuple[str, int],
+    ) -> ReadPosted:
+        """Post READs for every read rank of the peer's plan and queue CONSUMED for the others;
+        the read fails ``deadline_s`` seconds from now unless it completed. ``consumer``: this
+        engine's id and rank. Bytes posted must equal bytes planned (BackendError otherwise, with
+        nothing left behind)."""
+        self.check_new(cmd.request_id)
+        started = time.perf_counter()
+        xfers: list[Xfer] = []
+        total = 0
+        by_rank = {r.remote_rank: r for r in request_ids(peer.plan, cmd.local_ids, cmd.remote_ids)}
+        try:
+            for link in peer.links.values():
+                ids = by_rank.get(link.rank)
+                if ids is None:  # notify-only rank, or nothing to read (full prefix hit)
+                    continue
+                assert link.local_dlist is not None
+                assert link.remote_dlist is not None
+                handle = await self._backend.post_read(
+                    link.local_dlist,
+                    ids.local_desc_ids,
+                    link.remote_dlist,
+                    ids.remote_desc_ids,
+                    b"",
+                )
+                state = XferState.DONE if handle.done_at_post else XferState.PROC
+                xfers.append(Xfer(rank=link.rank, handle=handle, state=state))
+                if handle.num_bytes != ids.num_bytes:
+                    raise BackendError(
+                        f"READ from rank {link.rank} of {peer.engine_id!r} posted "
+                        f"{handle.num_bytes} bytes, the plan needs {ids.num_bytes}"
+                    )
+                self._report.descriptors.observe(len(ids.local_desc_ids))
+                total += ids.num_bytes
+        except BaseException:
+            for x in xfers:
+                with contextlib.suppress(Exception):
+                    await self._backend.release_xfer(x.handle)
+            raise
+        read = InFlightRead(
+            cmd=cmd,
+            peer=peer,
+            xfers=xfers,
+            bytes=total,
+            started=started,
+            deadline_s=deadline_s,
+            deadline=self._clock() + deadline_s,
+            consumer=consumer,
+            unconfirmed={x.rank for x in xfers},
+        )
+        # READs first: if one could not be posted, no notify-only rank has been told.
+        quiet = [link for link in peer.links.values() if link.rank not in read.unconfirmed]
+        self._outgoing.extend(outgoing(NotificationKind.CONSUMED, read, link) for link in quiet)
+        self._report.post_duration.observe(time.perf_counter() - started)
+        self._report.started += 1
+        if not xfers:  # full prefix hit: nothing was read, nothing to confirm
+            self._report.success(read)
+        else:
+            self._reads[cmd.request_id] = read
+            if all(x.state is XferState.DONE for x in xfers):  # completed inside the post (cma)
+                self._read_done(read)
+        return ReadPosted(reads_posted=len(xfers), notifications_sent=len(quiet), bytes=total)
+
+    def _read_done(self, read: InFlightRead) -> None:
+        """Every READ of ``read`` is DONE: release its handles (next tick) and tell every rank it
+        read from; with confirmation, wait for their answers, else report it now."""
+        read.done_at = time.perf_counter()
+        self._to_release.extend(x.handle for x in read.xfers)
+        read.xfers = []
+        for link in read.peer.links.values():
+            if link.rank in read.unconfirmed:
+                self._outgoing.append(
+                    outgoing(NotificationKind.READ_DONE, read, link, confirm=self.confirm)
+                )
+        if self.confirm:
+            read.phase = Phase.CONFIRMING
+        else:
+            del self._reads[read.cmd.request_id]
+            self._report.success(read)
+
+    def resolve(self, request_id: str, rank: int, outcome: Outcome | None, detail: str) -> None:
+        """Producer rank ``rank`` answered the READ_DONE of ``request_id`` (``outcome``; ``None``
+        if the notification could not be delivered, ``detail`` says why). Any answer but ACCEPTED
+        fails the read: its bytes are not known to be the held ones."""
+        read = self._reads.get(request_id)
+        if read is None or read.phase is not Phase.CONFIRMING or read.failure is not None:
+            return  # failed (deadline, peer lost) or re-posted meanwhile
+        if outcome is Outcome.ACCEPTED:
+            read.unconfirmed.discard(rank)
+            if not read.unconfirmed:
+                del self._reads[request_id]
+                self._report.confirm_duration.observe(time.perf_counter() - read.done_at)
+                self._report.success(read)
+            return
+        where = f"rank {rank} of {read.peer.engine_id!r}"
+        if outcome is None:
+            read.failure = (
+                FailReason.PEER_DISCONNECTED,
+                f"could not confirm with {where}: {detail}",
+            )
+        else:
+            read.failure = (
+                FailReason.STALE,
+                f"{where} refused to confirm: {outcome.name} {detail}",
+            )
+        del self._reads[request_id]
+        self._report.failure(read)
+
+    # --- polling --------------------------------------------------------------------------------
+
+    async def poll(self, local: LocalEngine | None) -> set[str]:
+        """Advance every in-flight read once. Returns engine ids of peers to quarantine (a READ
+        failed, or hung past its deadline). A failed READ is blamed on ``local`` instead when its
+        own memory is faulty."""
+        await self.release_completed()
+        if not self._reads:
+            return set()
+        pending = [
+            (r, x) for r in self._reads.values() for x in r.xfers if x.state is XferState.PROC
+        ]
+        states = await self._backend.poll([x.handle for _, x in pending]) if pending else ()
+        blamed: set[str] = set()
+        fault: str | None = None
+        for (read, x), state in zip(pending, states, strict=True):
+            x.state = state
+            if state is XferState.ERR and read.failure is None:
+                fault = fault or (local.memory_fault() if local is not None else None)
+                if fault is not None:
+                    read.failure = (FailReason.LOCAL_MEMORY, f"local memory failed: {fault}")
+                else:
+                    read.failure = (
+                        FailReason.TRANSFER_ERROR,
+                        f"READ from remote rank {x.rank} of {read.peer.engine_id!r} failed",
+                    )
+                    blamed.add(read.peer.engine_id)
+        now = self._clock()
+        for read in list(self._reads.values()):
+            in_proc = any(x.state is XferState.PROC for x in read.xfers)
+            if now >= read.deadline and (in_proc or read.phase is Phase.CONFIRMING):
+                what = "reading from" if in_proc else "waiting for the confirmation of"
+                read.failure = read.failure or (
+                    FailReason.DEADLINE_EXCEEDED,
+                    f"deadline of {read.deadline_s:g}s exceeded {what} {read.peer.engine_id!r}",
+                )
+                if in_proc:  # a hung peer: the next Read must not wait it out again
+                    blamed.add(read.peer.engine_id)
+                await self._close(read)
+            elif read.phase is Phase.READING and not in_proc:
+                if read.failure is not None:
+                    await self._close(read)
+                else:
+                    self._read_done(read)
+        return blamed
+
+    async def release_completed(self) -> None:
+        """Release the handles of reads whose READs are all done."""
+        handles, self._to_release = self._to_release, []
+        for handle in handles:
+            try:
+                await self._backend.release_xfer(handle)
+            except KvSidecarError as exc:
+                log.error("releasing a completed READ handle failed: %s", exc)
+
+    # --- failing --------------------------------------------------------------------------------
+
+    async def fail_peer(self, peer: Peer | str, reason: FailReason, message: str) -> None:
+        """Fail (and release) every in-flight read from ``peer`` (an object, or any peer of that
+        engine id)."""
+        await self.release_completed()  # handles go before the peer's lists and agent
+        for read in list(self._reads.values()):
+            if read.peer is peer or read.peer.engine_id == peer:
+                read.failure = read.failure or (reason, message)
+                await self._close(read)
+
+    async def fail_all(self, reason: FailReason, message: str) -> None:
+        await self.release_completed()
+        for read in list(self._reads.values()):
+            read.failure = read.failure or (reason, message)
+            await self._close(read)
+
+    async def _close(self, read: InFlightRead) -> None:
+        """Release every handle of a failed read, then report it. Exactly once per read."""
+        if self._reads.pop(read.cmd.request_id, None) is None:
+            return
+        for x in read.xfers:
+            try:
+                await self._backend.release_xfer(x.handle)
+            except KvSidecarError as exc:
+                log.error("releasing READ handle of %r failed: %s", read.cmd.request_id, exc)
+        read.xfers = []
+        self._report.failure(read)

@@ -202,6 +202,10 @@ class CudaIpcMemory:
     def closed(self) -> bool:
         return self._closed
 
+    def fault(self) -> str | None:
+        """CUDA reports faults of imported memory on use; nothing to check up front."""
+        return None
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

@@ -62,6 +62,20 @@ class HostShmMemory:
     def closed(self) -> bool:
         return self._closed
 
+    def fault(self) -> str | None:
+        """The file shrank below the mapped size (its owner truncated it): touching the missing
+        pages would fault. ``None`` while it is whole (or closed)."""
+        with self._lock:
+            if self._closed:
+                return None
+            try:
+                now = self._map.size()  # fstat of the mapping's own descriptor
+            except OSError as exc:
+                return f"{self._spec.path}: {exc.strerror}"
+        if now < self._spec.size:
+            return f"{self._spec.path} is now {now} bytes; {self._spec.size} are registered"
+        return None
+
     def close(self) -> None:
         """Unmap the file (never unlinks it). Safe to call more than once."""
         with self._lock:

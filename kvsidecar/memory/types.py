@@ -86,6 +86,10 @@ class ImportedMemory(MemoryRegion, Protocol):
 
     def close(self) -> None: ...
 
+    def fault(self) -> str | None:
+        """Why the region can no longer be read or written safely (``None``: it can)."""
+        ...
+
 
 def normalize_device_uuid(value: str | bytes, field: str = "cuda_ipc.device_uuid") -> str:
     """Canonical ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` form of a GPU UUID.

@@ -59,6 +59,7 @@ def _registration(request: engine_pb2.RegisterEngineRequest) -> Registration:
         memories=tuple(memory_from_proto(i, m) for i, m in enumerate(request.memories)),
         peer_endpoints=tuple(request.peer_endpoints),
         compat=compat_from_proto(request.compat),
+        takeover=request.takeover,
     )
     if registration.peer_endpoints and len(registration.peer_endpoints) != geometry.tp_size:
         raise InvalidArgumentError(
@@ -77,6 +78,7 @@ def _read_command(request: engine_pb2.ReadRequest) -> ReadCommand:
         remote_ids=block_ids_from_proto("remote_block_ids", request.remote_block_ids),
         endpoints=_endpoints(request.remote_endpoints, request.remote_endpoint),
         deadline_s=request.deadline_s or None,
+        token=request.remote_token,
     )
 
 
@@ -150,24 +152,25 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if kind == "hold":
             h = request.hold
             block_ids = tuple(tuple(g.ids) for g in h.block_ids)
-            self._core.hold(h.request_id, h.lease_s or None, block_ids)
-            return engine_pb2.NotifyResponse()
+            token = self._core.hold(h.request_id, h.lease_s or None, block_ids, h.token)
+            return engine_pb2.NotifyResponse(token=token)
         if kind == "release":
             self._core.producer.release(request.release.request_id)
             return engine_pb2.NotifyResponse()
         if kind == "consumed":
             c = request.consumed
-            sent = await self._core.consumer.consumed(
+            sent, refused = await self._core.consumer.consumed(
                 c.remote_engine_id,
                 c.remote_request_id,
                 _endpoints(c.remote_endpoints, c.remote_endpoint),
+                c.remote_token,
             )
-            return engine_pb2.NotifyResponse(notifications_sent=sent)
+            return engine_pb2.NotifyResponse(notifications_sent=sent, notifications_refused=refused)
         if kind == "heartbeat":
             hb = request.heartbeat
-            ids = tuple(hb.remote_request_ids)
-            sent = await self._core.consumer.heartbeat(hb.remote_engine_id, ids)
-            return engine_pb2.NotifyResponse(notifications_sent=sent)
+            ids, tokens = tuple(hb.remote_request_ids), tuple(hb.remote_tokens)
+            sent, refused = await self._core.consumer.heartbeat(hb.remote_engine_id, ids, tokens)
+            return engine_pb2.NotifyResponse(notifications_sent=sent, notifications_refused=refused)
         raise InvalidArgumentError("Notify needs one of hold, release, consumed, heartbeat")
 
     @errors_to_status
@@ -202,5 +205,5 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             if not clean and not binding.evicted:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(
-                        self._core.engine_gone("Watch stream closed", binding.epoch)
+                        self._core.registrar.engine_gone("Watch stream closed", binding.epoch)
                     )

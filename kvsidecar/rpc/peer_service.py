@@ -7,11 +7,17 @@ from typing import Any
 from kvsidecar.engine.core import EngineCore
 from kvsidecar.rpc.status import errors_to_status
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-from kvsidecar.wire.peer import agent_info_to_proto, directory_to_proto
+from kvsidecar.wire.peer import (
+    agent_info_to_proto,
+    directory_to_proto,
+    notify_request_from_proto,
+    notify_response_to_proto,
+)
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
-    """GetAgent (the metadata to read from this rank) and GetEngine (the engine's directory)."""
+    """GetAgent (the metadata to read from this rank), Notify (consumers' notifications, each
+    answered with an outcome) and GetEngine (the engine's directory)."""
 
     def __init__(self, core: EngineCore) -> None:
         self._core = core
@@ -21,6 +27,14 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self, request: peer_pb2.GetAgentRequest, context: Any
     ) -> peer_pb2.GetAgentResponse:
         return agent_info_to_proto(await self._core.agent_info(request.engine_id, request.tp_rank))
+
+    @errors_to_status
+    async def Notify(
+        self, request: peer_pb2.PeerNotifyRequest, context: Any
+    ) -> peer_pb2.PeerNotifyResponse:
+        engine_id, notes = notify_request_from_proto(request)
+        epoch, outcomes = self._core.peer_notify(engine_id, notes)
+        return notify_response_to_proto(epoch, outcomes)
 
     @errors_to_status
     async def GetEngine(

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from kvsidecar.client import (
 )
 from kvsidecar.plan import View
 from kvsidecar.testing import toy
+from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -80,7 +82,9 @@ class LocalCluster:
     lease_s: float = 30.0
     shm_dir: Path = Path("/dev/shm")
     sidecar_args: tuple[str, ...] = ()
+    tls: bool = True  # PeerService with mutual TLS from a throwaway CA (else --peer-insecure)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    certificates: PeerCertificates | None = None
     prefill: list[Rank] = field(default_factory=list)
     decode: list[Rank] = field(default_factory=list)
 
@@ -115,6 +119,7 @@ class LocalCluster:
             str(self.lease_s),
             "--shm-roots",
             str(self.shm_dir),
+            *(self.certificates.flags() if self.certificates else ["--peer-insecure"]),
             *self.sidecar_args,
         ]
         with log_path.open("wb") as log:
@@ -134,6 +139,8 @@ class LocalCluster:
     async def start(self, timeout_s: float = 30.0) -> None:
         """Spawn every sidecar, wait for them (bounded), register every engine, open Watch."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.tls:
+            self.certificates = make_peer_certificates(self.workdir / "pki")
         self.prefill = [self._spawn(PREFILL, r, self.prefill_tp) for r in range(self.prefill_tp)]
         self.decode = [self._spawn(DECODE, r, self.decode_tp) for r in range(self.decode_tp)]
         deadline = time.monotonic() + timeout_s
@@ -256,14 +263,18 @@ async def transfer(
     decode_ids: Sequence[Sequence[int]],
     *,
     hold: bool = True,
+    token: str | None = None,
     timeout_s: float = 30.0,
 ) -> TransferResult:
-    """One request end to end; raises on any failure or byte mismatch."""
+    """One request end to end; raises on any failure or byte mismatch. The producer holds the
+    blocks under one token on every rank (as a TP engine does; ``token``: a new random one unless
+    given, e.g. for a request the caller held) and the consumer reads with it."""
     sends = [r.expect(request_id) for r in cluster.prefill] if hold else []
+    token = token or secrets.token_urlsafe(24)
     if hold:
         for rank in cluster.prefill:
             assert rank.client is not None
-            await rank.client.hold(request_id, block_ids=prefill_ids)
+            await rank.client.hold(request_id, block_ids=prefill_ids, token=token)
     local_id = f"{request_id}@decode"
     recvs = [r.expect(local_id) for r in cluster.decode]
     starts = []
@@ -278,6 +289,7 @@ async def transfer(
             local_block_ids=decode_ids,
             remote_block_ids=prefill_ids,
             endpoints=cluster.prefill_endpoints,
+            token=token,
         )
         posted_bytes += posted.bytes
     latencies = []

@@ -41,6 +41,7 @@ from kvsidecar.tools.bench_nixl import IdPairs
 from kvsidecar.tools.bench_report import (
     BenchConfig,
     BenchReport,
+    ConfirmCost,
     ControlPlane,
     Percentiles,
     Row,
@@ -171,10 +172,39 @@ async def _block_size(
                 if lat.server_post_mean_s is None
                 else lat.server_post_mean_s * 1e6,
                 idle_cpu_pct=await run.idle_cpu(cfg.idle_s),
+                confirm=ConfirmCost(
+                    on=_pct(lat.read_done_s),
+                    off=await _unconfirmed(cfg, kib, pool, workdir / "unconfirmed", say),
+                ),
             )
     finally:
         await cluster.aclose()
     return rows, verified, control
+
+
+async def _unconfirmed(
+    cfg: BenchConfig, kib: int, pool: int, workdir: Path, say: Callable[[str], None]
+) -> Percentiles:
+    """Read -> RECV_DONE of the latency requests on a cluster whose reads are not confirmed."""
+    say(f"{kib} KiB blocks: the same latency requests with --no-confirm-reads")
+    cluster = TimedCluster(
+        shape=_shape(kib, cfg.tp, pool),
+        prefill_tp=cfg.tp,
+        decode_tp=cfg.tp,
+        workdir=workdir,
+        seed=cfg.seed,
+        shm_dir=cfg.shm_dir,
+        sidecar_args=("--no-confirm-reads",),
+    )
+    try:
+        await cluster.start(timeout_s=cfg.timeout_s)
+        await cluster.handshake()
+        lat = await Runner(cluster, timeout_s=cfg.timeout_s, seed=cfg.seed).latency(
+            cfg.latency_samples
+        )
+        return _pct(lat.read_done_s)
+    finally:
+        await cluster.aclose()
 
 
 async def run_bench(

@@ -106,6 +106,20 @@ class ControlPlane:
     status_rtt: Percentiles
     server_post_mean_us: float | None
     idle_cpu_pct: dict[str, float]
+    confirm: ConfirmCost | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConfirmCost:
+    """Read call -> RECV_DONE over the same sequential one-block requests, with confirmed reads
+    (the default) and with ``--no-confirm-reads``, measured in one run."""
+
+    on: Percentiles
+    off: Percentiles
+
+    @property
+    def added_p50_us(self) -> float:
+        return self.on.p50_us - self.off.p50_us
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,6 +226,15 @@ def format_table(report: BenchReport) -> str:
             )
         ),
         f"  sidecar-side post of those Reads: mean {post}",
+        *(
+            [
+                f"  Read -> RECV_DONE, confirmed reads on / off: p50 {cp.confirm.on.p50_us:.0f} / "
+                f"{cp.confirm.off.p50_us:.0f} us (confirmation adds {cp.confirm.added_p50_us:.0f} "
+                f"us), p99 {cp.confirm.on.p99_us:.0f} / {cp.confirm.off.p99_us:.0f} us"
+            ]
+            if cp.confirm is not None
+            else []
+        ),
         f"  idle CPU over {c.idle_s:g} s (% of one core): {idle}",
         "targets (reported, not asserted):",
     ]

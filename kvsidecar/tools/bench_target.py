@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -55,11 +56,13 @@ def cpu_seconds(pid: int) -> float:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Latency:
-    """Control-plane samples, seconds: client-side Read call durations, event delivery (client
-    receive minus sidecar emit), no-op Status round trips, and the sidecars' mean server-side post
-    duration (``kvsidecar_read_post_duration_seconds``) over the same Reads."""
+    """Control-plane samples, seconds: client-side Read call durations, Read call to RECV_DONE,
+    event delivery (client receive minus sidecar emit), no-op Status round trips, and the
+    sidecars' mean server-side post duration (``kvsidecar_read_post_duration_seconds``) over the
+    same Reads."""
 
     read_posted_s: tuple[float, ...]
+    read_done_s: tuple[float, ...]  # Read call -> its RECV_DONE received here
     done_to_event_s: tuple[float, ...]
     status_rtt_s: tuple[float, ...]
     server_post_mean_s: float | None
@@ -96,6 +99,7 @@ class Runner:
         self.timeout_s = timeout_s
         self.seed = seed
         self._seq = 0
+        self._tokens: dict[str, str] = {}  # request id -> its hold token
 
     async def start_baselines(self) -> None:
         """One NIXL target + initiator per (prefill rank, decode rank) pair, on the same files."""
@@ -134,11 +138,13 @@ class Runner:
         return time.perf_counter() - t0
 
     async def _hold(self, rid: str, ids: list[list[int]]) -> list[asyncio.Future[Event]]:
+        """HOLD ``rid`` on every prefill rank under one token (kept for the reads)."""
         sends = []
+        token = self._tokens.setdefault(rid, secrets.token_urlsafe(24))
         for p in self.cluster.prefill:
             assert p.client is not None
             sends.append(p.expect(rid))
-            await p.client.hold(rid, block_ids=ids)
+            await p.client.hold(rid, block_ids=ids, token=token)
         return sends
 
     async def _read(
@@ -153,6 +159,7 @@ class Runner:
             local_block_ids=local,
             remote_block_ids=remote,
             endpoints=self.cluster.prefill_endpoints,
+            token=self._tokens[rid],
         )
         self.posted.append(time.perf_counter() - start)
 
@@ -211,6 +218,7 @@ class Runner:
                     local_block_ids=local,
                     remote_block_ids=remote,
                     endpoints=tuple(c.prefill_endpoints),
+                    token=self._tokens[rid],
                 )
                 for rid, local, remote in ids
             ]
@@ -262,12 +270,14 @@ class Runner:
             f for rid, ids in zip(rids, blocks, strict=True) for f in await self._hold(rid, ids)
         ]
         before = [await _post_metric(d) for d in c.decode]
-        self.posted, delivered = [], []
+        self.posted, delivered, read_done = [], [], []
         for rid, ids in zip(rids, blocks, strict=True):
             for d in c.decode:
                 fut = d.expect(f"{rid}@d")
+                start = time.perf_counter()
                 await self._read(d, rid, ids, ids)
                 event = await asyncio.wait_for(fut, self.timeout_s)
+                read_done.append(d.arrivals.pop(f"{rid}@d") - start)
                 if not isinstance(event, RecvDone):
                     raise RuntimeError(f"latency read failed: {event}")
                 emitted, received = c.emitted_received[f"{rid}@d"]
@@ -285,6 +295,7 @@ class Runner:
         )
         return Latency(
             read_posted_s=tuple(self.posted),
+            read_done_s=tuple(read_done),
             done_to_event_s=tuple(delivered),
             status_rtt_s=tuple(status),
             server_post_mean_s=seconds / count if count else None,

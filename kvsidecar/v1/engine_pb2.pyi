@@ -32,12 +32,19 @@ class RegisterEngineRequest(_message.Message):
     PEER_ENDPOINTS_FIELD_NUMBER: _builtins.int
     COMPAT_FIELD_NUMBER: _builtins.int
     NUM_GROUPS_FIELD_NUMBER: _builtins.int
+    TAKEOVER_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Engine identity, the same on every rank of the engine."""
     tp_rank: _builtins.int
     tp_size: _builtins.int
     num_groups: _builtins.int
     """Number of KV-cache groups; requests carry one id list per group. 0 is read as 1."""
+    takeover: _builtins.bool
+    """Replace a registration whose Watch stream is still open (a live engine). Without it such a
+    RegisterEngine is refused with FAILED_PRECONDITION: a second process that can reach the socket
+    must not silently take over a live engine's identity. A restarted engine (whose old stream
+    dropped) needs no flag.
+    """
     @_builtins.property
     def views(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.View]: ...
     @_builtins.property
@@ -59,10 +66,11 @@ class RegisterEngineRequest(_message.Message):
         peer_endpoints: _abc.Iterable[_builtins.str] | None = ...,
         compat: _geometry_pb2.Compat | None = ...,
         num_groups: _builtins.int = ...,
+        takeover: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "engine_id", b"engine_id", "memories", b"memories", "num_groups", b"num_groups", "peer_endpoints", b"peer_endpoints", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "engine_id", b"engine_id", "memories", b"memories", "num_groups", b"num_groups", "peer_endpoints", b"peer_endpoints", "takeover", b"takeover", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -266,6 +274,7 @@ class ReadRequest(_message.Message):
     REMOTE_ENDPOINTS_FIELD_NUMBER: _builtins.int
     REMOTE_ENDPOINT_FIELD_NUMBER: _builtins.int
     DEADLINE_S_FIELD_NUMBER: _builtins.int
+    REMOTE_TOKEN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Local (consumer) request id; unique among in-flight reads."""
     remote_engine_id: _builtins.str
@@ -274,6 +283,11 @@ class ReadRequest(_message.Message):
     remote_endpoint: _builtins.str
     deadline_s: _builtins.float
     """Deadline for the whole read, in seconds; 0 = the sidecar's default."""
+    remote_token: _builtins.str
+    """The producer's hold token (from the producer engine's HOLD, passed along with the transfer
+    parameters). Without the right token the producer refuses to confirm the read (RECV_FAILED
+    STALE) and does not count it.
+    """
     @_builtins.property
     def local_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.BlockIds]:
         """Local block ids, one list per KV-cache group. An empty list in every group = full prefix hit
@@ -299,10 +313,11 @@ class ReadRequest(_message.Message):
         remote_endpoints: _abc.Iterable[_builtins.str] | None = ...,
         remote_endpoint: _builtins.str = ...,
         deadline_s: _builtins.float = ...,
+        remote_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "local_block_ids", b"local_block_ids", "remote_block_ids", b"remote_block_ids", "remote_endpoint", b"remote_endpoint", "remote_endpoints", b"remote_endpoints", "remote_engine_id", b"remote_engine_id", "remote_request_id", b"remote_request_id", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "local_block_ids", b"local_block_ids", "remote_block_ids", b"remote_block_ids", "remote_endpoint", b"remote_endpoint", "remote_endpoints", b"remote_endpoints", "remote_engine_id", b"remote_engine_id", "remote_request_id", b"remote_request_id", "remote_token", b"remote_token", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -420,10 +435,18 @@ class Hold(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The producer's request id; consumers name it as remote_request_id."""
     lease_s: _builtins.float
     """Lease in seconds; 0 = the sidecar's default."""
+    token: _builtins.str
+    """The hold's token: the secret a consumer must present (Read.remote_token, Consumed, Heartbeat)
+    for its notifications to count. Empty = the sidecar generates one and returns it in
+    NotifyResponse.token. An engine with TP > 1 chooses one token per request (16-256 printable
+    ASCII characters, e.g. secrets.token_urlsafe(24)) and holds it on every rank, so that one token
+    in the transfer parameters covers every producer rank.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.BlockIds]:
         """Block ids the engine keeps for the request, one list per group (informational)."""
@@ -434,10 +457,11 @@ class Hold(_message.Message):
         request_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_geometry_pb2.BlockIds] | None = ...,
         lease_s: _builtins.float = ...,
+        token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_s", b"lease_s", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_s", b"lease_s", "request_id", b"request_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -470,9 +494,12 @@ class Consumed(_message.Message):
     REMOTE_REQUEST_ID_FIELD_NUMBER: _builtins.int
     REMOTE_ENDPOINTS_FIELD_NUMBER: _builtins.int
     REMOTE_ENDPOINT_FIELD_NUMBER: _builtins.int
+    REMOTE_TOKEN_FIELD_NUMBER: _builtins.int
     remote_engine_id: _builtins.str
     remote_request_id: _builtins.str
     remote_endpoint: _builtins.str
+    remote_token: _builtins.str
+    """The producer's hold token (as for ReadRequest.remote_token)."""
     @_builtins.property
     def remote_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -482,10 +509,11 @@ class Consumed(_message.Message):
         remote_request_id: _builtins.str = ...,
         remote_endpoints: _abc.Iterable[_builtins.str] | None = ...,
         remote_endpoint: _builtins.str = ...,
+        remote_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["remote_endpoint", b"remote_endpoint", "remote_endpoints", b"remote_endpoints", "remote_engine_id", b"remote_engine_id", "remote_request_id", b"remote_request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["remote_endpoint", b"remote_endpoint", "remote_endpoints", b"remote_endpoints", "remote_engine_id", b"remote_engine_id", "remote_request_id", b"remote_request_id", "remote_token", b"remote_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -497,18 +525,26 @@ class Heartbeat(_message.Message):
 
     REMOTE_ENGINE_ID_FIELD_NUMBER: _builtins.int
     REMOTE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    REMOTE_TOKENS_FIELD_NUMBER: _builtins.int
     remote_engine_id: _builtins.str
     @_builtins.property
     def remote_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def remote_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The hold token of each remote request, in the same order (a lease whose token does not match
+        is not extended).
+        """
+
     def __init__(
         self,
         *,
         remote_engine_id: _builtins.str = ...,
         remote_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        remote_tokens: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["remote_engine_id", b"remote_engine_id", "remote_request_ids", b"remote_request_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["remote_engine_id", b"remote_engine_id", "remote_request_ids", b"remote_request_ids", "remote_tokens", b"remote_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -553,16 +589,26 @@ class NotifyResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NOTIFICATIONS_SENT_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    NOTIFICATIONS_REFUSED_FIELD_NUMBER: _builtins.int
     notifications_sent: _builtins.int
     """Notifications sent to remote sidecars (CONSUMED, HEARTBEAT)."""
+    token: _builtins.str
+    """HOLD: the hold's token (the one given, or the one the sidecar generated)."""
+    notifications_refused: _builtins.int
+    """CONSUMED, HEARTBEAT: notifications the producer refused (wrong token, unknown or ended hold,
+    stale epoch).
+    """
     def __init__(
         self,
         *,
         notifications_sent: _builtins.int = ...,
+        token: _builtins.str = ...,
+        notifications_refused: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["notifications_sent", b"notifications_sent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["notifications_refused", b"notifications_refused", "notifications_sent", b"notifications_sent", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -610,6 +656,15 @@ class RecvFailed(_message.Message):
         PEER_DISCONNECTED: RecvFailed._Reason.ValueType  # 3
         ENGINE_GONE: RecvFailed._Reason.ValueType  # 4
         SHUTDOWN: RecvFailed._Reason.ValueType  # 5
+        STALE: RecvFailed._Reason.ValueType  # 6
+        """The producer refused to confirm the read: its hold was not live under the token and epoch
+        the consumer named when the read completed (released, expired, completed, unknown, wrong
+        token, or the producer engine restarted). The bytes may be another request's: never use them.
+        """
+        LOCAL_MEMORY: RecvFailed._Reason.ValueType  # 7
+        """This sidecar's own memory failed (e.g. the engine truncated its shared-memory file); the
+        producer is not blamed.
+        """
 
     class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper): ...
     REASON_UNSPECIFIED: RecvFailed.Reason.ValueType  # 0
@@ -618,6 +673,15 @@ class RecvFailed(_message.Message):
     PEER_DISCONNECTED: RecvFailed.Reason.ValueType  # 3
     ENGINE_GONE: RecvFailed.Reason.ValueType  # 4
     SHUTDOWN: RecvFailed.Reason.ValueType  # 5
+    STALE: RecvFailed.Reason.ValueType  # 6
+    """The producer refused to confirm the read: its hold was not live under the token and epoch
+    the consumer named when the read completed (released, expired, completed, unknown, wrong
+    token, or the producer engine restarted). The bytes may be another request's: never use them.
+    """
+    LOCAL_MEMORY: RecvFailed.Reason.ValueType  # 7
+    """This sidecar's own memory failed (e.g. the engine truncated its shared-memory file); the
+    producer is not blamed.
+    """
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
@@ -826,6 +890,8 @@ class StatusResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _builtins.int
     AGENT_NAME_FIELD_NUMBER: _builtins.int
     WATCH_CONNECTED_FIELD_NUMBER: _builtins.int
+    PEER_TLS_FIELD_NUMBER: _builtins.int
+    CONFIRM_READS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Empty when no engine is registered."""
     tp_rank: _builtins.int
@@ -837,6 +903,10 @@ class StatusResponse(_message.Message):
     holds_active: _builtins.int
     agent_name: _builtins.str
     watch_connected: _builtins.bool
+    peer_tls: _builtins.bool
+    """PeerService is served with mutual TLS (false only when explicitly configured insecure)."""
+    confirm_reads: _builtins.bool
+    """Reads report RECV_DONE only after the producer confirmed its hold (the default)."""
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___Event]: ...
     @_builtins.property
@@ -861,10 +931,12 @@ class StatusResponse(_message.Message):
         counters: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         agent_name: _builtins.str = ...,
         watch_connected: _builtins.bool = ...,
+        peer_tls: _builtins.bool = ...,
+        confirm_reads: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "counters", b"counters", "draining", b"draining", "engine_id", b"engine_id", "epoch", b"epoch", "events", b"events", "holds_active", b"holds_active", "peers", b"peers", "reads_in_flight", b"reads_in_flight", "ready", b"ready", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "watch_connected", b"watch_connected"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "confirm_reads", b"confirm_reads", "counters", b"counters", "draining", b"draining", "engine_id", b"engine_id", "epoch", b"epoch", "events", b"events", "holds_active", b"holds_active", "peer_tls", b"peer_tls", "peers", b"peers", "reads_in_flight", b"reads_in_flight", "ready", b"ready", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "watch_connected", b"watch_connected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -87,7 +87,6 @@ class GetAgentResponse(_message.Message):
     VIEWS_FIELD_NUMBER: _builtins.int
     COMPAT_FIELD_NUMBER: _builtins.int
     NUM_GROUPS_FIELD_NUMBER: _builtins.int
-    SPAN_SIGNATURE_FIELD_NUMBER: _builtins.int
     MEM_TYPE_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """Version of the sidecar-to-sidecar protocol; a mismatch is reported as incompatible."""
@@ -112,10 +111,6 @@ class GetAgentResponse(_message.Message):
     def compat(self) -> _geometry_pb2.Compat:
         """The items behind compat_digest, so that a mismatch can list every differing item."""
 
-    @_builtins.property
-    def span_signature(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Span keys with their global units and unit bytes, "key:units:unit_bytes", sorted (compat items)."""
-
     def __init__(
         self,
         *,
@@ -130,12 +125,11 @@ class GetAgentResponse(_message.Message):
         views: _abc.Iterable[Global___RemoteView] | None = ...,
         compat: _geometry_pb2.Compat | None = ...,
         num_groups: _builtins.int = ...,
-        span_signature: _abc.Iterable[_builtins.str] | None = ...,
         mem_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "compat", b"compat", "compat_digest", b"compat_digest", "engine_id", b"engine_id", "epoch", b"epoch", "mem_type", b"mem_type", "nixl_agent_metadata", b"nixl_agent_metadata", "num_groups", b"num_groups", "protocol_version", b"protocol_version", "span_signature", b"span_signature", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "compat", b"compat", "compat_digest", b"compat_digest", "engine_id", b"engine_id", "epoch", b"epoch", "mem_type", b"mem_type", "nixl_agent_metadata", b"nixl_agent_metadata", "num_groups", b"num_groups", "protocol_version", b"protocol_version", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -227,6 +221,9 @@ class PeerNotification(_message.Message):
     CONSUMER_ENGINE_ID_FIELD_NUMBER: _builtins.int
     CONSUMER_RANK_FIELD_NUMBER: _builtins.int
     HEARTBEAT_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_TOKENS_FIELD_NUMBER: _builtins.int
+    CONFIRM_FIELD_NUMBER: _builtins.int
     kind: Global___PeerNotification.Kind.ValueType
     remote_request_id: _builtins.str
     """The producer's request id (the id the producer's engine used in HOLD)."""
@@ -237,10 +234,21 @@ class PeerNotification(_message.Message):
     consumer_engine_id: _builtins.str
     """Consumer identity, for logs and deduplication."""
     consumer_rank: _builtins.int
+    token: _builtins.str
+    """The hold's token (READ_DONE, CONSUMED); for a HEARTBEAT, the token of each of
+    heartbeat_request_ids in heartbeat_tokens.
+    """
+    confirm: _builtins.bool
+    """READ_DONE: the consumer reports RECV_DONE only on an ACCEPTED outcome, so the producer accepts
+    it only while the hold is live. Without it (a consumer that does not confirm) a READ_DONE that
+    precedes its HOLD is kept for a few seconds and matched, as CONSUMED is.
+    """
     @_builtins.property
     def heartbeat_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Producer request ids whose leases a HEARTBEAT extends."""
 
+    @_builtins.property
+    def heartbeat_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -251,11 +259,111 @@ class PeerNotification(_message.Message):
         consumer_engine_id: _builtins.str = ...,
         consumer_rank: _builtins.int = ...,
         heartbeat_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        token: _builtins.str = ...,
+        heartbeat_tokens: _abc.Iterable[_builtins.str] | None = ...,
+        confirm: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_engine_id", b"consumer_engine_id", "consumer_rank", b"consumer_rank", "epoch", b"epoch", "expected_consumers", b"expected_consumers", "heartbeat_request_ids", b"heartbeat_request_ids", "kind", b"kind", "remote_request_id", b"remote_request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["confirm", b"confirm", "consumer_engine_id", b"consumer_engine_id", "consumer_rank", b"consumer_rank", "epoch", b"epoch", "expected_consumers", b"expected_consumers", "heartbeat_request_ids", b"heartbeat_request_ids", "heartbeat_tokens", b"heartbeat_tokens", "kind", b"kind", "remote_request_id", b"remote_request_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PeerNotification: _TypeAlias = PeerNotification  # noqa: Y015
+
+@_typing.final
+class PeerNotifyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    NOTIFICATIONS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    """The producer engine the notifications are for (a sidecar serving another engine refuses them)."""
+    @_builtins.property
+    def notifications(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerNotification]: ...
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        notifications: _abc.Iterable[Global___PeerNotification] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "notifications", b"notifications"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerNotifyRequest: _TypeAlias = PeerNotifyRequest  # noqa: Y015
+
+@_typing.final
+class PeerNotifyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Outcome:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _OutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[PeerNotifyResponse._Outcome.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        OUTCOME_UNSPECIFIED: PeerNotifyResponse._Outcome.ValueType  # 0
+        ACCEPTED: PeerNotifyResponse._Outcome.ValueType  # 1
+        """Counted (READ_DONE, CONSUMED) or applied (HEARTBEAT). For a READ_DONE: the hold was live
+        under the epoch and token it named (the read is confirmed).
+        """
+        STALE_EPOCH: PeerNotifyResponse._Outcome.ValueType  # 2
+        """The notification named another registration of the producer engine (it restarted or
+        re-registered): the consumer's plan is stale and must be rebuilt.
+        """
+        UNKNOWN_REQUEST: PeerNotifyResponse._Outcome.ValueType  # 3
+        """No hold of that request id (never held, or a READ_DONE that asked for confirmation before
+        its HOLD).
+        """
+        HOLD_ENDED: PeerNotifyResponse._Outcome.ValueType  # 4
+        """The hold ended (released, expired or completed) before the notification arrived."""
+        WRONG_TOKEN: PeerNotifyResponse._Outcome.ValueType  # 5
+        """The token does not match the hold's."""
+        EXTRA_CONSUMER: PeerNotifyResponse._Outcome.ValueType  # 6
+        """The hold already heard from as many consumers as it expected."""
+
+    class Outcome(_Outcome, metaclass=_OutcomeEnumTypeWrapper): ...
+    OUTCOME_UNSPECIFIED: PeerNotifyResponse.Outcome.ValueType  # 0
+    ACCEPTED: PeerNotifyResponse.Outcome.ValueType  # 1
+    """Counted (READ_DONE, CONSUMED) or applied (HEARTBEAT). For a READ_DONE: the hold was live
+    under the epoch and token it named (the read is confirmed).
+    """
+    STALE_EPOCH: PeerNotifyResponse.Outcome.ValueType  # 2
+    """The notification named another registration of the producer engine (it restarted or
+    re-registered): the consumer's plan is stale and must be rebuilt.
+    """
+    UNKNOWN_REQUEST: PeerNotifyResponse.Outcome.ValueType  # 3
+    """No hold of that request id (never held, or a READ_DONE that asked for confirmation before
+    its HOLD).
+    """
+    HOLD_ENDED: PeerNotifyResponse.Outcome.ValueType  # 4
+    """The hold ended (released, expired or completed) before the notification arrived."""
+    WRONG_TOKEN: PeerNotifyResponse.Outcome.ValueType  # 5
+    """The token does not match the hold's."""
+    EXTRA_CONSUMER: PeerNotifyResponse.Outcome.ValueType  # 6
+    """The hold already heard from as many consumers as it expected."""
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """The producer's current registration epoch."""
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedScalarFieldContainer[Global___PeerNotifyResponse.Outcome.ValueType]:
+        """One outcome per notification, in request order."""
+
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        outcomes: _abc.Iterable[Global___PeerNotifyResponse.Outcome.ValueType] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "outcomes", b"outcomes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerNotifyResponse: _TypeAlias = PeerNotifyResponse  # noqa: Y015

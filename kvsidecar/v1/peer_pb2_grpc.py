@@ -44,6 +44,11 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_peer__pb2.GetEngineRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GetEngineResponse.FromString,
                 _registered_method=True)
+        self.Notify = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/Notify',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -63,6 +68,17 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Notify(self, request, context):
+        """Consumer -> producer notifications (READ_DONE, CONSUMED, HEARTBEAT), one outcome each. Over
+        this authenticated channel, not NIXL: NIXL notifications carry no proof of who sent them. A
+        READ_DONE outcome ACCEPTED is the producer's confirmation that the request's hold was live
+        under the named epoch and token when it arrived, so the bytes the consumer read were the held
+        ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +91,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.GetEngine,
                     request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GetEngineRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_peer__pb2.GetEngineResponse.SerializeToString,
+            ),
+            'Notify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Notify,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +152,33 @@ class PeerService:
             '/kvsidecar.v1.PeerService/GetEngine',
             kvsidecar_dot_v1_dot_peer__pb2.GetEngineRequest.SerializeToString,
             kvsidecar_dot_v1_dot_peer__pb2.GetEngineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Notify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/Notify',
+            kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

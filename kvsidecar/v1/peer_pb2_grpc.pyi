@@ -35,6 +35,13 @@ class PeerServiceStub:
     """Metadata a remote sidecar needs to read from rank `tp_rank` of engine `engine_id`."""
     GetEngine: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GetEngineRequest, _peer_pb2.GetEngineResponse]
     """Directory of an engine's ranks (from RegisterEngine.peer_endpoints)."""
+    Notify: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerNotifyRequest, _peer_pb2.PeerNotifyResponse]
+    """Consumer -> producer notifications (READ_DONE, CONSUMED, HEARTBEAT), one outcome each. Over
+    this authenticated channel, not NIXL: NIXL notifications carry no proof of who sent them. A
+    READ_DONE outcome ACCEPTED is the producer's confirmation that the request's hold was live
+    under the named epoch and token when it arrived, so the bytes the consumer read were the held
+    ones.
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -43,6 +50,13 @@ class PeerServiceAsyncStub(PeerServiceStub):
     """Metadata a remote sidecar needs to read from rank `tp_rank` of engine `engine_id`."""
     GetEngine: _aio.UnaryUnaryMultiCallable[_peer_pb2.GetEngineRequest, _peer_pb2.GetEngineResponse]  # type: ignore[assignment]
     """Directory of an engine's ranks (from RegisterEngine.peer_endpoints)."""
+    Notify: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerNotifyRequest, _peer_pb2.PeerNotifyResponse]  # type: ignore[assignment]
+    """Consumer -> producer notifications (READ_DONE, CONSUMED, HEARTBEAT), one outcome each. Over
+    this authenticated channel, not NIXL: NIXL notifications carry no proof of who sent them. A
+    READ_DONE outcome ACCEPTED is the producer's confirmation that the request's hold was live
+    under the named epoch and token when it arrived, so the bytes the consumer read were the held
+    ones.
+    """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -60,5 +74,18 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.GetEngineResponse, _abc.Awaitable[_peer_pb2.GetEngineResponse]]:
         """Directory of an engine's ranks (from RegisterEngine.peer_endpoints)."""
+
+    @_abc_1.abstractmethod
+    def Notify(
+        self,
+        request: _peer_pb2.PeerNotifyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.PeerNotifyResponse, _abc.Awaitable[_peer_pb2.PeerNotifyResponse]]:
+        """Consumer -> producer notifications (READ_DONE, CONSUMED, HEARTBEAT), one outcome each. Over
+        this authenticated channel, not NIXL: NIXL notifications carry no proof of who sent them. A
+        READ_DONE outcome ACCEPTED is the producer's confirmation that the request's hold was live
+        under the named epoch and token when it arrived, so the bytes the consumer read were the held
+        ones.
+        """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

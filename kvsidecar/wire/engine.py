@@ -204,6 +204,8 @@ def status_to_proto(status: SidecarStatus) -> engine_pb2.StatusResponse:
         counters=dict(status.counters),
         agent_name=status.agent_name,
         watch_connected=status.watch_connected,
+        peer_tls=status.peer_tls,
+        confirm_reads=status.confirm_reads,
     )
 
 
@@ -232,4 +234,6 @@ def status_from_proto(pb: engine_pb2.StatusResponse) -> SidecarStatus:
         counters=dict(pb.counters),
         agent_name=pb.agent_name,
         watch_connected=pb.watch_connected,
+        peer_tls=pb.peer_tls,
+        confirm_reads=pb.confirm_reads,
     )

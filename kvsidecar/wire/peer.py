@@ -1,20 +1,20 @@
-"""Sidecar-to-sidecar messages: the PeerService agent record and the NIXL notification payload.
+"""Sidecar-to-sidecar messages: the PeerService agent record, directory and notifications.
 
-``AgentInfo`` is what one producer rank advertises (``GetAgent``); ``PeerNotification`` is the small
-protobuf a consumer sends over NIXL when it has read (or will not read) a request's blocks, or to
-extend leases. Decoding never trusts the peer: an undecodable payload raises ``InvalidArgumentError``
-and a malformed geometry ``GeometryError``, both naming what was wrong.
+``AgentInfo`` is what one producer rank advertises (``GetAgent``); ``PeerNotification`` is what a
+consumer tells a producer rank (``Notify``) when it has read (or will not read) a request's blocks,
+or to extend leases, and ``Outcome`` what the producer did with it. Decoding never trusts the peer:
+a malformed geometry raises ``GeometryError`` naming every problem; unknown enum values decode as
+``UNSPECIFIED``.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvsidecar.errors import InvalidArgumentError
 from kvsidecar.plan import EngineGeometry
-from kvsidecar.plan.compat import CompatItems, span_signature
+from kvsidecar.plan.compat import CompatItems
 from kvsidecar.v1 import peer_pb2
 from kvsidecar.wire.geometry import (
     compat_from_proto,
@@ -27,13 +27,18 @@ __all__ = [
     "AgentInfo",
     "EngineDirectory",
     "NotificationKind",
+    "Outcome",
     "PeerNotification",
     "agent_info_from_proto",
     "agent_info_to_proto",
-    "decode_notification",
     "directory_from_proto",
     "directory_to_proto",
-    "encode_notification",
+    "notification_from_proto",
+    "notification_to_proto",
+    "notify_request_from_proto",
+    "notify_request_to_proto",
+    "notify_response_from_proto",
+    "notify_response_to_proto",
 ]
 
 
@@ -89,7 +94,6 @@ def agent_info_to_proto(info: AgentInfo) -> peer_pb2.GetAgentResponse:
         ],
         compat=compat_to_proto(info.compat),
         num_groups=g.num_groups,
-        span_signature=list(span_signature(g)),
         mem_type=info.mem_type,
     )
 
@@ -124,11 +128,25 @@ class NotificationKind(enum.Enum):
     HEARTBEAT = 3  #: extend the leases of ``heartbeat_ids``
 
 
+class Outcome(enum.Enum):
+    """What a producer rank did with one notification (``PeerNotifyResponse.Outcome``)."""
+
+    UNSPECIFIED = 0
+    ACCEPTED = 1  #: counted or applied; for a READ_DONE, the read is confirmed
+    STALE_EPOCH = 2  #: it named another registration of the producer engine
+    UNKNOWN_REQUEST = 3  #: no hold of that request id
+    HOLD_ENDED = 4  #: the hold was released, expired or completed
+    WRONG_TOKEN = 5  #: the token does not match the hold's
+    EXTRA_CONSUMER = 6  #: the hold already heard from every consumer it expected
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerNotification:
     """One notification, sent by consumer rank (``consumer_engine_id``, ``consumer_rank``) to a
     producer rank whose registration is ``epoch``; ``expected_consumers`` is how many consumer
-    ranks that producer rank should hear from for ``remote_request_id``."""
+    ranks that producer rank should hear from for ``remote_request_id``; ``token`` is the hold's
+    (``heartbeat_tokens`` pair up with ``heartbeat_ids``). ``confirm``: the consumer reports its
+    read only on an ACCEPTED outcome, so it must not be kept as an early notification."""
 
     kind: NotificationKind
     remote_request_id: str
@@ -136,10 +154,17 @@ class PeerNotification:
     epoch: int
     consumer_engine_id: str
     consumer_rank: int
+    token: str = field(default="", repr=False)
     heartbeat_ids: tuple[str, ...] = ()
+    heartbeat_tokens: tuple[str, ...] = field(default=(), repr=False)
+    confirm: bool = False
 
 
-def encode_notification(n: PeerNotification) -> bytes:
+_KINDS = {k.value: k for k in NotificationKind}
+_OUTCOMES = {o.value: o for o in Outcome}
+
+
+def notification_to_proto(n: PeerNotification) -> peer_pb2.PeerNotification:
     return peer_pb2.PeerNotification(
         kind=n.kind.value,  # type: ignore[arg-type]  # same numbering by design
         remote_request_id=n.remote_request_id,
@@ -148,30 +173,55 @@ def encode_notification(n: PeerNotification) -> bytes:
         consumer_engine_id=n.consumer_engine_id,
         consumer_rank=n.consumer_rank,
         heartbeat_request_ids=list(n.heartbeat_ids),
-    ).SerializeToString()
-
-
-_KINDS = {k.value: k for k in NotificationKind}
-
-
-def decode_notification(payload: bytes) -> PeerNotification:
-    """Decode a payload from a peer; InvalidArgumentError if it is not a PeerNotification."""
-    msg = peer_pb2.PeerNotification()
-    try:
-        msg.ParseFromString(payload)
-    except Exception as exc:  # peer data: protobuf raises DecodeError and others
-        raise InvalidArgumentError(
-            f"undecodable notification ({len(payload)} bytes): {type(exc).__name__}"
-        ) from None
-    return PeerNotification(
-        kind=_KINDS.get(msg.kind, NotificationKind.UNSPECIFIED),
-        remote_request_id=msg.remote_request_id,
-        expected_consumers=msg.expected_consumers,
-        epoch=msg.epoch,
-        consumer_engine_id=msg.consumer_engine_id,
-        consumer_rank=msg.consumer_rank,
-        heartbeat_ids=tuple(msg.heartbeat_request_ids),
+        token=n.token,
+        heartbeat_tokens=list(n.heartbeat_tokens),
+        confirm=n.confirm,
     )
+
+
+def notification_from_proto(pb: peer_pb2.PeerNotification) -> PeerNotification:
+    """Decode a notification from a peer; unknown kinds read as UNSPECIFIED."""
+    return PeerNotification(
+        kind=_KINDS.get(pb.kind, NotificationKind.UNSPECIFIED),
+        remote_request_id=pb.remote_request_id,
+        expected_consumers=pb.expected_consumers,
+        epoch=pb.epoch,
+        consumer_engine_id=pb.consumer_engine_id,
+        consumer_rank=pb.consumer_rank,
+        token=pb.token,
+        heartbeat_ids=tuple(pb.heartbeat_request_ids),
+        heartbeat_tokens=tuple(pb.heartbeat_tokens),
+        confirm=pb.confirm,
+    )
+
+
+def notify_request_to_proto(
+    engine_id: str, notifications: Sequence[PeerNotification]
+) -> peer_pb2.PeerNotifyRequest:
+    return peer_pb2.PeerNotifyRequest(
+        engine_id=engine_id, notifications=[notification_to_proto(n) for n in notifications]
+    )
+
+
+def notify_request_from_proto(
+    pb: peer_pb2.PeerNotifyRequest,
+) -> tuple[str, tuple[PeerNotification, ...]]:
+    """(the producer engine id the notifications are for, the notifications)."""
+    return pb.engine_id, tuple(notification_from_proto(n) for n in pb.notifications)
+
+
+def notify_response_to_proto(
+    epoch: int, outcomes: Sequence[Outcome]
+) -> peer_pb2.PeerNotifyResponse:
+    return peer_pb2.PeerNotifyResponse(
+        epoch=epoch,
+        outcomes=[o.value for o in outcomes],  # type: ignore[misc]  # same numbering by design
+    )
+
+
+def notify_response_from_proto(pb: peer_pb2.PeerNotifyResponse) -> tuple[int, tuple[Outcome, ...]]:
+    """(the producer's current epoch, one outcome per notification; unknown values UNSPECIFIED)."""
+    return pb.epoch, tuple(_OUTCOMES.get(o, Outcome.UNSPECIFIED) for o in pb.outcomes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

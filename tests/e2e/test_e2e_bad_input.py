@@ -381,7 +381,7 @@ async def test_notify_and_watch_bad_input(local_cluster: ClusterFactory) -> None
         p = client_of(cluster, PREFILL)
         d = client_of(cluster, "decode")
         sends = cluster.prefill[0].expect("held")
-        await p.hold("held", block_ids=[[1, 2, 3]], lease_s=20)
+        held = await p.hold("held", block_ids=[[1, 2, 3]], lease_s=20)
         await expect_error(
             p.hold("held", block_ids=[[1, 2, 3]]),
             AlreadyExists,
@@ -405,7 +405,7 @@ async def test_notify_and_watch_bad_input(local_cluster: ClusterFactory) -> None
             p.release(""), InvalidArgument, "INVALID_ARGUMENT", "request_id must be non-empty"
         )
         await expect_error(
-            d.heartbeat("ghost", ["held"]),
+            d.heartbeat("ghost", {"held": held}),
             NotFound,
             "NOT_FOUND",
             "remote_engine_id='ghost' has no handshake",
@@ -448,7 +448,7 @@ async def test_notify_and_watch_bad_input(local_cluster: ClusterFactory) -> None
         assert status.holds_active == 1
         assert status.watch_connected
         pids, dids = request_ids(SHAPE, [1, 2, 3], [7, 8, 9])
-        result = await transfer(cluster, "held", pids, dids, hold=False)
+        result = await transfer(cluster, "held", pids, dids, hold=False, token=held)
         assert result.bytes_verified == result.bytes_read > 0
         done = await asyncio.wait_for(sends, CALL_TIMEOUT_S)
         assert isinstance(done, SendDone), done
@@ -466,8 +466,14 @@ async def test_notify_and_watch_bad_input(local_cluster: ClusterFactory) -> None
 
 
 @contextlib.asynccontextmanager
-async def standalone(tmp_path: Path, name: str) -> AsyncIterator[sidecar_proc.SidecarProcess]:
-    args = [*sidecar_proc.default_args(tmp_path, name), "--shm-roots", "/dev/shm", *FAST_STOP]
+async def standalone(
+    tmp_path: Path, name: str, cluster: LocalCluster
+) -> AsyncIterator[sidecar_proc.SidecarProcess]:
+    """One more sidecar that can talk to ``cluster``'s (the same throwaway CA)."""
+    args = [
+        *sidecar_proc.default_args(tmp_path, name, cluster.certificates),
+        *("--shm-roots", "/dev/shm", *FAST_STOP),
+    ]
     sc = await asyncio.to_thread(sidecar_proc.start, tmp_path, *args, name=name)
     try:
         yield sc
@@ -525,9 +531,10 @@ async def read_from_prefill(
     bytes verified."""
     pids, dids = request_ids(SHAPE, [9, 3, 14, 0], [2, 11, 5, 7])
     sends = [r.expect(request_id) for r in cluster.prefill]
+    token = f"token-of-{request_id}-0123456789"
     for rank in cluster.prefill:
         assert rank.client is not None
-        await rank.client.hold(request_id, block_ids=pids)
+        await rank.client.hold(request_id, block_ids=pids, token=token)
     posted = await client.read(
         f"{request_id}@decode2",
         remote_engine_id=PREFILL,
@@ -535,6 +542,7 @@ async def read_from_prefill(
         local_block_ids=dids,
         remote_block_ids=pids,
         endpoints=cluster.prefill_endpoints,
+        token=token,
     )
     event = await asyncio.wait_for(anext(events), CALL_TIMEOUT_S)
     assert isinstance(event, RecvDone), event
@@ -557,7 +565,7 @@ async def test_register_engine_bad_input(local_cluster: ClusterFactory, tmp_path
         good = make(size)
         async with (
             local_cluster(SHAPE, 1, 1, sidecar_args=FAST_STOP) as cluster,
-            standalone(tmp_path, "decode2") as sc,
+            standalone(tmp_path, "decode2", cluster) as sc,
             AsyncSidecarClient(sc.addresses["engine_socket"]) as c,
         ):
             socket = sc.addresses["engine_socket"]
@@ -576,7 +584,7 @@ async def test_register_engine_bad_input(local_cluster: ClusterFactory, tmp_path
                 lambda: c.handshake(PREFILL, endpoints=cluster.prefill_endpoints),
                 lambda: c.plan(PREFILL),
                 lambda: c.hold("r", block_ids=ok),
-                lambda: c.heartbeat(PREFILL, ["r"]),
+                lambda: c.heartbeat(PREFILL, {"r": "token-of-r-0123456789"}),
                 lambda: c.consumed(PREFILL, "r", endpoints=cluster.prefill_endpoints),
             )
             for call in calls:
@@ -770,7 +778,7 @@ async def test_incompatible_remote_lists_every_mismatch(
         memory = make(max(toy.memory_size(views), toy.memory_size(bad_views)))
         async with (
             local_cluster(SHAPE, 1, 1, sidecar_args=FAST_STOP) as cluster,
-            standalone(tmp_path, "decode2") as sc,
+            standalone(tmp_path, "decode2", cluster) as sc,
             AsyncSidecarClient(sc.addresses["engine_socket"]) as c,
         ):
             await c.register_engine(
@@ -814,7 +822,7 @@ async def test_failed_reregistration_keeps_the_current_registration(
         d = client_of(cluster, "decode")
         before = {role: await client_of(cluster, role).status() for role in (PREFILL, "decode")}
         sends = cluster.prefill[0].expect("kept")
-        await p.hold("kept", block_ids=[[1, 2]], lease_s=20)
+        kept = await p.hold("kept", block_ids=[[1, 2]], lease_s=20)
         for rank in cluster.ranks:
             assert rank.client is not None
             missing = f"/dev/shm/kvsidecar-badinput-missing-{uuid.uuid4().hex[:12]}"
@@ -824,6 +832,7 @@ async def test_failed_reregistration_keeps_the_current_registration(
                 "tp_size": rank.tp_size,
                 "model": MODEL,
                 "dtype": DTYPE,
+                "takeover": True,  # the engine is live: only an explicit takeover may replace it
             }
             await expect_error(
                 rank.client.register_engine(
@@ -851,7 +860,7 @@ async def test_failed_reregistration_keeps_the_current_registration(
             assert [pi.engine_id for pi in now.peers] == [pi.engine_id for pi in old.peers]
         assert (await p.status()).holds_active == 1
         pids, dids = request_ids(SHAPE, [1, 2], [3, 4])
-        result = await transfer(cluster, "kept", pids, dids, hold=False)
+        result = await transfer(cluster, "kept", pids, dids, hold=False, token=kept)
         assert result.bytes_verified == result.bytes_read > 0
         done = await asyncio.wait_for(sends, CALL_TIMEOUT_S)
         assert isinstance(done, SendDone), done

@@ -22,10 +22,11 @@ async def test_read_batch_posts_good_reads_and_reports_bad_ones(
             f"g{i}": request_ids(SHAPE, [4 * i, 4 * i + 1], [20 + 2 * i, 21 + 2 * i])
             for i in range(3)
         }
+        tokens = {rid: f"token-of-{rid}-0123456789abcdef" for rid in good}
         for rid, (pids, _) in good.items():
             for p in cluster.prefill:
                 assert p.client is not None
-                await p.client.hold(rid, block_ids=pids)
+                await p.client.hold(rid, block_ids=pids, token=tokens[rid])
         sends = {rid: [p.expect(rid) for p in cluster.prefill] for rid in good}
         for d in cluster.decode:
             assert d.client is not None
@@ -36,6 +37,7 @@ async def test_read_batch_posts_good_reads_and_reports_bad_ones(
                     remote_request_id=rid,
                     local_block_ids=dids,
                     remote_block_ids=pids,
+                    token=tokens[rid],
                 )
                 for rid, (pids, dids) in good.items()
             ]

@@ -79,15 +79,15 @@ async def test_heartbeat_extends_the_lease(local_cluster: ClusterFactory) -> Non
         producer = cluster.prefill[0]
         assert producer.client is not None
         sends = producer.expect("slow")
-        await producer.client.hold("slow", block_ids=[[3, 4, 5]], lease_s=1.5)
+        token = await producer.client.hold("slow", block_ids=[[3, 4, 5]], lease_s=1.5)
         for _ in range(16):  # 4 s of heartbeats, > 2.5 leases (margin for a loaded CI host)
             for rank in cluster.decode:
                 assert rank.client is not None
-                assert await rank.client.heartbeat(PREFILL, ["slow"]) == 1
+                assert await rank.client.heartbeat(PREFILL, {"slow": token}) == 1
             await asyncio.sleep(0.25)
         assert not sends.done(), "lease expired despite heartbeats"
         pids, dids = request_ids(SHAPE, [3, 4, 5], [7, 8, 9])
-        result = await transfer(cluster, "slow", pids, dids, hold=False)
+        result = await transfer(cluster, "slow", pids, dids, hold=False, token=token)
         assert result.bytes_verified == result.bytes_read > 0
         done = await asyncio.wait_for(sends, 10)
         assert isinstance(done, SendDone)

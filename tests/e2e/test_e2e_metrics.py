@@ -25,13 +25,17 @@ COUNTER_FAMILIES = {
     "reads_rejected": "kvsidecar_reads_rejected",
     "bytes_read": "kvsidecar_read_bytes",
     "notifications_sent": "kvsidecar_notifications_sent",
+    "refused_by_producer": "kvsidecar_notifications_refused_by_producer",
+    "notifications_undelivered": "kvsidecar_notifications_undelivered",
     "notifications_received": "kvsidecar_notifications_received",
+    "notifications_refused": "kvsidecar_notifications_refused",
     "sends_done": "kvsidecar_sends_done",
     "leases_expired": "kvsidecar_leases_expired",
     "stale_notifications": "kvsidecar_stale_notifications",
     "duplicate_notifications": "kvsidecar_duplicate_notifications",
     "bad_notifications": "kvsidecar_bad_notifications",
     "events_dropped": "kvsidecar_events_dropped",
+    "events_discarded": "kvsidecar_events_discarded",
     "handshakes": "kvsidecar_handshakes",
 }
 
@@ -84,8 +88,9 @@ async def test_status_counters_equal_the_metrics_after_transfers(
             pass
         else:
             raise AssertionError("a Read of block 999 of 16 was accepted")
-        assert await decode.consumed(PREFILL, "req-0") == 1  # its hold ended: stale at once
-        assert await decode.heartbeat(PREFILL, ["req-0"]) == 1
+        # Both for a hold that already ended: refused by the producer, counted on both sides.
+        assert await decode.consumed(PREFILL, "req-0", token="t" * 20) == 1
+        assert await decode.heartbeat(PREFILL, {"req-0": "t" * 20}) == 1
 
         prefill = cluster.prefill[0].client
         assert prefill is not None
@@ -101,8 +106,11 @@ async def test_status_counters_equal_the_metrics_after_transfers(
         assert consumer["bytes_read"] > 0
         assert consumer["reads_started"] == 3
         assert consumer["reads_rejected"] == 1
-        assert consumer["notifications_sent"] == 3  # full-hit CONSUMED, CONSUMED, HEARTBEAT
+        # 2 READ_DONE, the full hit's CONSUMED, then CONSUMED and HEARTBEAT
+        assert consumer["notifications_sent"] == 5
+        assert consumer["refused_by_producer"] == 2
         assert consumer["handshakes"] == 1
         assert producer["sends_done"] == 3
         assert producer["notifications_received"] == 8  # 3 requests x 2 ranks, CONSUMED, HEARTBEAT
         assert producer["stale_notifications"] == 1
+        assert producer["notifications_refused"] == 2

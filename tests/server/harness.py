@@ -23,6 +23,7 @@ from kvsidecar.engine.fake_backend import FakeBackend, FakeFabric
 from kvsidecar.server import Sidecar
 from kvsidecar.settings import Settings
 from kvsidecar.testing import toy
+from tests.sidecar_proc import certificates
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 
@@ -52,7 +53,9 @@ class Node:
         engine_id: str | None = None,
         memory: SharedMemoryExport | None = None,
         client: AsyncSidecarClient | None = None,
+        takeover: bool = True,
     ) -> Registered:
+        """(Re-)register this node's engine; the race tests replace live registrations."""
         assert self.sidecar.addresses is not None
         return await (client or self.client).register_engine(
             engine_id=engine_id or self.engine_id,
@@ -63,6 +66,7 @@ class Node:
             peer_endpoints=[self.sidecar.addresses.peer],
             model="m",
             dtype="d",
+            takeover=takeover,
         )
 
     async def aclose(self) -> None:
@@ -82,6 +86,17 @@ class Pair:
     prefill: Node
     decode: Node
     endpoints: list[str]
+    tokens: dict[str, str] = field(default_factory=dict)  # producer request id -> hold token
+
+    async def hold(
+        self, request_id: str, block_ids: list[list[int]] | None = None, lease_s: float = 0.0
+    ) -> str:
+        """The producer engine holds ``request_id``; its token is kept for the consumer."""
+        token = await self.prefill.client.hold(
+            request_id, block_ids=block_ids or [], lease_s=lease_s
+        )
+        self.tokens[request_id] = token
+        return token
 
     async def read(
         self,
@@ -90,8 +105,14 @@ class Pair:
         dids: list[int],
         deadline_s: float = 0.0,
         engine: str = "prefill",
+        token: str | None = None,
     ) -> ReadPosted:
-        """Decode reads prefill's blocks `pids` into its blocks `dids`."""
+        """Decode reads prefill's blocks `pids` into its blocks `dids`, with the hold's token; a
+        request the test did not hold is held first (as a producer engine would)."""
+        if token is None:
+            if request_id not in self.tokens:
+                await self.hold(request_id, [pids])
+            token = self.tokens[request_id]
         return await self.decode.client.read(
             request_id,
             remote_engine_id=engine,
@@ -100,6 +121,7 @@ class Pair:
             remote_block_ids=[pids],
             endpoints=self.endpoints,
             deadline_s=deadline_s,
+            token=token,
         )
 
 
@@ -108,10 +130,14 @@ async def make_node(
 ) -> Node:
     backend = FakeBackend(fabric, name=f"{name}-{uuid.uuid4().hex[:6]}")
     values: dict[str, Any] = {"handshake_timeout_s": 2, "lease_s": 1.0} | settings
+    certs = certificates(tmp_path)
     config = Settings(
         engine_socket=tmp_path / f"{name}.sock",
         peer_listen="127.0.0.1:0",
         metrics_listen="127.0.0.1:0",
+        peer_tls_ca=certs.ca,
+        peer_tls_cert=certs.cert,
+        peer_tls_key=certs.key,
         **values,
     )
     sidecar = Sidecar(config, backend=backend)

@@ -12,11 +12,11 @@ from kvsidecar import errors
 from kvsidecar.client import FailReason, RecvDone, RecvFailed, SendDone
 from kvsidecar.engine.fake_backend import FakeFabric, FakeFaults
 from kvsidecar.testing import toy
-from tests.server.harness import Pair, make_node, next_event
+from tests.server.harness import Pair, make_node, next_event, open_pair
 
 
 async def test_fake_backend_moves_bytes_through_the_daemon(pair: Pair) -> None:
-    await pair.prefill.client.hold("ok", block_ids=[[1, 2, 3]])
+    await pair.hold("ok", [[1, 2, 3]])
     posted = await pair.read("ok", [1, 2, 3], [7, 8, 9])
     assert posted.reads_posted == 1
     done = await next_event(pair.decode.client)
@@ -40,7 +40,7 @@ async def test_fake_backend_moves_bytes_through_the_daemon(pair: Pair) -> None:
 
 
 async def test_stalled_read_fails_at_its_deadline_and_is_released(pair: Pair) -> None:
-    await pair.prefill.client.hold("slow", block_ids=[[4, 5]], lease_s=0.5)
+    await pair.hold("slow", [[4, 5]], lease_s=0.5)
     pair.decode.backend.faults = FakeFaults(stall=True)
     await pair.read("slow", [4, 5], [10, 11], deadline_s=0.2)
     failed = await next_event(pair.decode.client)
@@ -56,8 +56,12 @@ async def test_stalled_read_fails_at_its_deadline_and_is_released(pair: Pair) ->
     assert isinstance(expired, SendDone)
     assert expired.expired
     assert expired.consumers == 0
-    # Healthy again: the next read completes (the stall was not the peer's fault).
+    # A peer whose READ hung past its deadline is quarantined at once (the next Read must not
+    # wait out another deadline); once healthy, the next read after the backoff re-handshakes.
+    status = await pair.decode.client.status()
+    assert [p.state for p in status.peers] == ["quarantined"]
     pair.decode.backend.faults = FakeFaults()
+    await asyncio.sleep(0.1)  # past the first backoff (50 ms)
     await pair.read("fast", [4], [12])
     assert isinstance(await next_event(pair.decode.client), RecvDone)
 
@@ -91,14 +95,34 @@ async def test_failed_post_is_an_error_and_other_requests_continue(pair: Pair) -
     assert isinstance(await next_event(pair.decode.client), RecvDone)
 
 
-async def test_notification_before_hold_is_matched(pair: Pair) -> None:
-    await pair.read("early", [6, 7], [6, 7])
-    assert isinstance(await next_event(pair.decode.client), RecvDone)
-    await asyncio.sleep(0.05)  # the producer drains the notification before the engine holds
-    await pair.prefill.client.hold("early", block_ids=[[6, 7]])
-    sent = await next_event(pair.prefill.client)
-    assert isinstance(sent, SendDone)
-    assert (sent.consumers, sent.expired) == (1, False)
+async def test_unconfirmed_notification_before_hold_is_matched(tmp_path: Path) -> None:
+    """A consumer that does not confirm may notify before the producer engine holds (with the
+    token the engine chose): the notification is kept and matched by the HOLD."""
+    async with open_pair(tmp_path, confirm_reads=False) as pair:
+        token = "engine-chosen-token-0123456789"
+        await pair.read("early", [6, 7], [6, 7], token=token)
+        assert isinstance(await next_event(pair.decode.client), RecvDone)
+        await asyncio.sleep(0.05)  # the producer gets the notification before the engine holds
+        await pair.prefill.client.hold("early", block_ids=[[6, 7]], token=token)
+        sent = await next_event(pair.prefill.client)
+        assert isinstance(sent, SendDone)
+        assert (sent.consumers, sent.expired) == (1, False)
+
+
+async def test_confirmed_read_before_its_hold_is_stale(pair: Pair) -> None:
+    """A hold must precede the read it covers: a confirmed read whose READ_DONE finds no hold
+    fails as STALE (its bytes were not protected), and a later HOLD does not count it."""
+    token = "engine-chosen-token-0123456789"
+    await pair.read("early", [6, 7], [6, 7], token=token)
+    failed = await next_event(pair.decode.client)
+    assert isinstance(failed, RecvFailed)
+    assert failed.reason is FailReason.STALE
+    assert "UNKNOWN_REQUEST" in failed.message
+    assert failed.invalid_block_ids == ((6, 7),)
+    await pair.prefill.client.hold("early", block_ids=[[6, 7]], token=token, lease_s=0.3)
+    expired = await next_event(pair.prefill.client)
+    assert isinstance(expired, SendDone)
+    assert (expired.consumers, expired.expired) == (0, True)
 
 
 async def test_shutdown_waits_for_holds_within_grace(

@@ -21,11 +21,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvsidecar.client import SidecarClient
 from kvsidecar.client.export import SharedMemoryExport
 from kvsidecar.testing import toy
-from tests.sidecar_proc import KVSIDECAR, default_args, spawn, start
+from kvsidecar.testing.pki import PeerCertificates
+from tests.sidecar_proc import KVSIDECAR, certificates, default_args, spawn, start
 
 
-def _health(target: str, service: str = "") -> int:
-    with grpc.insecure_channel(target) as channel:
+def _health(target: str, service: str = "", certs: PeerCertificates | None = None) -> int:
+    """Health of a server; ``certs``: talk mutual TLS (PeerService) with this identity."""
+    if certs is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        creds = grpc.ssl_channel_credentials(
+            certs.ca.read_bytes(), certs.key.read_bytes(), certs.cert.read_bytes()
+        )
+        channel = grpc.secure_channel(target, creds)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
         return int(resp.status)
@@ -39,10 +48,10 @@ def _http(address: str, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def _check_serving(addresses: dict[str, str]) -> None:
+def _check_serving(addresses: dict[str, str], certs: PeerCertificates | None = None) -> None:
     serving = health_pb2.HealthCheckResponse.SERVING
     assert _health(f"unix:{addresses['engine_socket']}") == serving
-    assert _health(addresses["peer"]) == serving
+    assert _health(addresses["peer"], certs=certs) == serving
     status, body = _http(addresses["metrics"], "/metrics")
     assert status == 200
     names = {fam.name for fam in text_string_to_metric_families(body)}
@@ -57,7 +66,7 @@ def _check_serving(addresses: dict[str, str]) -> None:
 def test_serve_with_flags_health_metrics_and_sigterm(tmp_path: Path) -> None:
     sc = start(tmp_path, *default_args(tmp_path))
     try:
-        _check_serving(sc.addresses)
+        _check_serving(sc.addresses, certificates(tmp_path))
         sock = Path(sc.addresses["engine_socket"])
         assert stat.S_IMODE(sock.stat().st_mode) == 0o600
         assert "peer=127.0.0.1:" in sc.log()
@@ -73,7 +82,7 @@ def test_serve_with_config_file(tmp_path: Path) -> None:
     cfg = tmp_path / "kvsidecar.toml"
     cfg.write_text(
         f'engine_socket = "{tmp_path / "cfg.sock"}"\npeer_listen = "127.0.0.1:0"\n'
-        'metrics_listen = "127.0.0.1:0"\nlease_s = 12.5\n'
+        'metrics_listen = "127.0.0.1:0"\nlease_s = 12.5\npeer_insecure = true\n'
     )
     sc = start(tmp_path, "--config", str(cfg))
     try:
@@ -88,6 +97,7 @@ def test_serve_with_env_vars(tmp_path: Path) -> None:
         "KVSIDECAR_ENGINE_SOCKET": str(tmp_path / "env.sock"),
         "KVSIDECAR_PEER_LISTEN": "127.0.0.1:0",
         "KVSIDECAR_METRICS_LISTEN": "127.0.0.1:0",
+        "KVSIDECAR_PEER_INSECURE": "true",
     }
     sc = start(tmp_path, env=env)
     try:
@@ -167,7 +177,7 @@ def test_live_engine_socket_is_not_stolen(tmp_path: Path) -> None:
         second = spawn(tmp_path, *args, name="b")
         assert second.proc.wait(30) == 1
         assert "in use by another process" in second.log()
-        _check_serving(first.addresses)
+        _check_serving(first.addresses, certificates(tmp_path))
     finally:
         assert first.stop() == 0
 

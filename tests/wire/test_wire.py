@@ -11,7 +11,7 @@ from prometheus_client import Histogram as PromHistogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.engine.stats import POST_BUCKETS, Histogram
-from kvsidecar.errors import BlockIdError, GeometryError, InvalidArgumentError, MemoryImportError
+from kvsidecar.errors import BlockIdError, GeometryError, MemoryImportError
 from kvsidecar.memory.types import CudaIpcSpec, HostShmSpec
 from kvsidecar.metrics import EngineCollector, _histogram
 from kvsidecar.plan import EngineGeometry, hnd_kv_views
@@ -44,13 +44,16 @@ from kvsidecar.wire.peer import (
     AgentInfo,
     EngineDirectory,
     NotificationKind,
+    Outcome,
     PeerNotification,
     agent_info_from_proto,
     agent_info_to_proto,
-    decode_notification,
     directory_from_proto,
     directory_to_proto,
-    encode_notification,
+    notify_request_from_proto,
+    notify_request_to_proto,
+    notify_response_from_proto,
+    notify_response_to_proto,
 )
 
 EVENTS = (
@@ -125,6 +128,8 @@ def test_status_plan_and_results_round_trip() -> None:
         counters={"reads_done": 9},
         agent_name="agent",
         watch_connected=True,
+        peer_tls=True,
+        confirm_reads=False,
     )
     pb = _bytes_round_trip(wire_engine.status_to_proto(status))
     back = wire_engine.status_from_proto(pb)  # type: ignore[arg-type]
@@ -211,22 +216,55 @@ def test_agent_info_and_directory_round_trip() -> None:
     assert directory_from_proto(directory_to_proto(d)) == d
 
 
-def test_notifications_round_trip_and_garbage_is_a_typed_error() -> None:
-    n = PeerNotification(
-        kind=NotificationKind.HEARTBEAT,
-        remote_request_id="",
-        expected_consumers=0,
-        epoch=9,
-        consumer_engine_id="d",
-        consumer_rank=3,
-        heartbeat_ids=("x", "y"),
+def test_notifications_and_outcomes_round_trip() -> None:
+    notes = (
+        PeerNotification(
+            kind=NotificationKind.HEARTBEAT,
+            remote_request_id="",
+            expected_consumers=0,
+            epoch=9,
+            consumer_engine_id="d",
+            consumer_rank=3,
+            heartbeat_ids=("x", "y"),
+            heartbeat_tokens=("tx", "ty"),
+        ),
+        PeerNotification(
+            kind=NotificationKind.READ_DONE,
+            remote_request_id="r",
+            expected_consumers=2,
+            epoch=9,
+            consumer_engine_id="d",
+            consumer_rank=1,
+            token="secret-token-0123456789",
+            confirm=True,
+        ),
     )
-    assert decode_notification(encode_notification(n)) == n
-    unknown = peer_pb2.PeerNotification(kind=77, remote_request_id="r").SerializeToString()  # type: ignore[arg-type]
-    assert decode_notification(unknown).kind is NotificationKind.UNSPECIFIED
-    for garbage in (b"\xff\xff\xff", b"\x0a\x05ab"):
-        with pytest.raises(InvalidArgumentError, match="undecodable notification"):
-            decode_notification(garbage)
+    pb = _bytes_round_trip(notify_request_to_proto("prefill", notes))
+    assert notify_request_from_proto(pb) == ("prefill", notes)  # type: ignore[arg-type]
+    outcomes = tuple(Outcome)
+    back = notify_response_from_proto(_bytes_round_trip(notify_response_to_proto(12, outcomes)))  # type: ignore[arg-type]
+    assert back == (12, outcomes)
+    # Values a newer peer may send decode as UNSPECIFIED instead of failing.
+    unknown = peer_pb2.PeerNotifyRequest(
+        notifications=[peer_pb2.PeerNotification(kind=77, remote_request_id="r")]  # type: ignore[arg-type]
+    )
+    assert notify_request_from_proto(unknown)[1][0].kind is NotificationKind.UNSPECIFIED
+    weird = peer_pb2.PeerNotifyResponse(outcomes=[99])  # type: ignore[list-item]
+    assert notify_response_from_proto(weird)[1] == (Outcome.UNSPECIFIED,)
+
+
+def test_tokens_stay_out_of_reprs() -> None:
+    """Tokens are secrets: they never reach a log line through a repr."""
+    n = PeerNotification(
+        kind=NotificationKind.CONSUMED,
+        remote_request_id="r",
+        expected_consumers=1,
+        epoch=1,
+        consumer_engine_id="d",
+        consumer_rank=0,
+        token="do-not-log-this-token",
+    )
+    assert "do-not-log-this-token" not in repr(n)
 
 
 def test_engine_histograms_render_like_prometheus_client() -> None:

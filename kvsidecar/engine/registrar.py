@@ -1,0 +1,141 @@
+"""The registered local engine, one epoch at a time.
+
+``Registrar`` imports and registers a RegisterEngine call's memory (``LocalEngine.open``), replaces
+the previous registration (failing its reads, dropping its holds and peers, releasing its memory),
+binds the new one to the peer registry and the event hub, and drops it when the engine's Watch
+stream goes or the sidecar shuts down. Registration changes are serialized by one lock; releasing
+handles happens under the ``PeerGuard``, so no Read is mid-post while they go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from kvsidecar.engine.backend import TransferBackend
+from kvsidecar.engine.events import EventHub
+from kvsidecar.engine.guard import PeerGuard
+from kvsidecar.engine.local import LocalEngine, Registration
+from kvsidecar.engine.peers import PeerRegistry
+from kvsidecar.engine.producer import Producer
+from kvsidecar.engine.transfers import TransferManager
+from kvsidecar.errors import FailedPreconditionError, NotRegisteredError
+from kvsidecar.types import FailReason
+
+log = logging.getLogger(__name__)
+
+
+class Registrar:
+    """Owns the ``LocalEngine`` of the current epoch. ``on_registered(True/False)`` reports
+    readiness changes to the server."""
+
+    def __init__(
+        self,
+        *,
+        backend: TransferBackend,
+        shm_roots: tuple[Path, ...],
+        peers: PeerRegistry,
+        transfers: TransferManager,
+        producer: Producer,
+        events: EventHub,
+        guard: PeerGuard,
+        on_registered: Callable[[bool], Awaitable[None]],
+    ) -> None:
+        self._backend = backend
+        self._shm_roots = shm_roots
+        self._peers = peers
+        self._transfers = transfers
+        self._producer = producer
+        self._events = events
+        self._guard = guard
+        self._on_registered = on_registered
+        self._local: LocalEngine | None = None
+        self._epoch = int(time.time() * 1000)  # survives restarts as "newer"
+        self._lock = asyncio.Lock()
+
+    @property
+    def local(self) -> LocalEngine | None:
+        return self._local
+
+    def require(self) -> LocalEngine:
+        if self._local is None:
+            raise NotRegisteredError("no engine is registered with this sidecar (RegisterEngine)")
+        return self._local
+
+    async def register(self, registration: Registration) -> LocalEngine:
+        """Replace the current registration with ``registration`` (a new epoch). A registration
+        whose Watch stream is still open (a live engine) is replaced only with ``takeover``."""
+        async with self._lock:
+            old = self._local
+            if old is not None and self._events.watched_epoch == old.epoch:
+                if not registration.takeover:
+                    raise FailedPreconditionError(
+                        f"engine {old.geometry.engine_id!r} (epoch {old.epoch}) is registered and "
+                        "its Watch stream is open; set takeover to replace a live engine"
+                    )
+                log.warning("engine %r taken over by a new registration", old.geometry.engine_id)
+            local = await LocalEngine.open(
+                registration,
+                epoch=self._epoch + 1,
+                backend=self._backend,
+                shm_roots=self._shm_roots,
+            )
+            try:
+                await self._drop(FailReason.ENGINE_GONE, "engine re-registered")
+            except BaseException:
+                await local.aclose(self._backend)
+                raise
+            self._epoch += 1
+            self._local = local
+            self._peers.bind(local)
+            self._events.rebind(local.epoch)
+        await self._on_registered(True)
+        g = local.geometry
+        log.info(
+            "engine %r rank %d/%d registered: epoch %d, %d views, %d bytes",
+            g.engine_id,
+            g.tp_rank,
+            g.tp_size,
+            local.epoch,
+            len(g.views),
+            local.registered_bytes,
+        )
+        return local
+
+    async def engine_gone(self, why: str, epoch: int | None) -> None:
+        """The Watch stream of registration ``epoch`` dropped: fail reads, drop holds, release
+        memory. A stream of an older registration (a restarted engine's) changes nothing."""
+        async with self._lock:
+            if self._local is None or (epoch is not None and epoch != self._local.epoch):
+                return
+            log.warning(
+                "engine %r gone (%s): releasing its reads, holds and memory",
+                self._local.geometry.engine_id,
+                why,
+            )
+            await self._drop(FailReason.ENGINE_GONE, why)
+        await self._on_registered(False)
+
+    async def shutdown(self) -> None:
+        """Drop the registration for good (the sidecar stops)."""
+        async with self._lock:
+            await self._drop(FailReason.SHUTDOWN, "sidecar shutting down")
+
+    async def _drop(self, reason: FailReason, why: str) -> None:
+        # Unbind first: RPCs arriving from here on see no engine and start no handshake.
+        local, self._local = self._local, None
+        self._peers.bind(None)
+        # Before taking the guard: an abandoned handshake's backend phase may quarantine a stale
+        # peer, which takes it.
+        await self._peers.abandon_pending()
+        async with self._guard.exclusive():  # no Read is mid-post while its handles go
+            await self._transfers.fail_all(reason, why)
+            dropped = self._producer.drop_all()
+            if dropped:
+                log.info("dropped %d holds (%s)", dropped, why)
+            await self._peers.release_all()
+            if local is not None:
+                await local.aclose(self._backend)

@@ -1,0 +1,65 @@
+"""Method handlers that decode requests themselves, so that undecodable bytes are the caller's
+error (INVALID_ARGUMENT, one log line at debug) instead of gRPC's UNKNOWN with a traceback.
+
+``service_handler(servicer, descriptor)`` replaces the generated ``add_*Servicer_to_server``: it
+registers every method of the service with a raw-bytes deserializer and parses the message inside
+the handler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor, message, message_factory
+
+log = logging.getLogger(__name__)
+
+
+async def _parse(cls: type[message.Message], raw: bytes, context: Any) -> message.Message:
+    request = cls()
+    try:
+        request.ParseFromString(raw)
+    except message.DecodeError as exc:
+        log.debug("undecodable %s: %s", cls.__name__, exc)
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {cls.__name__}: {exc}"
+        )
+    return request
+
+
+def _unary(impl: Callable[..., Awaitable[Any]], cls: type[message.Message]) -> Any:
+    async def handle(raw: bytes, context: Any) -> Any:
+        return await impl(await _parse(cls, raw, context), context)
+
+    return handle
+
+
+def _stream(impl: Callable[..., AsyncIterator[Any]], cls: type[message.Message]) -> Any:
+    async def handle(raw: bytes, context: Any) -> AsyncIterator[Any]:
+        async for item in impl(await _parse(cls, raw, context), context):
+            yield item
+
+    return handle
+
+
+def service_handler(servicer: Any, service: descriptor.ServiceDescriptor) -> grpc.GenericRpcHandler:
+    """Every (unary or server-streaming) method of ``service``, served by ``servicer``."""
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        impl = getattr(servicer, method.name)
+        if method.client_streaming:
+            raise TypeError(f"{method.full_name}: client streaming is not supported")
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _stream(impl, request_cls), response_serializer=serialize
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _unary(impl, request_cls), response_serializer=serialize
+            )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
