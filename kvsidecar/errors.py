@@ -89,6 +89,11 @@ class NotRegisteredError(FailedPreconditionError):
     """No engine is registered with this sidecar (or its registration was dropped)."""
 
 
+class LocalMemoryError(FailedPreconditionError):
+    """The engine's own registered memory failed (e.g. its shm file was truncated): the fault is
+    local, no peer is blamed for it."""
+
+
 # --- UNAVAILABLE / DEADLINE_EXCEEDED / INTERNAL (transport and backend) -------------------------
 
 

@@ -138,8 +138,10 @@ class TransferBackend(Protocol):
 
     async def deregister_memory(self, registration: MemoryRegistration) -> None: ...
 
-    async def add_remote_agent(self, metadata: bytes) -> RemoteAgent:
-        """Load a remote agent's metadata (from its ``local_metadata``)."""
+    async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
+        """Load a remote agent's metadata (from its ``local_metadata``). ``name``: the agent name
+        its sidecar advertised; metadata naming another agent is refused. A failed load leaves
+        nothing behind that would stop a later load of the real agent."""
         ...
 
     async def remove_remote_agent(self, agent: RemoteAgent) -> None:

@@ -181,16 +181,21 @@ class FakeBackend:
         self._book.reg(registration)
         del self._book.regs[registration.id]
 
-    async def add_remote_agent(self, metadata: bytes) -> RemoteAgent:
+    async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
         self._check_open("add_remote_agent")
         try:
             doc = json.loads(metadata)
-            name, token = str(doc["agent"]), str(doc["fabric"])
+            loaded, token = str(doc["agent"]), str(doc["fabric"])
             regions = tuple((int(a), int(b)) for a, b in doc["regions"])
         except (ValueError, KeyError, TypeError) as exc:
             raise BackendInvalidParamError(f"remote agent metadata is malformed: {exc}") from None
         if token != self._fabric.token:
-            raise BackendInvalidParamError(f"remote agent {name!r} is on another fabric")
+            raise BackendInvalidParamError(f"remote agent {loaded!r} is on another fabric")
+        if name and loaded != name:
+            raise BackendInvalidParamError(
+                f"remote agent metadata names agent {loaded!r}, its sidecar said {name!r}"
+            )
+        name = loaded
         if self._book.agent_named(name) is not None:
             raise BackendInvalidParamError(f"remote agent {name!r} is already loaded")
         h = RemoteAgent(id=self._book.new_id(), name=name)

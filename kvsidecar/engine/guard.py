@@ -20,6 +20,7 @@ from kvsidecar.errors import (
     BackendNotFoundError,
     FailedPreconditionError,
     KvSidecarError,
+    LocalMemoryError,
     PeerUnavailableError,
     RemoteDisconnectedError,
 )
@@ -83,5 +84,9 @@ class PeerGuard:
                 return await op()
             except (RemoteDisconnectedError, BackendNotFoundError) as exc:
                 lost = exc
+            bound = self._peers.local
+            fault = bound.memory_fault() if bound is not None else None
+            if fault is not None:  # our own memory broke the call: the peer is not to blame
+                raise LocalMemoryError(f"{what} failed: local memory failed: {fault}")
         await self.quarantine(peer.engine_id, f"{what} failed: {lost}")
         raise PeerUnavailableError(f"remote engine {peer.engine_id!r}: {lost}")

@@ -17,7 +17,14 @@ from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Endpoints
 from kvsidecar.engine.peer_link import PeerLink
 from kvsidecar.engine.peers import Peer, PeerRegistry, RankLink
-from kvsidecar.errors import FailedPreconditionError, IncompatibleError, NotFoundError
+from kvsidecar.errors import (
+    BackendInvalidParamError,
+    BackendNotFoundError,
+    FailedPreconditionError,
+    IncompatibleError,
+    NotFoundError,
+    PeerUnavailableError,
+)
 from kvsidecar.plan import EngineGeometry, build_peer_plan
 from kvsidecar.plan.compat import PROTOCOL_VERSION, compatibility_mismatches
 from kvsidecar.plan.tp import needed_remote_ranks
@@ -141,7 +148,13 @@ async def attach(registry: PeerRegistry, local: LocalEngine, fetched: Fetched) -
     try:
         for rank_plan in plan.ranks:
             info = fetched.agents[rank_plan.remote_rank]
-            agent = await backend.add_remote_agent(info.nixl_agent_metadata)
+            try:
+                agent = await backend.add_remote_agent(info.nixl_agent_metadata, info.agent_name)
+            except (BackendInvalidParamError, BackendNotFoundError) as exc:
+                raise PeerUnavailableError(
+                    f"remote engine {fetched.engine_id!r} rank {rank_plan.remote_rank} sent "
+                    f"agent metadata that does not load: {exc}"
+                ) from None
             link = RankLink(
                 rank=rank_plan.remote_rank,
                 endpoint=fetched.endpoints[rank_plan.remote_rank],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
@@ -34,12 +35,15 @@ from kvsidecar.engine.nixl_support import (
     notifications_from,
     telemetry_from,
     translate_error,
+    validate_metadata,
 )
 from kvsidecar.errors import BackendError, BackendInvalidParamError
 from kvsidecar.memory.types import MemoryRegion, MemType
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+PARKED_AGENTS = 64  # remote agents kept loaded without a handle (bounds their sockets)
 
 
 class NixlAgent:
@@ -51,6 +55,13 @@ class NixlAgent:
             "create agent", lambda: create_agent(b, name, poll_delay_us, num_workers)
         )
         self._book: HandleBook[Any, str, int, int] = HandleBook()
+        # Remote agents no handle uses any more but NIXL keeps loaded: invalidating one leaves its
+        # UCX endpoint (and a socket) behind (ai-dynamo/nixl#2025), so a re-handshake with the
+        # same agent reloads its metadata instead. The oldest beyond the bound are invalidated.
+        self._parked: OrderedDict[str, None] = OrderedDict()
+        # Remote agents a transfer or notification failed with: their endpoint may be broken, so
+        # they are invalidated rather than parked (a reload would reuse the broken endpoint).
+        self._suspect: set[str] = set()
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         """Call into NIXL, translating its exceptions into kvsidecar errors."""
@@ -74,6 +85,8 @@ class NixlAgent:
             self._guard(functools.partial(self.remove_agent, a))
         for r, _ in list(book.regs.values()):
             self._guard(functools.partial(self.deregister, r))
+        while self._parked:
+            self._guard(functools.partial(self._invalidate, self._parked.popitem(last=False)[0]))
         self._agent = None
 
     @staticmethod
@@ -107,23 +120,60 @@ class NixlAgent:
         del self._book.regs[h.id]  # once, even if NIXL complains
         self._run("deregisterMem", lambda: self._agent.deregisterMem(dlist, []))
 
-    def add_agent(self, metadata: bytes) -> RemoteAgent:
-        raw = self._run("loadRemoteMD", lambda: self._agent.loadRemoteMD(metadata))
+    def add_agent(self, metadata: bytes, expected: str) -> RemoteAgent:
+        """Load a remote agent (``expected``: the name its sidecar advertised, "" if unknown). A
+        load that fails part-way leaves NIXL holding a broken entry for that name, which would
+        refuse every later load of the real agent: it is invalidated."""
+        if expected and self._book.agent_named(expected) is not None:
+            raise BackendInvalidParamError(f"remote agent {expected!r} is already loaded")
+        try:
+            raw = self._run("loadRemoteMD", lambda: self._agent.loadRemoteMD(metadata))
+        except BackendError:
+            if expected:
+                self._parked.pop(expected, None)
+                self._guard(functools.partial(self._invalidate, expected))
+            raise
         name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if expected and name != expected:
+            self._parked.pop(name, None)
+            self._guard(functools.partial(self._invalidate, name))
+            raise BackendInvalidParamError(
+                f"remote agent metadata names agent {name!r}, its sidecar said {expected!r}"
+            )
         if self._book.agent_named(name) is not None:
             raise BackendInvalidParamError(f"remote agent {name!r} is already loaded")
+        self._parked.pop(name, None)
         h = RemoteAgent(id=self._book.new_id(), name=name)
         self._book.agents[h.id] = (h, name)
         return h
 
     def remove_agent(self, h: RemoteAgent) -> None:
+        """Release the agent's transfers and lists and forget the handle; NIXL keeps the agent
+        (parked, see ``__init__``)."""
         self._book.agent(h)
         for d in self._book.dlists_of(h.name):
             for x in self._book.xfers_using(d.id):
                 self._guard(functools.partial(self.release_xfer, x))
             self._guard(functools.partial(self.release_dlist, d))
         del self._book.agents[h.id]
-        self._run("invalidateRemoteMD", lambda: self._agent.invalidateRemoteMD(h.name))
+        if h.name in self._suspect:
+            self._suspect.discard(h.name)
+            self._invalidate(h.name)
+            return
+        self._parked[h.name] = None
+        while len(self._parked) > PARKED_AGENTS:
+            self._invalidate(self._parked.popitem(last=False)[0])
+
+    def knows(self, name: str) -> bool:
+        """``name`` is loaded (with or without a handle): its metadata loaded fine before."""
+        return name in self._parked or self._book.agent_named(name) is not None
+
+    def validate(self, metadata: bytes) -> None:
+        """See ``nixl_support.validate_metadata`` (thread-safe: touches no state of this agent)."""
+        validate_metadata(self._b, metadata)
+
+    def _invalidate(self, name: str) -> None:
+        self._run("invalidateRemoteMD", lambda: self._agent.invalidateRemoteMD(name))
 
     # --- descriptor lists ---------------------------------------------------------------------
 
@@ -180,6 +230,7 @@ class NixlAgent:
             if status not in (b.NIXL_SUCCESS, b.NIXL_IN_PROG):
                 raise BackendError(f"postXferReq returned {status}")
         except BaseException:
+            self._suspect.add(r.remote_agent)
             self._guard(lambda: self.release_xfer(h))
             raise
         if status == b.NIXL_SUCCESS:  # completed inside the post (same-host cma)
@@ -201,6 +252,7 @@ class NixlAgent:
                 )
             except BackendError as exc:
                 book.errors[x.id] = exc
+                self._suspect.add(x.remote_agent)
                 out.append(XferState.ERR)
                 continue
             if status == b.NIXL_SUCCESS:
@@ -209,6 +261,7 @@ class NixlAgent:
                 out.append(XferState.PROC)
             else:
                 book.errors[x.id] = BackendError(f"transfer {x.id} failed with {status}")
+                self._suspect.add(x.remote_agent)
                 out.append(XferState.ERR)
         return tuple(out)
 
@@ -233,7 +286,11 @@ class NixlAgent:
 
     def send(self, agent: RemoteAgent, payload: bytes) -> None:
         self._book.agent(agent)
-        self._run("genNotif", lambda: self._agent.genNotif(agent.name, payload, []))
+        try:
+            self._run("genNotif", lambda: self._agent.genNotif(agent.name, payload, []))
+        except BackendError:
+            self._suspect.add(agent.name)
+            raise
 
     def drain(self) -> tuple[Notification, ...]:
         return notifications_from(self._run("getNotifs", lambda: self._agent.getNotifs({}, [])))

@@ -9,10 +9,9 @@ handles) on the dedicated agent thread, bounded by ``call_timeout_s``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
-import os
-import socket
 import uuid
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -87,13 +86,13 @@ class NixlBackend:
             raise ConfigError("nixl_poll_delay_us", f"{poll_delay_us} must be >= 0")
         if num_workers < 1:
             raise ConfigError("nixl_num_workers", f"{num_workers} must be >= 1")
-        self._name = (
-            name or f"kvsidecar-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        )
+        # Random: the name travels in the metadata, and host names or pids are not a peer's business.
+        self._name = name or f"kvsidecar-{uuid.uuid4().hex[:16]}"
         self._poll_delay_us = poll_delay_us
         self._num_workers = num_workers
         self._variant = variant
         self._thread = AgentThread(timeout_s=call_timeout_s)
+        self._timeout_s = call_timeout_s
         self._agent: NixlAgent | None = None
         self._closed = False
 
@@ -144,10 +143,17 @@ class NixlBackend:
     async def deregister_memory(self, registration: MemoryRegistration) -> None:
         await self._call("deregister_memory", lambda a: a.deregister(registration))
 
-    async def add_remote_agent(self, metadata: bytes) -> RemoteAgent:
+    async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
         if not metadata:
             raise BackendInvalidParamError("remote agent metadata is empty")
-        return await self._call("add_remote_agent", lambda a: a.add_agent(metadata))
+        agent = self._agent
+        if agent is not None and not await self._call("add_remote_agent", lambda a: a.knows(name)):
+            # A new remote: try its metadata in a throwaway agent first, off the agent thread.
+            try:
+                await asyncio.wait_for(asyncio.to_thread(agent.validate, metadata), self._timeout_s)
+            except TimeoutError:
+                raise BackendError("checking remote agent metadata timed out") from None
+        return await self._call("add_remote_agent", lambda a: a.add_agent(metadata, name))
 
     async def remove_remote_agent(self, agent: RemoteAgent) -> None:
         await self._call("remove_remote_agent", lambda a: a.remove_agent(agent))

@@ -282,8 +282,9 @@ class TransferManager:
                     FailReason.DEADLINE_EXCEEDED,
                     f"deadline of {read.deadline_s:g}s exceeded {what} {read.peer.engine_id!r}",
                 )
-                if in_proc:  # a hung peer: the next Read must not wait it out again
-                    blamed.add(read.peer.engine_id)
+                # A hung peer (its READ, or its answer, never came): the next Read must not wait
+                # out another deadline.
+                blamed.add(read.peer.engine_id)
                 await self._close(read)
             elif read.phase is Phase.READING and not in_proc:
                 if read.failure is not None:

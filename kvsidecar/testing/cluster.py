@@ -151,24 +151,61 @@ class LocalCluster:
                     raise SidecarFailedError(self._tail(rank, "did not become ready"))
                 await asyncio.sleep(0.02)
             rank.addresses = json.loads(ready.read_text())
-        for group in (self.prefill, self.decode):
-            endpoints = [r.addresses["peer"] for r in group]
-            for rank in group:
-                rank.client = AsyncSidecarClient(rank.addresses["engine_socket"], timeout_s=30)
-                await rank.client.register_engine(
-                    engine_id=rank.engine_id,
-                    tp_rank=rank.rank,
-                    tp_size=rank.tp_size,
-                    views=rank.views,
-                    memories={"kv": rank.memory.spec},
-                    peer_endpoints=endpoints,
-                    model=f"toy-{self.shape.kind.value}",
-                    dtype=f"{self.shape.dtype_bytes}B",
-                    num_groups=self.shape.num_groups,
-                )
-                rank.watcher = asyncio.get_running_loop().create_task(self._watch(rank))
+        for rank in self.ranks:
+            rank.client = AsyncSidecarClient(rank.addresses["engine_socket"], timeout_s=30)
+            await self._register(rank)
         for rank in self.ranks:
             await self.wait_watching(rank, deadline - time.monotonic())
+
+    async def _register(self, rank: Rank) -> None:
+        """Register ``rank``'s engine (its views and shm memory) and open its Watch stream."""
+        assert rank.client is not None
+        group = self.prefill if rank.engine_id == PREFILL else self.decode
+        await rank.client.register_engine(
+            engine_id=rank.engine_id,
+            tp_rank=rank.rank,
+            tp_size=rank.tp_size,
+            views=rank.views,
+            memories={"kv": rank.memory.spec},
+            peer_endpoints=[r.addresses["peer"] for r in group],
+            model=f"toy-{self.shape.kind.value}",
+            dtype=f"{self.shape.dtype_bytes}B",
+            num_groups=self.shape.num_groups,
+        )
+        rank.watcher = asyncio.get_running_loop().create_task(self._watch(rank))
+
+    async def restart_engine(self, rank: Rank, *, seed: int | None = None) -> None:
+        """The rank's engine dies (its Watch stream drops, so its sidecar releases the
+        registration) and a new incarnation starts in place: a new shm file of the same size
+        (prefill: filled with ``seed``'s pattern, default the cluster's), the same engine id, a new
+        Watch. The sidecar process keeps running, as it does when only the engine restarts."""
+        assert rank.client is not None
+        if rank.watcher is not None:
+            rank.watcher.cancel()
+            with contextlib.suppress(BaseException):
+                await rank.watcher
+        deadline = time.monotonic() + 10.0
+        while (await rank.client.status(drain=False)).engine_id:
+            if time.monotonic() > deadline:
+                raise SidecarFailedError(self._tail(rank, "kept a dead engine's registration"))
+            await asyncio.sleep(0.01)
+        old = rank.memory
+        rank.memory = SharedMemoryExport.create(
+            self.shm_dir
+            / f"kvsidecar-{self.tag}-{rank.engine_id}-{rank.rank}-{uuid.uuid4().hex[:6]}",
+            old.size,
+        )
+        old.close()
+        old.unlink()
+        if rank.engine_id == PREFILL:
+            pattern = self.seed if seed is None else seed
+            toy.fill(
+                rank.memory.array, rank.views, tp_size=rank.tp_size, rank=rank.rank, seed=pattern
+            )
+        rank.waiters.clear()
+        rank.early.clear()
+        await self._register(rank)
+        await self.wait_watching(rank)
 
     async def wait_watching(self, rank: Rank, timeout_s: float = 10.0) -> None:
         """Bounded wait until the sidecar reports the rank's Watch stream open."""

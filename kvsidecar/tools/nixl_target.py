@@ -5,8 +5,10 @@ Usage: ``python -m kvsidecar.tools.nixl_target SHM_PATH SIZE [POLL_DELAY_US]`` i
 as host_shm memory; ``... cuda_ipc HANDLE_HEX DEVICE_UUID OFFSET SIZE`` imports CUDA IPC memory. It
 registers the memory and prints one JSON line ``{"ready": {"metadata": hex, "base": int, "name": str}}``.
 Then prints ``{"notif": {"agent": str, "payload": hex}}`` for every notification received. Reads
-JSON commands on stdin: ``{"add": hex}`` loads a remote agent; ``{"echo": true}`` sends every later
-notification back to its sender (which must have been added); ``{"echo": false}`` stops. Exits when stdin closes.
+JSON commands on stdin: ``{"add": hex}`` loads a remote agent; ``{"notify": {"agent": name,
+"payload": hex, "times": n}}`` sends it a notification n times; ``{"echo": true}`` sends every later
+notification back to its sender (which must have been added); ``{"echo": false}`` stops. Exits when
+stdin closes.
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ async def main(spec: MemorySpec, poll_delay_us: int) -> None:
                     agent = await backend.add_remote_agent(bytes.fromhex(cmd["add"]))
                     agents[agent.name] = agent
                     _emit({"added": agent.name})
+                if "notify" in cmd:  # send a notification to an added agent (a rogue's tool)
+                    note = cmd["notify"]
+                    for _ in range(int(note.get("times", 1))):
+                        await backend.send_notification(
+                            agents[note["agent"]], bytes.fromhex(note["payload"])
+                        )
+                    _emit({"notified": note["agent"]})
                 echo = bool(cmd["echo"]) if "echo" in cmd else echo
             for n in await backend.drain_notifications():
                 if echo and n.agent in agents:
