@@ -33,6 +33,10 @@ def render(status: SidecarStatus) -> str:
     )
     lines.append(f"agent     {status.agent_name}")
     lines.append(
+        f"security  peer TLS {'yes' if status.peer_tls else 'NO (peer_insecure)'}  "
+        f"confirmed reads {'yes' if status.confirm_reads else 'no'}"
+    )
+    lines.append(
         f"work      reads in flight {status.reads_in_flight}  holds active {status.holds_active}"
     )
     lines.append("peers")

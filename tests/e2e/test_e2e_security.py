@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsidecar import errors
 from kvsidecar.client import AsyncSidecarClient, SendDone
@@ -304,3 +307,40 @@ async def test_descriptors_stay_flat_over_100_rehandshakes(local_cluster: Cluste
         consumer.watcher = asyncio.get_running_loop().create_task(cluster._watch(consumer))
         await cluster.wait_watching(consumer)
         assert (await transfer(cluster, "after", pids, dids)).bytes_verified > 0
+
+
+def _peer_health(endpoint: str, certs: PeerCertificates) -> int:
+    creds = grpc.ssl_channel_credentials(
+        certs.ca.read_bytes(), certs.key.read_bytes(), certs.cert.read_bytes()
+    )
+    with grpc.secure_channel(endpoint, creds) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int(stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status)
+
+
+def test_sighup_reloads_the_peer_certificates(tmp_path: Path) -> None:
+    """Certificates rotate without a restart: after SIGHUP new connections use the new files."""
+    old = sidecar_proc.certificates(tmp_path)
+    sc = sidecar_proc.start(tmp_path, *sidecar_proc.default_args(tmp_path))
+    try:
+        endpoint = sc.addresses["peer"]
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert _peer_health(endpoint, old) == serving
+        was = tmp_path / "was"
+        was.mkdir()
+        saved = PeerCertificates(ca=was / "ca.pem", cert=was / "peer.pem", key=was / "peer.key")
+        new = make_peer_certificates(tmp_path / "new")
+        for name in ("ca", "cert", "key"):
+            getattr(saved, name).write_bytes(getattr(old, name).read_bytes())
+            getattr(old, name).write_bytes(getattr(new, name).read_bytes())
+        sc.proc.send_signal(signal.SIGHUP)
+        for _ in range(250):  # bounded: 5 s
+            if "TLS certificates reloaded" in sc.log():
+                break
+            time.sleep(0.02)
+        assert "TLS certificates reloaded" in sc.log()
+        assert _peer_health(endpoint, new) == serving
+        with pytest.raises(grpc.RpcError):
+            _peer_health(endpoint, saved)  # the old CA is no longer trusted
+    finally:
+        assert sc.stop() == 0, sc.log()
