@@ -133,18 +133,24 @@ async def _row(
     return row, verified
 
 
-async def _block_size(
-    cfg: BenchConfig, kib: int, pool: int, workdir: Path, first: bool, say: Callable[[str], None]
-) -> tuple[list[Row], int, ControlPlane | None]:
-    """Every row of one block size on one cluster; on the ``first``, also latency and idle CPU."""
-    cluster = TimedCluster(
+def _cluster(cfg: BenchConfig, kib: int, pool: int, workdir: Path, *args: str) -> TimedCluster:
+    """TP ``cfg.tp`` -> ``cfg.tp`` sidecars over a model of ``kib`` KiB blocks (not started)."""
+    return TimedCluster(
         shape=_shape(kib, cfg.tp, pool),
         prefill_tp=cfg.tp,
         decode_tp=cfg.tp,
         workdir=workdir,
         seed=cfg.seed,
         shm_dir=cfg.shm_dir,
+        sidecar_args=args,
     )
+
+
+async def _block_size(
+    cfg: BenchConfig, kib: int, pool: int, workdir: Path, first: bool, say: Callable[[str], None]
+) -> tuple[list[Row], int, ControlPlane | None]:
+    """Every row of one block size on one cluster; on the ``first``, also latency and idle CPU."""
+    cluster = _cluster(cfg, kib, pool, workdir)
     rows, verified, control = [], 0, None
     try:
         say(f"{kib} KiB blocks: starting {2 * cfg.tp} sidecars and {cfg.tp} NIXL target(s)")
@@ -187,15 +193,7 @@ async def _unconfirmed(
 ) -> Percentiles:
     """Read -> RECV_DONE of the latency requests on a cluster whose reads are not confirmed."""
     say(f"{kib} KiB blocks: the same latency requests with --no-confirm-reads")
-    cluster = TimedCluster(
-        shape=_shape(kib, cfg.tp, pool),
-        prefill_tp=cfg.tp,
-        decode_tp=cfg.tp,
-        workdir=workdir,
-        seed=cfg.seed,
-        shm_dir=cfg.shm_dir,
-        sidecar_args=("--no-confirm-reads",),
-    )
+    cluster = _cluster(cfg, kib, pool, workdir, "--no-confirm-reads")
     try:
         await cluster.start(timeout_s=cfg.timeout_s)
         await cluster.handshake()

@@ -134,33 +134,30 @@ async def test_hung_producer_is_quarantined_after_its_first_deadline(
         assert producer.client is not None
         assert consumer.client is not None
         tokens = [await producer.client.hold(f"h{i}", block_ids=pids) for i in range(2)]
+
+        async def post(i: int) -> None:
+            assert consumer.client is not None
+            await consumer.client.read(
+                f"h{i}@decode",
+                remote_engine_id=PREFILL,
+                remote_request_id=f"h{i}",
+                local_block_ids=dids,
+                remote_block_ids=pids,
+                token=tokens[i],
+                deadline_s=1.0,
+            )
+
         producer.proc.send_signal(signal.SIGSTOP)
         try:
             fut = consumer.expect("h0@decode")
-            await consumer.client.read(
-                "h0@decode",
-                remote_engine_id=PREFILL,
-                remote_request_id="h0",
-                local_block_ids=dids,
-                remote_block_ids=pids,
-                token=tokens[0],
-                deadline_s=1.0,
-            )
+            await post(0)
             failed = await asyncio.wait_for(fut, TIMEOUT_S)
             assert isinstance(failed, RecvFailed), failed
             assert failed.reason is FailReason.DEADLINE_EXCEEDED
             status = await consumer.client.status()
             assert [p.state for p in status.peers] == ["quarantined"]
             with pytest.raises(errors.PeerUnavailableError, match="quarantined"):
-                await consumer.client.read(
-                    "h1@decode",
-                    remote_engine_id=PREFILL,
-                    remote_request_id="h1",
-                    local_block_ids=dids,
-                    remote_block_ids=pids,
-                    token=tokens[1],
-                    deadline_s=1.0,
-                )
+                await post(1)
         finally:
             producer.proc.send_signal(signal.SIGCONT)
         await asyncio.sleep(0.3)  # past the backoff
