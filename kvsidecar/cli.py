@@ -170,7 +170,7 @@ def _status(args: argparse.Namespace) -> int:
 
     try:
         with SidecarClient(args.socket, timeout_s=args.timeout_s) as client:
-            status = client.status(drain=False)
+            status = client.status()
     except KvSidecarError as exc:
         print(f"kvsidecar: cannot read status from {args.socket}: {exc}", file=sys.stderr)
         return EXIT_FAILURE

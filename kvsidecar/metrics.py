@@ -110,8 +110,13 @@ class EngineCollector(Collector):
         )
         yield _gauge(
             "kvsidecar_reads_in_flight",
-            "Read requests posted and not yet completed.",
+            "Read requests accepted and not yet ended (including those waiting for a handshake).",
             t.reads_in_flight,
+        )
+        yield _gauge(
+            "kvsidecar_reads_handshaking",
+            "Read requests accepted and waiting for the remote engine's handshake.",
+            t.reads_handshaking,
         )
         # Consumer side: peers and the notifications sent to them.
         yield _labelled(
@@ -183,8 +188,14 @@ class EngineCollector(Collector):
         # The engine.
         yield _counter(
             "kvsidecar_events_dropped",
-            "Engine events dropped from a full buffer (no Watch stream and no Status polling).",
+            "Engine events dropped because a queue was full (the engine neither read its Watch "
+            "stream nor polled Status for 65536 events).",
             s.events_dropped,
+        )
+        yield _gauge(
+            "kvsidecar_events_queued",
+            "Events waiting for the engine (Watch stream queue or Status drain buffer).",
+            s.events_queued,
         )
         yield _counter(
             "kvsidecar_events_discarded",

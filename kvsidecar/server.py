@@ -148,6 +148,7 @@ class Sidecar:
             shm_roots=s.shm_roots,
             confirm_reads=s.confirm_reads,
             tls=self._tls.current if self._tls is not None else None,
+            max_queued_events=s.max_queued_events,
         )
 
         async def on_registered(held: bool) -> None:
@@ -208,6 +209,8 @@ class Sidecar:
         peer_host, _ = parse_host_port(s.peer_listen)
         server_tls = self._tls.server if self._tls is not None else None
         peer_port = self._bind(peer, s.peer_listen, "peer_listen", s.peer_listen, server_tls)
+        peer_address = s.peer_advertise or f"{peer_host}:{peer_port}"
+        self.core.peer_endpoint = peer_address  # before serving: every answer carries it
 
         await engine.start()
         await peer.start()
@@ -221,7 +224,7 @@ class Sidecar:
         return BoundAddresses(
             engine_socket=str(s.engine_socket),
             engine_tcp=engine_tcp,
-            peer=s.peer_advertise or f"{peer_host}:{peer_port}",
+            peer=peer_address,
             metrics=f"{bound_host}:{bound_port}",
         )
 

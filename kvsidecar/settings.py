@@ -137,6 +137,13 @@ class Settings(BaseSettings):
     read_deadline_s: float = Field(
         default=30.0, gt=0, le=3600, description="Default deadline of one Read (s)."
     )
+    max_queued_events: int = Field(
+        default=65536,
+        ge=16,
+        le=1 << 20,
+        description="Events kept for an engine that does not read them (Watch queue, Status "
+        "buffer, each); past it the oldest is dropped and counted in events_dropped.",
+    )
     shm_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
         default=(Path("/dev/shm"),),
         description="Directories host_shm memories may live in (comma-separated in env).",

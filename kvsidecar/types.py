@@ -38,6 +38,8 @@ class FailReason(enum.Enum):
     SHUTDOWN = 5
     STALE = 6  #: the producer refused to confirm: its hold was not live under the token and epoch
     LOCAL_MEMORY = 7  #: this sidecar's own memory failed (the producer is not blamed)
+    HANDSHAKE = 8  #: the handshake the read waited for failed (unreachable, refused, incompatible)
+    REJECTED = 9  #: refused once the remote geometry was known (e.g. a remote block id too large)
 
 
 # Events. ``seq`` and ``timestamp`` are stamped by the sidecar when it emits the event (``seq``
@@ -89,21 +91,26 @@ Event = RecvDone | RecvFailed | SendDone
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Registered:
-    """What RegisterEngine returned: the NIXL agent's name and the registration's epoch."""
+    """What RegisterEngine returned: the NIXL agent's name, the registration's epoch, and the
+    address other sidecars reach this one at (``peer_endpoint``)."""
 
     agent_name: str
     epoch: int
     compat_digest: str
     registered_bytes: int
+    peer_endpoint: str = ""  #: this sidecar's advertised PeerService address (for the scheduler)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReadPosted:
-    """A Read was accepted: READs posted, notify-only messages sent, bytes it will move."""
+    """A Read was accepted: READs posted, notify-only (CONSUMED) messages queued, bytes it will
+    move. ``handshaking``: the remote engine had no handshake yet; the read waits for it in the
+    background and the counts are 0. Either way the read ends with exactly one event."""
 
     reads_posted: int
     notifications_sent: int
     bytes: int
+    handshaking: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,3 +185,6 @@ class SidecarStatus:
     watch_connected: bool
     peer_tls: bool  #: PeerService uses mutual TLS (False only when configured insecure)
     confirm_reads: bool  #: RECV_DONE waits for the producer's confirmation
+    events_queued: int = 0  #: events waiting for the engine (Watch queue or drain buffer)
+    reads_handshaking: int = 0  #: reads waiting for a handshake (part of reads_in_flight)
+    peer_endpoint: str = ""  #: this sidecar's advertised PeerService address

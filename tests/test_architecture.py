@@ -119,22 +119,25 @@ def test_client_never_imports_server_or_engine() -> None:
 def test_engine_imports_only_lower_layers() -> None:
     """The I/O shell never reaches up: no rpc/, server, metrics, health, settings, cli, tools/,
     testing/ (DESIGN §3: engine -> {plan, memory, wire} -> {v1, types, errors})."""
-    _check_layer("engine", {"engine", "plan", "memory", "wire", "v1", "types", "errors"})
+    _check_layer("engine", {"engine", "plan", "memory", "wire", "v1", "types", "errors", "limits"})
 
 
 def test_client_imports_only_the_shared_leaf() -> None:
     """What an engine imports: no engine/, rpc/, server, tools/, testing/."""
-    _check_layer("client", {"client", "wire", "v1", "types", "plan", "memory", "errors"})
+    _check_layer("client", {"client", "wire", "v1", "types", "plan", "memory", "errors", "limits"})
 
 
 def test_wire_and_types_are_leaves() -> None:
-    _check_layer("wire", {"wire", "v1", "types", "plan", "memory", "errors"})
+    _check_layer("wire", {"wire", "v1", "types", "plan", "memory", "errors", "limits"})
     _check_layer("types", set())
     _check_layer("errors", set())
+    _check_layer("limits", {"errors"})
 
 
 def test_rpc_and_testing_stay_in_their_lanes() -> None:
-    _check_layer("rpc", {"rpc", "engine", "wire", "v1", "types", "plan", "memory", "errors"})
+    _check_layer(
+        "rpc", {"rpc", "engine", "wire", "v1", "types", "plan", "memory", "errors", "limits"}
+    )
     _check_layer("testing", {"testing", "client", "plan", "types", "memory", "errors"})
 
 

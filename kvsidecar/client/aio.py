@@ -168,8 +168,9 @@ class AsyncSidecarClient:
         request = requests.heartbeat(remote_engine_id, holds)
         return int((await self._call(self._stub.Notify, request)).notifications_sent)
 
-    async def status(self, max_events: int = 0, *, drain: bool = True) -> SidecarStatus:
-        """See ``SidecarClient.status``."""
+    async def status(self, max_events: int = 0, *, drain: bool = False) -> SidecarStatus:
+        """State and counters; with ``drain`` (engines that poll instead of watching) also takes
+        up to ``max_events`` queued events (0 = all). Without it the events stay queued."""
         request = requests.status(max_events, drain)
         return wire.status_from_proto(await self._call(self._stub.Status, request))
 

@@ -195,4 +195,4 @@ def heartbeat(remote_engine_id: str, holds: Mapping[str, str]) -> engine_pb2.Not
 
 
 def status(max_events: int, drain: bool) -> engine_pb2.StatusRequest:
-    return engine_pb2.StatusRequest(max_events=max_events, skip_events=not drain)
+    return engine_pb2.StatusRequest(max_events=max_events, drain_events=drain)

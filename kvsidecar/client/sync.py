@@ -166,9 +166,9 @@ class SidecarClient:
         request = requests.heartbeat(remote_engine_id, holds)
         return int(self._call(self._stub.Notify, request).notifications_sent)
 
-    def status(self, max_events: int = 0, *, drain: bool = True) -> SidecarStatus:
-        """State, counters and (with ``drain``) queued events; ``drain=False`` leaves the events
-        for the engine (what operator tools should use)."""
+    def status(self, max_events: int = 0, *, drain: bool = False) -> SidecarStatus:
+        """State and counters; with ``drain`` (engines that poll instead of watching) also takes
+        up to ``max_events`` queued events (0 = all). Without it the events stay queued."""
         request = requests.status(max_events, drain)
         return wire.status_from_proto(self._call(self._stub.Status, request))
 

@@ -9,14 +9,13 @@ reads its counters.
 from __future__ import annotations
 
 import asyncio
-import math
-import time
-from collections.abc import Coroutine
+import logging
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from kvsidecar.engine import handshake
 from kvsidecar.engine.confirm import Confirmer
 from kvsidecar.engine.guard import PeerGuard
+from kvsidecar.engine.handshakes import Handshakes
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Endpoints, ReadCommand
 from kvsidecar.engine.peers import Peer, PeerRegistry
@@ -24,24 +23,19 @@ from kvsidecar.engine.stats import ConsumerStats
 from kvsidecar.engine.transfers import TransferManager
 from kvsidecar.errors import (
     AlreadyExistsError,
-    FailedPreconditionError,
     InvalidArgumentError,
     KvSidecarError,
+    LocalMemoryError,
     NotFoundError,
     NotRegisteredError,
 )
+from kvsidecar.limits import MAX_DEADLINE_S, check_duration, check_id
 from kvsidecar.plan import validate_request_ids
-from kvsidecar.types import ReadPosted
+from kvsidecar.types import FailReason, ReadPosted
 from kvsidecar.wire.peer import NotificationKind, PeerNotification
 
 T = TypeVar("T")
-
-
-def check_id(field: str, value: str) -> None:
-    if not value:
-        raise InvalidArgumentError(f"{field} must be non-empty")
-    if len(value) > 1024:
-        raise InvalidArgumentError(f"{field} is {len(value)} characters long (max 1024)")
+log = logging.getLogger(__name__)
 
 
 async def shielded(coro: Coroutine[Any, Any, T]) -> T:
@@ -57,18 +51,23 @@ class Consumer:
         self,
         *,
         peers: PeerRegistry,
+        handshakes: Handshakes,
         transfers: TransferManager,
         guard: PeerGuard,
         confirmer: Confirmer,
         read_deadline_s: float,
+        on_posted: Callable[[], None] = lambda: None,
     ) -> None:
         self._peers = peers
+        self._handshakes = handshakes
         self._transfers = transfers
         self._guard = guard
         self._read_deadline_s = read_deadline_s
         self._posting: set[str] = set()  # request ids between validation and posting
         self._rejected: dict[str, int] = {}
         self._confirmer = confirmer
+        self._on_posted = on_posted  # wakes the poller
+        self._waiters: set[asyncio.Task[None]] = set()  # reads waiting for a handshake
 
     def _local(self) -> LocalEngine:
         local = self._peers.local
@@ -76,86 +75,48 @@ class Consumer:
             raise NotRegisteredError("no engine is registered with this sidecar (RegisterEngine)")
         return local
 
-    # --- handshakes -----------------------------------------------------------------------------
-
-    async def peer(self, remote_engine_id: str, endpoints: Endpoints) -> Peer:
-        """The ready peer, handshaking first if needed; concurrent callers share one handshake."""
-        check_id("remote_engine_id", remote_engine_id)
-        local = self._local()
-        peer = self._peers.peer(remote_engine_id)
-        if peer is None:
-            task = self._peers.pending(remote_engine_id)
-            if task is None:
-                self._peers.check_backoff(remote_engine_id)
-                task = self._peers.track(
-                    remote_engine_id,
-                    asyncio.get_running_loop().create_task(
-                        self._handshake(local, remote_engine_id, endpoints)
-                    ),
-                )
-            await asyncio.wait({task})  # our cancellation propagates; the handshake goes on
-            if task.cancelled():
-                raise FailedPreconditionError(
-                    f"the handshake with {remote_engine_id!r} was abandoned (the engine "
-                    "re-registered or went away); retry"
-                )
-            peer = task.result()
-        if self._peers.local is not local:
-            raise FailedPreconditionError("the engine re-registered during the handshake; retry")
-        return peer
-
-    async def _handshake(self, local: LocalEngine, engine_id: str, endpoints: Endpoints) -> Peer:
-        started = time.perf_counter()
-        try:
-            fetched = await handshake.fetch(self._peers, local, engine_id, endpoints)
-            # The backend phase is shielded: its calls run on the agent thread and a handle
-            # created there must reach an owner (``abandon_pending`` releases an orphan's peer).
-            attach = asyncio.get_running_loop().create_task(self._attach(local, fetched))
-            try:
-                peer = await asyncio.shield(attach)
-            except asyncio.CancelledError:
-                self._peers.track_orphan(attach)
-                raise
-        except (NotFoundError, FailedPreconditionError, InvalidArgumentError) as exc:
-            self._peers.refused(engine_id, exc)
-            raise
-        except KvSidecarError as exc:
-            self._peers.failed(engine_id, exc)
-            raise
-        self._peers.add(peer, time.perf_counter() - started)
-        return peer
-
-    async def _attach(self, local: LocalEngine, fetched: handshake.Fetched) -> Peer:
-        # A sidecar whose engine restarted under a new engine id keeps its NIXL agent: a peer
-        # still holding that agent is stale and goes before the agent is loaded again.
-        for other in self._peers.peers():
-            if other.engine_id != fetched.engine_id and any(
-                link.agent.name in fetched.agent_names for link in other.links.values()
-            ):
-                await self._guard.quarantine(
-                    other.engine_id, f"its sidecar now serves engine {fetched.engine_id!r}"
-                )
-        return await handshake.attach(self._peers, local, fetched)
-
     # --- reads ----------------------------------------------------------------------------------
 
     async def read(self, cmd: ReadCommand) -> ReadPosted:
-        """Validate, handshake if needed, post. Raises typed errors; never loses other requests."""
+        """Validate and accept a read; never waits for the network. With a ready peer the READs
+        are posted before returning; otherwise the read waits for the handshake in the background
+        (``ReadPosted.handshaking``) and ends with one event either way. Raises typed errors for
+        what can be refused at once; never loses other requests."""
         check_id("request_id", cmd.request_id)
         check_id("remote_request_id", cmd.remote_request_id)
+        check_id("remote_engine_id", cmd.remote_engine_id)
         local = self._local()
         deadline_s = self._read_deadline_s if cmd.deadline_s is None else cmd.deadline_s
-        if not math.isfinite(deadline_s) or deadline_s < 0:
-            raise InvalidArgumentError(f"deadline_s={deadline_s} must be a finite value >= 0")
+        check_duration("deadline_s", deadline_s, MAX_DEADLINE_S)
         self._transfers.check_new(cmd.request_id)
-        if cmd.request_id in self._posting:  # same id racing through its handshake
+        if cmd.request_id in self._posting:  # same id racing through its post
             raise AlreadyExistsError(f"request_id={cmd.request_id!r} is already in flight")
+        peer = self._peers.peer(cmd.remote_engine_id)
+        if peer is None:
+            validate_request_ids(local.geometry, cmd.local_ids, cmd.remote_ids, None)
+            e = cmd.endpoints
+            if not (e.ranks or e.any_rank or self._peers.known_endpoints(cmd.remote_engine_id)):
+                raise NotFoundError(
+                    f"remote_engine_id={cmd.remote_engine_id!r} is unknown: pass "
+                    "remote_endpoints or remote_endpoint"
+                )
+            if self._peers.pending(cmd.remote_engine_id) is None:
+                self._peers.check_backoff(cmd.remote_engine_id)
+            self._transfers.admit(cmd)
+            task = asyncio.get_running_loop().create_task(
+                self._read_after_handshake(cmd, local, deadline_s)
+            )
+            self._waiters.add(task)
+            task.add_done_callback(self._waiters.discard)
+            return ReadPosted(reads_posted=0, notifications_sent=0, bytes=0, handshaking=True)
+        validate_request_ids(local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry)
+        return await self._post(cmd, local, peer, deadline_s)
+
+    async def _post(
+        self, cmd: ReadCommand, local: LocalEngine, peer: Peer, deadline_s: float
+    ) -> ReadPosted:
         self._posting.add(cmd.request_id)
         try:
-            peer = await self.peer(cmd.remote_engine_id, cmd.endpoints)
-            validate_request_ids(
-                local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry
-            )
             me = (local.geometry.engine_id, local.geometry.tp_rank)
             post = self._guard.run(
                 peer,
@@ -168,7 +129,57 @@ class Consumer:
         finally:
             self._posting.discard(cmd.request_id)
         self._confirmer.send(self._transfers.take_outgoing())
+        self._on_posted()
         return posted
+
+    async def _read_after_handshake(
+        self, cmd: ReadCommand, local: LocalEngine, deadline_s: float
+    ) -> None:
+        """Handshake (bounded by the read's deadline), then validate and post an admitted read;
+        every way out ends it with one event (unless the registration already ended it)."""
+        rid, remote = cmd.request_id, cmd.remote_engine_id
+        fail = self._transfers.fail_waiting
+        try:
+            peer = await asyncio.wait_for(self._handshakes.peer(remote, cmd.endpoints), deadline_s)
+        except TimeoutError:
+            fail(rid, FailReason.HANDSHAKE, f"the handshake with {remote!r} did not finish "
+                 f"within the read's deadline of {deadline_s:g}s")  # fmt: skip
+            return
+        except KvSidecarError as exc:
+            fail(rid, FailReason.HANDSHAKE, f"the handshake with {remote!r} failed: {exc}")
+            return
+        except asyncio.CancelledError:
+            fail(rid, FailReason.SHUTDOWN, "the sidecar stopped before the handshake finished")
+            raise
+        except Exception as exc:  # a bug must still end the read, and be seen
+            log.exception("handshake for read %r failed unexpectedly", rid)
+            fail(rid, FailReason.HANDSHAKE, f"the handshake with {remote!r} failed: {exc!r}")
+            return
+        if not self._transfers.waiting(rid):
+            return  # the registration ended meanwhile and failed it
+        try:
+            validate_request_ids(
+                local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry
+            )
+        except KvSidecarError as exc:
+            fail(rid, FailReason.REJECTED, f"the remote engine {remote!r} refuses the read: {exc}")
+            return
+        try:
+            await self._post(cmd, local, peer, deadline_s)
+        except LocalMemoryError as exc:
+            fail(rid, FailReason.LOCAL_MEMORY, str(exc))
+        except KvSidecarError as exc:
+            fail(rid, FailReason.TRANSFER_ERROR, f"posting the READs failed: {exc}")
+        except Exception as exc:
+            log.exception("posting read %r failed unexpectedly", rid)
+            fail(rid, FailReason.TRANSFER_ERROR, f"posting the READs failed: {exc!r}")
+
+    async def aclose(self) -> None:
+        """Stop the reads still waiting for a handshake (each fails SHUTDOWN)."""
+        for task in list(self._waiters):
+            task.cancel()
+        if self._waiters:
+            await asyncio.wait(self._waiters, timeout=5.0)
 
     def rejected(self, code: str) -> None:
         """Count a Read call rejected before posting, by its gRPC status name."""
@@ -183,7 +194,7 @@ class Consumer:
         Returns (notifications sent, refused by the producer)."""
         check_id("remote_request_id", remote_request_id)
         self._local()
-        peer = await self.peer(remote_engine_id, endpoints)
+        peer = await self._handshakes.peer(remote_engine_id, endpoints)
         return await self._notify_all(
             peer, NotificationKind.CONSUMED, remote_request_id=remote_request_id, token=token
         )

@@ -19,6 +19,7 @@ from kvsidecar.engine.confirm import Confirmer
 from kvsidecar.engine.consumer import Consumer, shielded
 from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.guard import PeerGuard
+from kvsidecar.engine.handshakes import Handshakes
 from kvsidecar.engine.local import LocalEngine, Registration
 from kvsidecar.engine.model import CoreConfig, ReadCommand
 from kvsidecar.engine.peer_link import PeerLink
@@ -51,7 +52,7 @@ class EngineCore:
         self._backend = backend
         self._config = config
         self._on_registered = on_registered
-        self.events = EventHub()
+        self.events = EventHub(max_buffered=config.max_queued_events)
         link = PeerLink(timeout_s=config.handshake_timeout_s, tls=config.tls)
         self.peers = PeerRegistry(backend=backend, link=link)
         self.transfers = TransferManager(
@@ -61,13 +62,6 @@ class EngineCore:
         guard = PeerGuard(peers=self.peers, transfers=self.transfers)
         self._guard = guard
         self._confirmer = Confirmer(link=link, transfers=self.transfers, guard=guard)
-        self.consumer = Consumer(
-            peers=self.peers,
-            transfers=self.transfers,
-            guard=guard,
-            confirmer=self._confirmer,
-            read_deadline_s=config.read_deadline_s,
-        )
         self._poller = Poller(
             backend=backend,
             transfers=self.transfers,
@@ -75,6 +69,16 @@ class EngineCore:
             guard=guard,
             peers=self.peers,
             confirmer=self._confirmer,
+        )
+        self.handshakes = Handshakes(peers=self.peers, guard=guard)
+        self.consumer = Consumer(
+            peers=self.peers,
+            handshakes=self.handshakes,
+            transfers=self.transfers,
+            guard=guard,
+            confirmer=self._confirmer,
+            read_deadline_s=config.read_deadline_s,
+            on_posted=self._poller.wake,
         )
         self.registrar = Registrar(
             backend=backend,
@@ -87,6 +91,9 @@ class EngineCore:
             on_registered=on_registered,
         )
         self.draining = False
+        # This sidecar's advertised PeerService address: the server sets it once PeerService is
+        # bound, before any RPC is served.
+        self.peer_endpoint = ""
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -116,6 +123,7 @@ class EngineCore:
     async def aclose(self) -> None:
         """Fail what is left, release peers, memory and the backend; stop the poller."""
         self.draining = True
+        await self.consumer.aclose()
         await self.registrar.shutdown()
         await self._poller.aclose()
         await self._confirmer.aclose()
@@ -143,6 +151,7 @@ class EngineCore:
             epoch=local.epoch,
             compat_digest=local.digest,
             registered_bytes=local.registered_bytes,
+            peer_endpoint=self.peer_endpoint,
         )
 
     # --- consumer side --------------------------------------------------------------------------
@@ -150,9 +159,7 @@ class EngineCore:
     async def read(self, cmd: ReadCommand) -> ReadPosted:
         if self.draining:
             raise ShuttingDownError("sidecar is shutting down; no new reads")
-        posted = await self.consumer.read(cmd)
-        self._poller.wake()
-        return posted
+        return await self.consumer.read(cmd)
 
     # --- producer side --------------------------------------------------------------------------
 
@@ -198,11 +205,12 @@ class EngineCore:
             producer=self.producer.stats(),
             peers=self.peers.stats(),
             events_dropped=self.events.dropped,
+            events_queued=self.events.queued,
             events_discarded=self.events.discarded,
             registered_bytes=local.registered_bytes if (local := self.local) is not None else 0,
         )
 
-    def status(self, max_events: int, *, drain: bool = True) -> SidecarStatus:
+    def status(self, max_events: int, *, drain: bool = False) -> SidecarStatus:
         """State and counters; with ``drain``, also the queued events (up to ``max_events``)."""
         local = self.local
         g = local.geometry if local is not None else None
@@ -222,4 +230,7 @@ class EngineCore:
             watch_connected=self.events.watching,
             peer_tls=self._config.tls is not None,
             confirm_reads=self._config.confirm_reads,
+            events_queued=self.events.queued,
+            reads_handshaking=self.transfers.stats().reads_handshaking,
+            peer_endpoint=self.peer_endpoint,
         )

@@ -1,7 +1,7 @@
 """Delivery of the events the sidecar reports to its engine (Watch stream or Status drain).
 
-An event goes to the open Watch stream if there is one, otherwise into a bounded buffer that
-``Status`` drains. At most one Watch stream is open at a time: it is the engine's liveness lock.
+An event goes to the open Watch stream if there is one, otherwise into a buffer that ``Status``
+drains; both are bounded (``MAX_QUEUED_EVENTS``, oldest dropped and counted). At most one Watch stream is open at a time: it is the engine's liveness lock.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from kvsidecar.errors import WatchBusyError
 from kvsidecar.types import Event
+
+MAX_QUEUED_EVENTS = 65536  # per queue (drain buffer, Watch stream); the oldest is dropped past it
 
 
 @dataclass(slots=True)
@@ -32,12 +34,16 @@ class EventHub:
     Every event belongs to the registration (epoch) current when it was emitted, and only reaches
     that registration's engine: a new registration discards the buffered events of the old one
     (counted in ``discarded``), so a restarted engine that reuses request ids never sees a dead
-    registration's RECV_FAILED for a read it just posted. ``max_buffered`` bounds the drain buffer;
-    when full the oldest event is dropped and counted in ``dropped`` (an engine that neither
-    watches nor polls must not grow the sidecar without bound).
+    registration's RECV_FAILED for a read it just posted.
+
+    ``max_buffered`` bounds both the drain buffer and the Watch stream's queue (events the stream
+    has not sent yet, e.g. because the engine stopped reading it): when either is full the oldest
+    event is dropped and counted in ``dropped``, so an engine that neither reads its stream nor
+    polls cannot grow the sidecar without bound. ``queued`` is what waits in either.
     """
 
-    def __init__(self, *, max_buffered: int = 65536) -> None:
+    def __init__(self, *, max_buffered: int = MAX_QUEUED_EVENTS) -> None:
+        self._max = max_buffered
         self._seq = itertools.count(1)
         self._epoch: int | None = None
         self._buffer: collections.deque[tuple[int | None, Event]] = collections.deque(
@@ -52,6 +58,20 @@ class EventHub:
         return self._subscriber is not None
 
     @property
+    def queued(self) -> int:
+        """Events waiting for the engine: in the drain buffer and in the Watch stream's queue."""
+        sub = self._subscriber
+        return len(self._buffer) + (sub[0].qsize() if sub is not None else 0)
+
+    def _put(self, queue: asyncio.Queue[Event | None], item: Event | None) -> None:
+        """Queue ``item`` for the stream; if the engine left ``max_buffered`` events unread, the
+        oldest goes (counted in ``dropped``). The end-of-stream marker always fits."""
+        if queue.qsize() >= self._max:
+            queue.get_nowait()
+            self.dropped += 1
+        queue.put_nowait(item)
+
+    @property
     def watched_epoch(self) -> int | None:
         """The registration the open Watch stream belongs to (``None``: no stream, or one opened
         before any registration)."""
@@ -63,7 +83,7 @@ class EventHub:
         event = dataclasses.replace(event, seq=next(self._seq), timestamp=time.time())
         sub = self._subscriber
         if sub is not None and sub[1].epoch in (None, self._epoch):
-            sub[0].put_nowait(event)
+            self._put(sub[0], event)
         else:
             if len(self._buffer) == self._buffer.maxlen:
                 self.dropped += 1
@@ -89,7 +109,7 @@ class EventHub:
         queue: asyncio.Queue[Event | None] = asyncio.Queue()
         for tag, event in self._buffer:
             if epoch is None or tag == epoch:
-                queue.put_nowait(event)
+                self._put(queue, event)
             else:
                 self.discarded += 1
         self._buffer.clear()
@@ -118,7 +138,7 @@ class EventHub:
         assert self._subscriber is not None
         queue, binding = self._subscriber
         binding.evicted = True
-        queue.put_nowait(None)
+        self._put(queue, None)
         self._subscriber = None
 
     def unsubscribe(self, queue: asyncio.Queue[Event | None]) -> None:
@@ -130,4 +150,6 @@ class EventHub:
         while not queue.empty():
             item = queue.get_nowait()
             if item is not None:
+                if len(self._buffer) == self._buffer.maxlen:
+                    self.dropped += 1
                 self._buffer.append((tag, item))

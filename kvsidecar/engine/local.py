@@ -7,6 +7,7 @@ of every view lives; on any failure it releases what it already did (in reverse)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import logging
@@ -62,12 +63,13 @@ def _check_views_fit(geometry: EngineGeometry, sizes: Mapping[str, int]) -> None
                 f"(memories: {sorted(sizes)})"
             )
             continue
-        end = view.offset + view.num_blocks * view.block_stride
+        end = view.offset + view.extent(geometry.tp_size)
         if end > size:
             problems.append(
                 f"views[{i}] ({view.name}) ends at byte {end} (offset {view.offset} + "
-                f"{view.num_blocks} blocks x {view.block_stride}) beyond memory "
-                f"{view.memory_id!r} of {size} bytes"
+                f"{view.num_blocks - 1} blocks x {view.block_stride} + the last block's spans "
+                f"to byte {end - view.offset - (view.num_blocks - 1) * view.block_stride}) "
+                f"beyond memory {view.memory_id!r} of {size} bytes"
             )
     if problems:
         raise GeometryError(problems)
@@ -109,7 +111,7 @@ class LocalEngine:
         shm_roots: tuple[Path, ...],
     ) -> LocalEngine:
         ids = [mid for mid, _ in registration.memories]
-        dup = sorted({m for m in ids if ids.count(m) > 1})
+        dup = sorted(m for m, n in collections.Counter(ids).items() if n > 1)
         if dup:
             raise MemoryImportError(f"memories[].id {dup[0]!r} is used more than once")
         if not ids:
@@ -150,7 +152,13 @@ class LocalEngine:
     def check_serves(self, engine_id: str, tp_rank: int) -> None:
         """NotFoundError unless this is rank ``tp_rank`` of engine ``engine_id``."""
         g = self.geometry
-        if engine_id != g.engine_id or tp_rank != g.tp_rank:
+        if engine_id == g.engine_id and tp_rank != g.tp_rank:
+            raise NotFoundError(
+                f"this sidecar serves engine {g.engine_id!r} rank {g.tp_rank}, not rank {tp_rank}: "
+                "endpoint lists (remote_endpoints, peer_endpoints) are in rank order, entry i "
+                "being rank i's PeerService address"
+            )
+        if engine_id != g.engine_id:
             raise NotFoundError(
                 f"this sidecar serves engine {g.engine_id!r} rank {g.tp_rank}, not "
                 f"{engine_id!r} rank {tp_rank}"

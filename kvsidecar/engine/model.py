@@ -28,7 +28,8 @@ class CoreConfig:
     """``lease_s``: default hold lease; ``read_deadline_s``: default Read deadline;
     ``handshake_timeout_s``: bound on one call to a remote sidecar (all seconds).
     ``confirm_reads``: RECV_DONE only after the producer confirmed. ``tls``: ``None`` only when
-    PeerService is explicitly configured insecure."""
+    PeerService is explicitly configured insecure. ``max_queued_events``: events kept per queue
+    for an engine that does not read them (oldest dropped past it)."""
 
     lease_s: float
     read_deadline_s: float
@@ -36,6 +37,7 @@ class CoreConfig:
     shm_roots: tuple[Path, ...]
     confirm_reads: bool = True
     tls: PeerTls | None = None
+    max_queued_events: int = 65536  # per event queue (Watch stream, Status buffer)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,12 +8,15 @@ CONSUMED right after the READs are posted.
 
 from __future__ import annotations
 
+import collections
 import enum
+import time
 from dataclasses import dataclass, field
 
 from kvsidecar.engine.backend import XferHandle, XferState
 from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers import Peer, RankLink
+from kvsidecar.errors import AlreadyExistsError
 from kvsidecar.types import FailReason
 from kvsidecar.wire.peer import NotificationKind, PeerNotification
 
@@ -82,3 +85,57 @@ def outgoing(
         notification=n,
         request_id=read.cmd.request_id if confirm else "",
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admitted:
+    """A read accepted before its peer was ready: when (``started``: perf_counter, ``at``: the
+    transfer clock), so that its duration and deadline count from the Read call."""
+
+    cmd: ReadCommand
+    started: float
+    at: float
+
+
+REMEMBERED_IDS = 65536  # ended read ids kept per registration to refuse their reuse
+
+
+class ReadIds:
+    """The request ids of one registration's reads that are not in flight: those accepted and
+    waiting for their peer's handshake (``Consumer`` posts or fails them), and the last
+    ``remember`` that ended. A retry under an ended id is refused (ALREADY_EXISTS) instead of
+    reading, and reporting, a second time; a new registration starts afresh."""
+
+    def __init__(self, remember: int) -> None:
+        self.remember = remember
+        self.waiting: dict[str, Admitted] = {}
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def check_new(self, request_id: str) -> None:
+        if request_id in self.waiting:
+            raise AlreadyExistsError(f"request_id={request_id!r} is already in flight")
+        if request_id in self._ended:
+            raise AlreadyExistsError(
+                f"request_id={request_id!r} was used by a read that already ended (its event was "
+                f"sent); request ids are unique per registration (the last {self.remember} "
+                "are remembered)"
+            )
+
+    def admit(self, cmd: ReadCommand, at: float) -> None:
+        self.waiting[cmd.request_id] = Admitted(cmd=cmd, started=time.perf_counter(), at=at)
+
+    def end_waiting(self, request_id: str) -> Admitted | None:
+        """Stop waiting for ``request_id`` and remember it as ended (None if it was not waiting)."""
+        admitted = self.waiting.pop(request_id, None)
+        if admitted is not None:
+            self.ended(request_id)
+        return admitted
+
+    def ended(self, request_id: str) -> None:
+        self._ended[request_id] = None
+        if len(self._ended) > self.remember:
+            self._ended.popitem(last=False)
+
+    def clear(self) -> None:
+        self.waiting.clear()
+        self._ended.clear()

@@ -78,7 +78,8 @@ class TransferStats:
     reads_done: int
     reads_failed: Mapping[str, int]
     bytes_read: int
-    reads_in_flight: int
+    reads_in_flight: int  # accepted and not ended (includes reads_handshaking)
+    reads_handshaking: int  # accepted, waiting for the remote engine's handshake
     read_duration: HistogramSnapshot
     post_duration: HistogramSnapshot
     confirm_duration: HistogramSnapshot  # every READ done -> every producer rank confirmed
@@ -127,7 +128,8 @@ class EngineStats:
     consumer: ConsumerStats
     producer: ProducerStats
     peers: PeerStats
-    events_dropped: int  # events evicted from a full drain buffer (nobody watched or polled)
+    events_dropped: int  # events evicted from a full queue (the engine neither read nor polled)
+    events_queued: int  # events waiting for the engine
     events_discarded: int  # events of an ended registration, never shown to the next one
     registered_bytes: int
 

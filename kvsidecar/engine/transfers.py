@@ -23,7 +23,15 @@ from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers import Peer
-from kvsidecar.engine.reads import InFlightRead, Outgoing, Phase, Xfer, outgoing
+from kvsidecar.engine.reads import (
+    REMEMBERED_IDS,
+    InFlightRead,
+    Outgoing,
+    Phase,
+    ReadIds,
+    Xfer,
+    outgoing,
+)
 from kvsidecar.engine.stats import (
     DESCRIPTOR_BUCKETS,
     DURATION_BUCKETS,
@@ -51,31 +59,32 @@ class ReadReport:
         self.confirm_duration = Histogram(DURATION_BUCKETS)
         self.descriptors = Histogram(DESCRIPTOR_BUCKETS)
 
-    def stats(self, in_flight: int) -> TransferStats:
+    def stats(self, in_flight: int, handshaking: int) -> TransferStats:
         return TransferStats(
             reads_started=self.started,
             reads_done=self.done,
             reads_failed=dict(self.failed),
             bytes_read=self.bytes,
             reads_in_flight=in_flight,
+            reads_handshaking=handshaking,
             read_duration=self.read_duration.snapshot(),
             post_duration=self.post_duration.snapshot(),
             confirm_duration=self.confirm_duration.snapshot(),
             descriptors=self.descriptors.snapshot(),
         )
 
-    def failure(self, read: InFlightRead) -> None:
-        assert read.failure is not None
-        reason, message = read.failure
+    def failure(self, cmd: ReadCommand, reason: FailReason, message: str) -> None:
+        """``cmd`` ended RECV_FAILED; every local block id it named is reported invalid (an
+        unposted read wrote nothing, so those blocks do not hold the data either)."""
         label = reason.name.lower()
         self.failed[label] = self.failed.get(label, 0) + 1
-        log.warning("read %r failed: %s", read.cmd.request_id, message)
+        log.warning("read %r failed: %s", cmd.request_id, message)
         self._events.emit(
             RecvFailed(
-                request_id=read.cmd.request_id,
+                request_id=cmd.request_id,
                 reason=reason,
                 message=message,
-                invalid_block_ids=tuple(tuple(int(i) for i in g) for g in read.cmd.local_ids),
+                invalid_block_ids=tuple(tuple(int(i) for i in g) for g in cmd.local_ids),
             )
         )
 
@@ -89,6 +98,41 @@ class ReadReport:
         )
 
 
+async def _post_reads(
+    backend: TransferBackend, cmd: ReadCommand, peer: Peer, report: ReadReport
+) -> tuple[list[Xfer], int]:
+    """One READ per read rank of the peer's plan: (transfers, bytes). On any failure every READ
+    already posted is released before the error propagates."""
+    xfers: list[Xfer] = []
+    total = 0
+    by_rank = {r.remote_rank: r for r in request_ids(peer.plan, cmd.local_ids, cmd.remote_ids)}
+    try:
+        for link in peer.links.values():
+            ids = by_rank.get(link.rank)
+            if ids is None:  # notify-only rank, or nothing to read (full prefix hit)
+                continue
+            assert link.local_dlist is not None
+            assert link.remote_dlist is not None
+            handle = await backend.post_read(
+                link.local_dlist, ids.local_desc_ids, link.remote_dlist, ids.remote_desc_ids, b""
+            )
+            state = XferState.DONE if handle.done_at_post else XferState.PROC
+            xfers.append(Xfer(rank=link.rank, handle=handle, state=state))
+            if handle.num_bytes != ids.num_bytes:
+                raise BackendError(
+                    f"READ from rank {link.rank} of {peer.engine_id!r} posted "
+                    f"{handle.num_bytes} bytes, the plan needs {ids.num_bytes}"
+                )
+            report.descriptors.observe(len(ids.local_desc_ids))
+            total += ids.num_bytes
+    except BaseException:
+        for x in xfers:
+            with contextlib.suppress(Exception):
+                await backend.release_xfer(x.handle)
+        raise
+    return xfers, total
+
+
 class TransferManager:
     """Owns every in-flight read and its transfer handles (released exactly once).
 
@@ -100,35 +144,58 @@ class TransferManager:
         backend: TransferBackend,
         events: EventHub,
         confirm: bool = True,
+        remember_ids: int = REMEMBERED_IDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._backend = backend
         self.confirm = confirm
         self._clock = clock
         self._reads: dict[str, InFlightRead] = {}
+        self._ids = ReadIds(remember_ids)
         self._to_release: list[XferHandle] = []  # completed, not yet released
         self._outgoing: list[Outgoing] = []
         self._report = ReadReport(events)
 
     def stats(self) -> TransferStats:
-        return self._report.stats(len(self._reads))
+        return self._report.stats(len(self), len(self._ids.waiting))
 
     def __len__(self) -> int:
-        return len(self._reads)
+        """Reads accepted and not yet ended (waiting for a handshake, reading or confirming)."""
+        return len(self._reads) + len(self._ids.waiting)
 
     def check_new(self, request_id: str) -> None:
+        """AlreadyExistsError if ``request_id`` is in flight or ended recently under this
+        registration (see ``ReadIds``)."""
         if request_id in self._reads:
             raise AlreadyExistsError(f"request_id={request_id!r} is already in flight")
+        self._ids.check_new(request_id)
 
     @property
     def idle(self) -> bool:
         """No read in flight and no handle waiting to be released."""
-        return not self._reads and not self._to_release
+        return not self._reads and not self._ids.waiting and not self._to_release
 
     def take_outgoing(self) -> list[Outgoing]:
         """Notifications to send to producer ranks (each exactly once)."""
         out, self._outgoing = self._outgoing, []
         return out
+
+    # --- reads waiting for a handshake ------------------------------------------------------------
+
+    def admit(self, cmd: ReadCommand) -> None:
+        """Accept ``cmd`` before its peer is ready: it counts as in flight, its id is taken, and it
+        ends through ``post`` or ``fail_waiting``."""
+        self.check_new(cmd.request_id)
+        self._ids.admit(cmd, self._clock())
+        self._report.started += 1
+
+    def waiting(self, request_id: str) -> bool:
+        return request_id in self._ids.waiting
+
+    def fail_waiting(self, request_id: str, reason: FailReason, message: str) -> None:
+        """End a waiting read with RECV_FAILED; nothing if it is no longer waiting."""
+        if (admitted := self._ids.end_waiting(request_id)) is not None:
+            self._report.failure(admitted.cmd, reason, message)
 
     # --- posting --------------------------------------------------------------------------------
 
@@ -141,59 +208,35 @@ class TransferManager:
         consumer: tuple[str, int],
     ) -> ReadPosted:
         """Post READs for every read rank of the peer's plan and queue CONSUMED for the others;
-        the read fails ``deadline_s`` seconds from now unless it completed. ``consumer``: this
+        the read fails ``deadline_s`` seconds from now (from its admission, for an admitted read)
+        unless it completed. ``consumer``: this
         engine's id and rank. Bytes posted must equal bytes planned (BackendError otherwise, with
-        nothing left behind)."""
-        self.check_new(cmd.request_id)
-        started = time.perf_counter()
-        xfers: list[Xfer] = []
-        total = 0
-        by_rank = {r.remote_rank: r for r in request_ids(peer.plan, cmd.local_ids, cmd.remote_ids)}
-        try:
-            for link in peer.links.values():
-                ids = by_rank.get(link.rank)
-                if ids is None:  # notify-only rank, or nothing to read (full prefix hit)
-                    continue
-                assert link.local_dlist is not None
-                assert link.remote_dlist is not None
-                handle = await self._backend.post_read(
-                    link.local_dlist,
-                    ids.local_desc_ids,
-                    link.remote_dlist,
-                    ids.remote_desc_ids,
-                    b"",
-                )
-                state = XferState.DONE if handle.done_at_post else XferState.PROC
-                xfers.append(Xfer(rank=link.rank, handle=handle, state=state))
-                if handle.num_bytes != ids.num_bytes:
-                    raise BackendError(
-                        f"READ from rank {link.rank} of {peer.engine_id!r} posted "
-                        f"{handle.num_bytes} bytes, the plan needs {ids.num_bytes}"
-                    )
-                self._report.descriptors.observe(len(ids.local_desc_ids))
-                total += ids.num_bytes
-        except BaseException:
-            for x in xfers:
-                with contextlib.suppress(Exception):
-                    await self._backend.release_xfer(x.handle)
-            raise
+        nothing left behind). A waiting read (``admit``) stays waiting if posting raises."""
+        admitted = self._ids.waiting.get(cmd.request_id)
+        if admitted is None:
+            self.check_new(cmd.request_id)
+        posting = time.perf_counter()
+        xfers, total = await _post_reads(self._backend, cmd, peer, self._report)
+        self._ids.waiting.pop(cmd.request_id, None)
         read = InFlightRead(
             cmd=cmd,
             peer=peer,
             xfers=xfers,
             bytes=total,
-            started=started,
+            started=posting if admitted is None else admitted.started,
             deadline_s=deadline_s,
-            deadline=self._clock() + deadline_s,
+            deadline=(self._clock() if admitted is None else admitted.at) + deadline_s,
             consumer=consumer,
             unconfirmed={x.rank for x in xfers},
         )
         # READs first: if one could not be posted, no notify-only rank has been told.
         quiet = [link for link in peer.links.values() if link.rank not in read.unconfirmed]
         self._outgoing.extend(outgoing(NotificationKind.CONSUMED, read, link) for link in quiet)
-        self._report.post_duration.observe(time.perf_counter() - started)
-        self._report.started += 1
+        self._report.post_duration.observe(time.perf_counter() - posting)
+        if admitted is None:
+            self._report.started += 1
         if not xfers:  # full prefix hit: nothing was read, nothing to confirm
+            self._ids.ended(cmd.request_id)
             self._report.success(read)
         else:
             self._reads[cmd.request_id] = read
@@ -216,6 +259,7 @@ class TransferManager:
             read.phase = Phase.CONFIRMING
         else:
             del self._reads[read.cmd.request_id]
+            self._ids.ended(read.cmd.request_id)
             self._report.success(read)
 
     def resolve(self, request_id: str, rank: int, outcome: Outcome | None, detail: str) -> None:
@@ -229,6 +273,7 @@ class TransferManager:
             read.unconfirmed.discard(rank)
             if not read.unconfirmed:
                 del self._reads[request_id]
+                self._ids.ended(request_id)
                 self._report.confirm_duration.observe(time.perf_counter() - read.done_at)
                 self._report.success(read)
             return
@@ -244,7 +289,8 @@ class TransferManager:
                 f"{where} refused to confirm: {outcome.name} {detail}",
             )
         del self._reads[request_id]
-        self._report.failure(read)
+        self._ids.ended(request_id)
+        self._report.failure(read.cmd, *read.failure)
 
     # --- polling --------------------------------------------------------------------------------
 
@@ -314,10 +360,14 @@ class TransferManager:
                 await self._close(read)
 
     async def fail_all(self, reason: FailReason, message: str) -> None:
+        """The registration ends: fail every read (waiting ones too) and forget the ids used."""
         await self.release_completed()
         for read in list(self._reads.values()):
             read.failure = read.failure or (reason, message)
             await self._close(read)
+        for request_id in list(self._ids.waiting):
+            self.fail_waiting(request_id, reason, message)
+        self._ids.clear()
 
     async def _close(self, read: InFlightRead) -> None:
         """Release every handle of a failed read, then report it. Exactly once per read."""
@@ -329,4 +379,6 @@ class TransferManager:
             except KvSidecarError as exc:
                 log.error("releasing READ handle of %r failed: %s", read.cmd.request_id, exc)
         read.xfers = []
-        self._report.failure(read)
+        self._ids.ended(read.cmd.request_id)
+        assert read.failure is not None
+        self._report.failure(read.cmd, *read.failure)

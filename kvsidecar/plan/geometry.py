@@ -3,7 +3,9 @@
 A rank's cache is a tuple of **views**; a view is ``num_blocks`` equally sized blocks of one memory
 allocation, block ``i`` at ``base + i * block_stride`` (bytes). The layout of one block is a tuple of
 **spans**: contiguous byte ranges ``[offset, offset + length)`` inside the block, each naming one piece
-of logical data (``k``, ``v``, ``kv``, ``latent``, ``conv.x`` ...).
+of logical data (``k``, ``v``, ``kv``, ``latent``, ``conv.x`` ...). A span's held units are
+contiguous unless it sets ``unit_stride`` (heads that lie apart, as in ``[L, H, B, N, C]``). The
+language-neutral specification, with worked examples, is ``docs/geometry.md``.
 
 A span with ``global_units == 0`` is *replicated*: every rank holds all of it. A span with
 ``global_units == U > 0`` is *sharded* over the TP group of size ``T`` along an axis of ``U`` units
@@ -30,15 +32,19 @@ __all__ = ["EngineGeometry", "Span", "View", "units_per_rank"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Span:
-    """One contiguous byte range of a block: ``[offset, offset + length)`` bytes.
+    """The bytes of one piece of logical data in a block: ``length`` bytes from ``offset``.
 
     ``global_units``: units of the unsharded model along the sharded axis; 0 = replicated.
+    ``unit_stride``: bytes from one held unit to the next; 0 = the units are contiguous (unit ``k``
+    at ``offset + k * length / units_held``). A layout whose heads lie apart (``[L, H, B, N, C]``,
+    ``[B, H, L, N, C]``) sets it; its units may then reach past ``block_stride``.
     """
 
     key: str
     offset: int
     length: int
     global_units: int
+    unit_stride: int = 0
 
     @property
     def replicated(self) -> bool:
@@ -47,8 +53,19 @@ class Span:
 
     @property
     def end(self) -> int:
-        """First byte past the span (bytes from the block start)."""
+        """First byte past a contiguous span (bytes from the block start)."""
         return self.offset + self.length
+
+    def ranges(self, held: int) -> tuple[tuple[int, int], ...]:
+        """``[start, end)`` byte ranges (from the block start) of the span on a rank holding
+        ``held`` units: one range when contiguous (or replicated), else one per unit."""
+        if self.unit_stride == 0 or self.replicated or held <= 1:
+            return ((self.offset, self.offset + self.length),)
+        ub = self.length // held
+        return tuple(
+            (self.offset + k * self.unit_stride, self.offset + k * self.unit_stride + ub)
+            for k in range(held)
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +100,13 @@ class View:
     def route_group(self) -> int:
         """The group whose ids a request routes to this view: the first of ``groups``."""
         return self.groups[0]
+
+    def extent(self, tp_size: int) -> int:
+        """Bytes from block 0's start to one past the last byte any span of the last block holds,
+        on a rank of a ``tp_size`` group. Interleaved layouts end before ``num_blocks * block_stride``
+        (the last block's tail belongs to other views); head-outermost ones reach past it."""
+        last = max(hi for s in self.spans for _, hi in s.ranges(_held(s, tp_size)))
+        return (self.num_blocks - 1) * self.block_stride + last
 
     def span(self, key: str) -> Span:
         """The span named ``key``; KeyError if absent."""
@@ -151,7 +175,9 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _span_problems(where: str, span: object, tp_size: int, block_stride: int) -> list[str]:
+def _span_problems(
+    where: str, span: object, tp_size: int, block_stride: int, num_blocks: int
+) -> list[str]:
     if not isinstance(span, Span):
         return [f"{where} is {type(span).__name__}, not Span"]
     p: list[str] = []
@@ -159,7 +185,7 @@ def _span_problems(where: str, span: object, tp_size: int, block_stride: int) ->
     if not isinstance(span.key, str) or not span.key:
         p.append(f"{where}.key={span.key!r} must be a non-empty string")
     ints_ok = True
-    for name in ("offset", "length", "global_units"):
+    for name in ("offset", "length", "global_units", "unit_stride"):
         if not _is_int(getattr(span, name)):
             p.append(f"{where}.{name}={getattr(span, name)!r} must be an int")
             ints_ok = False
@@ -169,7 +195,16 @@ def _span_problems(where: str, span: object, tp_size: int, block_stride: int) ->
         p.append(f"{where}.offset={span.offset} is negative")
     if span.length <= 0:
         p.append(f"{where}.length={span.length} must be positive")
-    if _is_int(block_stride) and span.offset >= 0 and span.end > block_stride:
+    if span.unit_stride < 0:
+        p.append(f"{where}.unit_stride={span.unit_stride} is negative")
+    elif span.unit_stride and span.replicated:
+        p.append(f"{where}.unit_stride={span.unit_stride} is set on a replicated span")
+    if (
+        _is_int(block_stride)
+        and span.offset >= 0
+        and span.end > block_stride
+        and not span.unit_stride
+    ):
         p.append(f"{where} ends at byte {span.end}, past block_stride={block_stride}")
     u = span.global_units
     if u < 0:
@@ -183,7 +218,33 @@ def _span_problems(where: str, span: object, tp_size: int, block_stride: int) ->
             )
         elif span.length > 0 and span.length % held != 0:
             p.append(f"{where}.length={span.length} is not a multiple of units held ({held})")
+        elif span.unit_stride and held > 1:
+            p.extend(_strided_problems(where, span, held, block_stride, num_blocks))
     return p
+
+
+def _strided_problems(
+    where: str, span: Span, held: int, block_stride: int, num_blocks: int
+) -> list[str]:
+    """A strided span's units must not overlap one another nor another block's units: each unit
+    fits in ``block_stride`` bytes from its start, and either every unit lies inside the block or
+    the units lie at least ``num_blocks * block_stride`` apart (one plane per unit, as when heads
+    are outside blocks)."""
+    ub = span.length // held
+    if span.unit_stride < ub:
+        return [f"{where}.unit_stride={span.unit_stride} is less than a unit ({ub} bytes)"]
+    if not (_is_int(block_stride) and _is_int(num_blocks)) or block_stride <= 0:
+        return []
+    if span.offset % block_stride + ub > block_stride:
+        return [f"{where}: a unit of {ub} bytes at offset {span.offset} crosses a block boundary"]
+    last_end = span.offset + (held - 1) * span.unit_stride + ub
+    if last_end <= block_stride or span.unit_stride >= num_blocks * block_stride:
+        return []
+    return [
+        f"{where}.unit_stride={span.unit_stride}: units end at byte {last_end}, past "
+        f"block_stride={block_stride}, but lie less than num_blocks*block_stride="
+        f"{num_blocks * block_stride} apart, so blocks would overlap"
+    ]
 
 
 def _view_problems(where: str, view: object, tp_size: int, num_groups: int) -> list[str]:
@@ -223,22 +284,34 @@ def _view_problems(where: str, view: object, tp_size: int, num_groups: int) -> l
         p.append(f"{where} has no spans")
     keys: set[str] = set()
     for j, s in enumerate(view.spans):
-        p.extend(_span_problems(f"{where}.spans[{j}]", s, tp_size, view.block_stride))
+        p.extend(
+            _span_problems(f"{where}.spans[{j}]", s, tp_size, view.block_stride, view.num_blocks)
+        )
         if isinstance(s, Span):
             if s.key in keys:
                 p.append(f"{where} has duplicate span key {s.key!r}")
             keys.add(s.key)
-    spans = sorted(
-        (s for s in view.spans if isinstance(s, Span) and _is_int(s.offset) and _is_int(s.length)),
-        key=lambda s: (s.offset, s.length),
-    )
-    for a, b in itertools.pairwise(spans):
-        if b.offset < a.end and a.length > 0 and b.length > 0:
-            p.append(
-                f"{where} spans {a.key!r} [{a.offset}, {a.end}) and {b.key!r} "
-                f"[{b.offset}, {b.end}) overlap"
-            )
+    sane = [
+        sp
+        for sp in view.spans
+        if isinstance(sp, Span)
+        and all(
+            _is_int(getattr(sp, f)) for f in ("offset", "length", "global_units", "unit_stride")
+        )
+        and sp.length > 0
+        and sp.unit_stride >= 0
+    ]
+    ranges = sorted((lo, hi, sp.key) for sp in sane for lo, hi in sp.ranges(_held(sp, tp_size)))
+    for (a_lo, a_hi, a), (b_lo, b_hi, b) in itertools.pairwise(ranges):
+        if b_lo < a_hi:
+            p.append(f"{where} spans {a!r} [{a_lo}, {a_hi}) and {b!r} [{b_lo}, {b_hi}) overlap")
     return p
+
+
+def _held(span: Span, tp_size: int) -> int:
+    if span.replicated or not _is_int(tp_size) or span.global_units < 0:
+        return 1
+    return max(1, units_per_rank(span.global_units, tp_size))
 
 
 def geometry_problems(geom: EngineGeometry) -> tuple[str, ...]:
@@ -255,6 +328,16 @@ def geometry_problems(geom: EngineGeometry) -> tuple[str, ...]:
         p.append(f"num_groups={geom.num_groups!r} must be a positive int")
     if not geom.views:
         p.append("views is empty")
+    elif _is_int(geom.num_groups) and geom.num_groups > 0:
+        # Every group's ids must land somewhere: a group no view routes to would be ignored.
+        routed = {v.route_group for v in geom.views if isinstance(v, View) and v.groups}
+        limit = min(geom.num_groups, len(routed) + 1)
+        missing = next((g for g in range(limit) if g not in routed), None)
+        if missing is not None and missing < geom.num_groups:
+            p.append(
+                f"num_groups={geom.num_groups}, but no view routes group {missing} (a view "
+                f"routes the first of its groups; routed: {sorted(map(repr, routed))[:16]})"
+            )
     names: set[str] = set()
     for i, v in enumerate(geom.views):
         p.extend(_view_problems(f"views[{i}]", v, geom.tp_size, geom.num_groups))

@@ -15,15 +15,17 @@ Block strides are bytes; units are KV heads unless stated otherwise.
 from __future__ import annotations
 
 from .geometry import Span, View, units_per_rank
+from .strided import attention_view
 
 __all__ = [
     "flashinfer_view",
     "heads_held",
     "hnd_kv_views",
-    "mamba2_view",
     "mla_view",
+    "nhd_packed_view",
     "nhd_token_views",
     "packed_kv_view",
+    "vllm_attention_views",
 ]
 
 
@@ -118,23 +120,66 @@ def packed_kv_view(
     dtype_bytes: int,
     tp_size: int,
     offset: int = 0,
+    block_stride: int | None = None,
     groups: tuple[int, ...] = (0,),
     blocks_per_id: int = 1,
 ) -> View:
-    """Packed ``[num_blocks, H, block_size, 2 * head_dim]`` (K and V interleaved per token): one
-    view, one span ``kv`` sharded over KV heads.
+    """Packed HND ``[num_blocks, H, block_size, 2 * head_dim]`` (vLLM ``LBHNC``; ``BLHNC`` with
+    ``block_stride`` = layers x the packed block and ``offset`` = layer x the packed block): one
+    view, one span per token ``t{n}.kv`` (``unit_stride`` = the head stride). Same keys as
+    :func:`nhd_packed_view` and :func:`~kvsidecar.plan.strided.attention_view`, so any two packed
+    layouts plan against each other; homogeneous TP still reads whole blocks.
     """
     h = heads_held(global_kv_heads, tp_size)
-    stride = h * block_size * 2 * head_dim * dtype_bytes
-    return View(
+    c = 2 * head_dim * dtype_bytes
+    packed = h * block_size * c
+    return attention_view(
         name=name,
         memory_id=memory_id,
         offset=offset,
-        num_blocks=num_blocks,
-        block_stride=stride,
+        shape=(num_blocks, h, block_size, 2 * head_dim),
+        strides=(packed if block_stride is None else block_stride, block_size * c, c, dtype_bytes),
+        dtype_bytes=dtype_bytes,
+        global_kv_heads=global_kv_heads,
+        tp_size=tp_size,
         groups=groups,
         blocks_per_id=blocks_per_id,
-        spans=(Span(key="kv", offset=0, length=stride, global_units=global_kv_heads),),
+    )
+
+
+def nhd_packed_view(
+    *,
+    name: str,
+    memory_id: str,
+    num_blocks: int,
+    block_size: int,
+    global_kv_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+    tp_size: int,
+    offset: int = 0,
+    block_stride: int | None = None,
+    groups: tuple[int, ...] = (0,),
+    blocks_per_id: int = 1,
+) -> View:
+    """Packed NHD ``[num_blocks, block_size, H, 2 * head_dim]`` (vLLM ``LBNHC``; ``BLNHC`` with
+    ``block_stride`` and ``offset`` as in :func:`packed_kv_view`): one span per token ``t{n}.kv``
+    of ``H * 2 * head_dim`` elements, sharded over KV heads, heads adjacent.
+    """
+    h = heads_held(global_kv_heads, tp_size)
+    c = 2 * head_dim * dtype_bytes
+    packed = h * block_size * c
+    return attention_view(
+        name=name,
+        memory_id=memory_id,
+        offset=offset,
+        shape=(num_blocks, h, block_size, 2 * head_dim),
+        strides=(packed if block_stride is None else block_stride, c, h * c, dtype_bytes),
+        dtype_bytes=dtype_bytes,
+        global_kv_heads=global_kv_heads,
+        tp_size=tp_size,
+        groups=groups,
+        blocks_per_id=blocks_per_id,
     )
 
 
@@ -147,13 +192,16 @@ def mla_view(
     latent_dim: int,
     dtype_bytes: int,
     offset: int = 0,
+    block_stride: int | None = None,
     groups: tuple[int, ...] = (0,),
     blocks_per_id: int = 1,
 ) -> View:
     """MLA ``[num_blocks, block_size, latent_dim]`` (``latent_dim`` = kv_lora_rank + rope dim), the
-    same on every rank: one view, one replicated span ``latent``.
+    same on every rank: one view, one replicated span ``latent``. ``block_stride`` defaults to the
+    packed block (pass layers x it when blocks are outermost).
     """
-    stride = block_size * latent_dim * dtype_bytes
+    packed = block_size * latent_dim * dtype_bytes
+    stride = packed if block_stride is None else block_stride
     return View(
         name=name,
         memory_id=memory_id,
@@ -162,58 +210,7 @@ def mla_view(
         block_stride=stride,
         groups=groups,
         blocks_per_id=blocks_per_id,
-        spans=(Span(key="latent", offset=0, length=stride, global_units=0),),
-    )
-
-
-def mamba2_view(
-    *,
-    name: str,
-    memory_id: str,
-    num_blocks: int,
-    num_heads: int,
-    head_dim: int,
-    n_groups: int,
-    d_state: int,
-    conv_kernel: int,
-    conv_dtype_bytes: int,
-    ssm_dtype_bytes: int,
-    tp_size: int,
-    offset: int = 0,
-    block_stride: int | None = None,
-    groups: tuple[int, ...] = (0,),
-    blocks_per_id: int = 1,
-) -> View:
-    """Mamba2 state in DS conv layout, one block per logical block (request state).
-
-    Per rank and block: conv state ``[conv_dim, conv_kernel - 1]`` (channel-major, "DS") with
-    ``conv_dim = Hh * head_dim + 2 * G * d_state`` rows ordered x, B, C, followed by the SSM state
-    ``[Hh, head_dim, d_state]``; ``Hh`` = SSM heads held, ``G`` = B/C groups held (replicated when
-    ``tp_size > n_groups``). Spans: ``conv.x`` (units: heads, ``head_dim`` channels each),
-    ``conv.B`` and ``conv.C`` (units: groups, ``d_state`` channels each), ``ssm`` (units: heads).
-    ``block_stride`` defaults to the packed size; pass a larger one for page padding.
-    """
-    hh = heads_held(num_heads, tp_size)
-    gg = heads_held(n_groups, tp_size)
-    state_len = conv_kernel - 1
-    x_len = hh * head_dim * state_len * conv_dtype_bytes
-    bc_len = gg * d_state * state_len * conv_dtype_bytes
-    ssm_len = hh * head_dim * d_state * ssm_dtype_bytes
-    spans = (
-        Span(key="conv.x", offset=0, length=x_len, global_units=num_heads),
-        Span(key="conv.B", offset=x_len, length=bc_len, global_units=n_groups),
-        Span(key="conv.C", offset=x_len + bc_len, length=bc_len, global_units=n_groups),
-        Span(key="ssm", offset=x_len + 2 * bc_len, length=ssm_len, global_units=num_heads),
-    )
-    return View(
-        name=name,
-        memory_id=memory_id,
-        offset=offset,
-        num_blocks=num_blocks,
-        block_stride=spans[-1].end if block_stride is None else block_stride,
-        groups=groups,
-        blocks_per_id=blocks_per_id,
-        spans=spans,
+        spans=(Span(key="latent", offset=0, length=packed, global_units=0),),
     )
 
 
@@ -257,3 +254,59 @@ def nhd_token_views(
         for key, mem, off in (("k", k_memory_id, k_offset), ("v", v_memory_id, v_offset))
     )
     return k, v
+
+
+VLLM_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+
+
+def vllm_attention_views(
+    *,
+    layout: str,
+    names: tuple[str, ...],
+    memory_id: str,
+    num_blocks: int,
+    block_size: int,
+    global_kv_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+    tp_size: int,
+    offset: int = 0,
+    groups: tuple[int, ...] = (0,),
+    blocks_per_id: int = 1,
+) -> tuple[View, ...]:
+    """Every attention layer of one raw buffer in memory order ``layout`` (a permutation of
+    ``LBHNC``: L = layer, B = block, H = KV heads held, N = tokens per block, C = 2 * head_dim,
+    K and V packed), starting at byte ``offset``: one view per name in ``names`` (layer ``l`` is
+    ``names[l]``), each with spans ``t{n}.kv`` (see :func:`~kvsidecar.plan.strided.attention_view`).
+    """
+    if sorted(layout) != sorted("LBHNC"):
+        raise ValueError(
+            f"layout={layout!r} must be a permutation of 'LBHNC' (e.g. {VLLM_LAYOUTS})"
+        )
+    sizes = {
+        "L": len(names),
+        "B": num_blocks,
+        "H": heads_held(global_kv_heads, tp_size),
+        "N": block_size,
+        "C": 2 * head_dim,
+    }
+    strides: dict[str, int] = {}
+    acc = dtype_bytes
+    for dim in reversed(layout):
+        strides[dim] = acc
+        acc *= sizes[dim]
+    return tuple(
+        attention_view(
+            name=name,
+            memory_id=memory_id,
+            offset=offset + layer * strides["L"],
+            shape=(sizes["B"], sizes["H"], sizes["N"], sizes["C"]),
+            strides=(strides["B"], strides["H"], strides["N"], strides["C"]),
+            dtype_bytes=dtype_bytes,
+            global_kv_heads=global_kv_heads,
+            tp_size=tp_size,
+            groups=groups,
+            blocks_per_id=blocks_per_id,
+        )
+        for layer, name in enumerate(names)
+    )

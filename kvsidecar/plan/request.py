@@ -199,18 +199,20 @@ def validate_request_ids(
     local: EngineGeometry,
     local_ids: Sequence[IdArray],
     remote_ids: Sequence[IdArray],
-    remote: EngineGeometry,
+    remote: EngineGeometry | None,
 ) -> None:
     """Raise BlockIdError (message naming field and value) unless the ids of a request are valid.
 
     Checks: one id array per group on both sides; no group with more local than remote ids; ids are
     integers, non-negative, inside every view they route to (on each side, against that side's
     ``num_blocks // blocks_per_id``); no local id repeats within a group (two reads into one block).
-    ``remote`` is the geometry of any rank of the remote engine.
+    ``remote`` is the geometry of any rank of the remote engine; ``None`` (not known yet) checks
+    everything but the remote ids' upper bounds, assuming the remote engine has the local
+    ``num_groups`` (engines with different group counts never plan).
     """
     problems: list[str] = []
     for field, ids, geom in (("local_block_ids", local_ids, local),
-                             ("remote_block_ids", remote_ids, remote)):  # fmt: skip
+                             ("remote_block_ids", remote_ids, remote or local)):  # fmt: skip
         if len(ids) != geom.num_groups:
             problems.append(
                 f"{field} has {len(ids)} groups, the {field.split('_')[0]} engine has "
@@ -229,7 +231,7 @@ def validate_request_ids(
                 f"{len(ra)} (more local than remote blocks)"
             )
         lv = local.limit_views(g)
-        rv = remote.limit_views(g) if g < remote.num_groups else ()
+        rv = remote.limit_views(g) if remote is not None and g < remote.num_groups else ()
         problems.extend(_range_problems(la, "local_block_ids", g, lv))
         problems.extend(_range_problems(ra, "remote_block_ids", g, rv))
         if la.size > 1:

@@ -162,24 +162,23 @@ def _span_pieces(
     # Remote units held are the same count for every remote rank; use rank 0 to size them.
     rs0, re0 = units_held(u_total, remote_tp, 0)
     ub = _check_unit_bytes(view, local, remote, le - ls, re0 - rs0)
+    l_step = local.unit_stride or ub
+    r_step = remote.unit_stride or ub
+    # One piece per unit (the loop is over units, never blocks); _merge joins the runs that are
+    # contiguous on both sides, so a contiguous layout still reads whole spans.
     pieces: list[Piece] = []
-    u = ls
-    while u < le:  # runs of units from one remote rank (loop is over units, never blocks)
+    for u in range(ls, le):
         p = unit_source(u_total, local_tp, d, remote_tp, u)
-        ps, pe = units_held(u_total, remote_tp, p)
-        stop = u + 1
-        while stop < le and stop < pe and unit_source(u_total, local_tp, d, remote_tp, stop) == p:
-            stop += 1
+        ps, _ = units_held(u_total, remote_tp, p)
         pieces.append(
             Piece(
                 remote_rank=p,
-                local_offset=local.offset + (u - ls) * ub,
-                remote_offset=remote.offset + (u - ps) * ub,
-                length=(stop - u) * ub,
+                local_offset=local.offset + (u - ls) * l_step,
+                remote_offset=remote.offset + (u - ps) * r_step,
+                length=ub,
                 keys=(local.key,),
             )
         )
-        u = stop
     return pieces
 
 
@@ -199,7 +198,7 @@ def _merge(pieces: Iterable[Piece]) -> tuple[Piece, ...]:
                     local_offset=last.local_offset,
                     remote_offset=last.remote_offset,
                     length=last.length + pc.length,
-                    keys=last.keys + pc.keys,
+                    keys=last.keys if pc.keys == last.keys[-1:] else last.keys + pc.keys,
                 )
                 continue
         out.append(pc)

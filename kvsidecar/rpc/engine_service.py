@@ -19,6 +19,20 @@ from kvsidecar.engine.core import EngineCore
 from kvsidecar.engine.local import Registration
 from kvsidecar.engine.model import Endpoints, ReadCommand
 from kvsidecar.errors import InvalidArgumentError, KvSidecarError
+from kvsidecar.limits import (
+    MAX_GROUPS,
+    MAX_IDS_PER_GROUP,
+    MAX_LEASE_S,
+    MAX_MEMORIES,
+    MAX_REQUEST_IDS,
+    MAX_STATUS_EVENTS,
+    MAX_TP_SIZE,
+    check_chars,
+    check_count,
+    check_duration,
+    check_id,
+    check_max,
+)
 from kvsidecar.rpc.status import errors_to_status, status_for
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire.engine import (
@@ -41,12 +55,21 @@ MAX_BATCH = 4096  # reads per ReadBatch call
 
 
 def _endpoints(ranks: Any, any_rank: str) -> Endpoints:
+    """``remote_endpoints`` (one per rank, in rank order) and ``remote_endpoint`` (any rank)."""
+    check_count("remote_endpoints", ranks, MAX_TP_SIZE)
+    for i, r in enumerate(ranks):
+        check_chars(f"remote_endpoints[{i}]", r)
+    check_chars("remote_endpoint", any_rank)
     return Endpoints(ranks=tuple(str(r) for r in ranks), any_rank=any_rank)
 
 
 def _registration(request: engine_pb2.RegisterEngineRequest) -> Registration:
     if not request.engine_id:
         raise InvalidArgumentError("engine_id must be non-empty")
+    check_count("memories", request.memories, MAX_MEMORIES)
+    check_count("peer_endpoints", request.peer_endpoints, MAX_TP_SIZE)
+    for i, e in enumerate(request.peer_endpoints):
+        check_chars(f"peer_endpoints[{i}]", e)
     geometry = geometry_from_proto(
         engine_id=request.engine_id,
         tp_rank=request.tp_rank,
@@ -70,6 +93,7 @@ def _registration(request: engine_pb2.RegisterEngineRequest) -> Registration:
 
 
 def _read_command(request: engine_pb2.ReadRequest) -> ReadCommand:
+    check_chars("remote_token", request.remote_token)
     return ReadCommand(
         request_id=request.request_id,
         remote_engine_id=request.remote_engine_id,
@@ -99,13 +123,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.HandshakeRequest, context: Any
     ) -> engine_pb2.HandshakeResponse:
         endpoints = _endpoints(request.remote_endpoints, request.remote_endpoint)
-        peer = await self._core.consumer.peer(request.remote_engine_id, endpoints)
+        check_id("remote_engine_id", request.remote_engine_id)
+        peer = await self._core.handshakes.peer(request.remote_engine_id, endpoints)
         epoch = self._core.require_local().epoch
         return engine_pb2.HandshakeResponse(plan=plan_to_proto(peer.plan, epoch, peer.epoch))
 
     @errors_to_status
     async def Plan(self, request: engine_pb2.PlanRequest, context: Any) -> engine_pb2.PlanResponse:
-        peer = await self._core.consumer.peer(request.remote_engine_id, Endpoints())
+        check_id("remote_engine_id", request.remote_engine_id)
+        peer = await self._core.handshakes.peer(request.remote_engine_id, Endpoints())
         return plan_to_proto(peer.plan, self._core.require_local().epoch, peer.epoch)
 
     async def _read_one(self, request: engine_pb2.ReadRequest) -> engine_pb2.ReadResponse:
@@ -151,14 +177,23 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         kind = request.WhichOneof("kind")
         if kind == "hold":
             h = request.hold
+            check_id("hold.request_id", h.request_id)
+            check_chars("hold.token", h.token)
+            check_duration("hold.lease_s", h.lease_s, MAX_LEASE_S)
+            check_count("hold.block_ids", h.block_ids, MAX_GROUPS)
+            for g, group in enumerate(h.block_ids):
+                check_count(f"hold.block_ids[{g}]", group.ids, MAX_IDS_PER_GROUP)
             block_ids = tuple(tuple(g.ids) for g in h.block_ids)
             token = self._core.hold(h.request_id, h.lease_s or None, block_ids, h.token)
             return engine_pb2.NotifyResponse(token=token)
         if kind == "release":
+            check_id("release.request_id", request.release.request_id)
             self._core.producer.release(request.release.request_id)
             return engine_pb2.NotifyResponse()
         if kind == "consumed":
             c = request.consumed
+            check_id("consumed.remote_engine_id", c.remote_engine_id)
+            check_chars("consumed.remote_token", c.remote_token)
             sent, refused = await self._core.consumer.consumed(
                 c.remote_engine_id,
                 c.remote_request_id,
@@ -168,6 +203,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             return engine_pb2.NotifyResponse(notifications_sent=sent, notifications_refused=refused)
         if kind == "heartbeat":
             hb = request.heartbeat
+            check_id("heartbeat.remote_engine_id", hb.remote_engine_id)
+            check_count("heartbeat.remote_request_ids", hb.remote_request_ids, MAX_REQUEST_IDS)
+            check_count("heartbeat.remote_tokens", hb.remote_tokens, MAX_REQUEST_IDS)
+            for i, rid in enumerate(hb.remote_request_ids):
+                check_id(f"heartbeat.remote_request_ids[{i}]", rid)
+            for i, token in enumerate(hb.remote_tokens):
+                check_chars(f"heartbeat.remote_tokens[{i}]", token)
             ids, tokens = tuple(hb.remote_request_ids), tuple(hb.remote_tokens)
             sent, refused = await self._core.consumer.heartbeat(hb.remote_engine_id, ids, tokens)
             return engine_pb2.NotifyResponse(notifications_sent=sent, notifications_refused=refused)
@@ -177,7 +219,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Status(
         self, request: engine_pb2.StatusRequest, context: Any
     ) -> engine_pb2.StatusResponse:
-        return status_to_proto(self._core.status(request.max_events, drain=not request.skip_events))
+        check_max("max_events", request.max_events, MAX_STATUS_EVENTS)
+        return status_to_proto(self._core.status(request.max_events, drain=request.drain_events))
 
     async def Watch(
         self, request: engine_pb2.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvsidecar.engine.core import EngineCore
+from kvsidecar.limits import MAX_ID_CHARS, check_chars
 from kvsidecar.rpc.status import errors_to_status
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kvsidecar.wire.peer import (
@@ -26,6 +27,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def GetAgent(
         self, request: peer_pb2.GetAgentRequest, context: Any
     ) -> peer_pb2.GetAgentResponse:
+        check_chars("engine_id", request.engine_id, MAX_ID_CHARS)
         return agent_info_to_proto(await self._core.agent_info(request.engine_id, request.tp_rank))
 
     @errors_to_status
@@ -40,4 +42,5 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def GetEngine(
         self, request: peer_pb2.GetEngineRequest, context: Any
     ) -> peer_pb2.GetEngineResponse:
+        check_chars("engine_id", request.engine_id, MAX_ID_CHARS)
         return directory_to_proto(self._core.require_local().directory(request.engine_id))

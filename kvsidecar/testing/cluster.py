@@ -83,6 +83,7 @@ class LocalCluster:
     shm_dir: Path = Path("/dev/shm")
     sidecar_args: tuple[str, ...] = ()
     tls: bool = True  # PeerService with mutual TLS from a throwaway CA (else --peer-insecure)
+    decode_shape: toy.ModelShape | None = None  # the decode engine's, if its layout differs
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     certificates: PeerCertificates | None = None
     prefill: list[Rank] = field(default_factory=list)
@@ -94,9 +95,10 @@ class LocalCluster:
 
     def _spawn(self, role: str, rank: int, tp_size: int) -> Rank:
         name = f"{role}-{rank}"
-        views = toy.build_views(self.shape, tp_size)
+        shape = self.shape if role == PREFILL or self.decode_shape is None else self.decode_shape
+        views = toy.build_views(shape, tp_size)
         memory = SharedMemoryExport.create(
-            self.shm_dir / f"kvsidecar-{self.tag}-{name}", toy.memory_size(views)
+            self.shm_dir / f"kvsidecar-{self.tag}-{name}", toy.memory_size(views, tp_size)
         )
         if role == PREFILL:
             toy.fill(memory.array, views, tp_size=tp_size, rank=rank, seed=self.seed)
@@ -185,7 +187,7 @@ class LocalCluster:
             with contextlib.suppress(BaseException):
                 await rank.watcher
         deadline = time.monotonic() + 10.0
-        while (await rank.client.status(drain=False)).engine_id:
+        while (await rank.client.status()).engine_id:
             if time.monotonic() > deadline:
                 raise SidecarFailedError(self._tail(rank, "kept a dead engine's registration"))
             await asyncio.sleep(0.01)
@@ -211,7 +213,7 @@ class LocalCluster:
         """Bounded wait until the sidecar reports the rank's Watch stream open."""
         assert rank.client is not None
         deadline = time.monotonic() + max(timeout_s, 1.0)
-        while not (await rank.client.status(drain=False)).watch_connected:
+        while not (await rank.client.status()).watch_connected:
             if time.monotonic() > deadline:
                 raise SidecarFailedError(self._tail(rank, "never saw its Watch stream"))
             await asyncio.sleep(0.01)
@@ -315,11 +317,10 @@ async def transfer(
     local_id = f"{request_id}@decode"
     recvs = [r.expect(local_id) for r in cluster.decode]
     starts = []
-    posted_bytes = 0
     for rank in cluster.decode:
         assert rank.client is not None
         starts.append(time.perf_counter())
-        posted = await rank.client.read(
+        await rank.client.read(
             local_id,
             remote_engine_id=PREFILL,
             remote_request_id=request_id,
@@ -328,14 +329,14 @@ async def transfer(
             endpoints=cluster.prefill_endpoints,
             token=token,
         )
-        posted_bytes += posted.bytes
     latencies = []
-    verified = 0
+    verified = read_bytes = 0
     for rank, fut, start in zip(cluster.decode, recvs, starts, strict=True):
         event = await asyncio.wait_for(fut, timeout_s)
         latencies.append(rank.arrivals.pop(local_id) - start)
         if not isinstance(event, RecvDone):
             raise RuntimeError(f"decode rank {rank.rank}: {event}")
+        read_bytes += event.bytes
         # numpy releases the GIL: verifying off the loop keeps other requests' events timely.
         verified += await asyncio.to_thread(
             toy.verify,
@@ -358,7 +359,7 @@ async def transfer(
     return TransferResult(
         request_id=request_id,
         latencies_s=tuple(latencies),
-        bytes_read=posted_bytes,
+        bytes_read=read_bytes,
         bytes_verified=verified,
         send_done=tuple(done),
     )

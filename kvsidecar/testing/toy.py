@@ -18,12 +18,14 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsidecar.plan import (
+    Span,
     View,
     flashinfer_view,
     hnd_kv_views,
     mamba2_view,
     mla_view,
     packed_kv_view,
+    vllm_attention_views,
 )
 from kvsidecar.plan.tp import units_held
 
@@ -36,6 +38,7 @@ class ModelKind(enum.Enum):
     FLASHINFER = "flashinfer"  # [2, H, N, D] per block
     MLA = "mla"  # replicated latent cache
     MAMBA = "mamba"  # hybrid: attention (group 0) + Mamba2 state (group 1)
+    VLLM = "vllm"  # packed K/V of every layer in one raw buffer, memory order ModelShape.layout
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +54,7 @@ class ModelShape:
     dtype_bytes: int = 2
     num_blocks: int = 64
     mamba_layers: int = 1
+    layout: str = "LBHNC"  # ModelKind.VLLM only: a permutation of LBHNC (plan.VLLM_LAYOUTS)
 
     @property
     def num_groups(self) -> int:
@@ -62,6 +66,18 @@ def build_views(shape: ModelShape, tp_size: int, memory_id: str = "kv") -> tuple
     views: list[View] = []
     offset = 0
     nb, bs, db = shape.num_blocks, shape.block_size, shape.dtype_bytes
+    if shape.kind is ModelKind.VLLM:
+        return vllm_attention_views(
+            layout=shape.layout,
+            names=tuple(f"layers.{layer}" for layer in range(shape.layers)),
+            memory_id=memory_id,
+            num_blocks=nb,
+            block_size=bs,
+            global_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            dtype_bytes=db,
+            tp_size=tp_size,
+        )
     for layer in range(shape.layers):
         name = f"layers.{layer}"
         if shape.kind in (ModelKind.GQA, ModelKind.MAMBA):
@@ -119,7 +135,7 @@ def build_views(shape: ModelShape, tp_size: int, memory_id: str = "kv") -> tuple
                     dtype_bytes=db,
                 )
             )
-        offset = _end(views)
+        offset = _end(views, tp_size)
     if shape.kind is ModelKind.MAMBA:
         for layer in range(shape.mamba_layers):
             views.append(
@@ -139,7 +155,7 @@ def build_views(shape: ModelShape, tp_size: int, memory_id: str = "kv") -> tuple
                     groups=(1,),
                 )
             )
-            offset = _end(views)
+            offset = _end(views, tp_size)
     return tuple(views)
 
 
@@ -156,13 +172,13 @@ def _at(view: View, offset: int) -> View:
     )
 
 
-def _end(views: Sequence[View]) -> int:
-    return max(v.offset + v.num_blocks * v.block_stride for v in views)
+def _end(views: Sequence[View], tp_size: int = 1) -> int:
+    return max(v.offset + max(v.num_blocks * v.block_stride, v.extent(tp_size)) for v in views)
 
 
-def memory_size(views: Sequence[View]) -> int:
-    """Bytes one memory must have to hold ``views``, rounded up to 4 KiB."""
-    return (_end(views) + 4095) // 4096 * 4096
+def memory_size(views: Sequence[View], tp_size: int = 1) -> int:
+    """Bytes one memory must have to hold ``views`` of a ``tp_size`` rank, rounded up to 4 KiB."""
+    return (_end(views, tp_size) + 4095) // 4096 * 4096
 
 
 def _key_hash(text: str) -> int:
@@ -197,9 +213,20 @@ def _span_units(global_units: int, tp_size: int, rank: int) -> npt.NDArray[np.in
     return np.arange(start, stop, dtype=np.int64)
 
 
-def _span_block_view(buf: U8, view: View, offset: int, length: int) -> U8:
-    region = buf[view.offset : view.offset + view.num_blocks * view.block_stride]
-    out: U8 = region.reshape(view.num_blocks, view.block_stride)[:, offset : offset + length]
+def _pieces(span: Span, units: npt.NDArray[np.int64]) -> list[tuple[int, npt.NDArray[np.int64]]]:
+    """(offset in block, units stored there contiguously) of one span on one rank."""
+    ranges = span.ranges(len(units))
+    if len(ranges) == 1:
+        return [(span.offset, units)]
+    return [(lo, units[k : k + 1]) for k, (lo, _) in enumerate(ranges)]
+
+
+def _block_index(
+    view: View, blocks: npt.NDArray[np.int64], offset: int, length: int
+) -> npt.NDArray[np.int64]:
+    """Buffer index of ``length`` bytes at ``offset`` of each of ``blocks``: (len(blocks), length)."""
+    starts = view.offset + blocks * view.block_stride + offset
+    out: npt.NDArray[np.int64] = starts[:, None] + np.arange(length, dtype=np.int64)[None, :]
     return out
 
 
@@ -210,10 +237,10 @@ def fill(buf: U8, views: Sequence[View], *, tp_size: int, rank: int, seed: int) 
         for span in view.spans:
             units = _span_units(span.global_units, tp_size, rank)
             unit_bytes = span.length // len(units)
-            dst = _span_block_view(buf, view, span.offset, span.length)
-            dst[:] = _pattern(view.name, span.key, units, unit_bytes, blocks, seed).reshape(
-                view.num_blocks, span.length
-            )
+            for offset, part in _pieces(span, units):
+                data = _pattern(view.name, span.key, part, unit_bytes, blocks, seed)
+                idx = _block_index(view, blocks, offset, len(part) * unit_bytes)
+                buf[idx] = data.reshape(view.num_blocks, -1)
 
 
 def _kernel(ids: npt.NDArray[np.int64], per_id: int) -> npt.NDArray[np.int64]:
@@ -268,23 +295,25 @@ def verify(
         lk, rk = _kernel(loc, view.blocks_per_id), _kernel(rem, view.blocks_per_id)
         for span in view.spans:
             units = _span_units(span.global_units, tp_size, rank)
-            table = _table(
-                view.name,
-                span.key,
-                tuple(int(u) for u in units),
-                span.length // len(units),
-                _table_blocks(view, rk),
-                seed,
-            )
-            expected = table[rk]
-            actual = _span_block_view(buf, view, span.offset, span.length)[lk]
-            bad = np.argwhere(actual != expected)
-            if bad.size:
-                i, byte = (int(x) for x in bad[0])
-                raise ValueError(
-                    f"{view.name}/{span.key}: local block {int(lk[i])} (remote {int(rk[i])}) "
-                    f"byte {byte}: got {int(actual[i, byte])}, expected {int(expected[i, byte])} "
-                    f"({len(bad)} bytes differ)"
+            unit_bytes = span.length // len(units)
+            for offset, part in _pieces(span, units):
+                table = _table(
+                    view.name,
+                    span.key,
+                    tuple(int(u) for u in part),
+                    unit_bytes,
+                    _table_blocks(view, rk),
+                    seed,
                 )
-            checked += actual.size
+                expected = table[rk]
+                actual = buf[_block_index(view, lk, offset, len(part) * unit_bytes)]
+                bad = np.argwhere(actual != expected)
+                if bad.size:
+                    i, byte = (int(x) for x in bad[0])
+                    raise ValueError(
+                        f"{view.name}/{span.key}: local block {int(lk[i])} (remote "
+                        f"{int(rk[i])}) byte {offset + byte}: got {int(actual[i, byte])}, "
+                        f"expected {int(expected[i, byte])} ({len(bad)} bytes differ)"
+                    )
+                checked += actual.size
     return checked

@@ -288,7 +288,7 @@ class Runner:
         assert client is not None
         for _ in range(samples):
             start = time.perf_counter()
-            await client.status(drain=False)
+            await client.status()
             status.append(time.perf_counter() - start)
         seconds, count = (
             sum(a[i] - b[i] for a, b in zip(after, before, strict=True)) for i in (0, 1)

@@ -84,6 +84,7 @@ class RegisterEngineResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     COMPAT_DIGEST_FIELD_NUMBER: _builtins.int
     REGISTERED_BYTES_FIELD_NUMBER: _builtins.int
+    PEER_ENDPOINT_FIELD_NUMBER: _builtins.int
     agent_name: _builtins.str
     epoch: _builtins.int
     """Registration epoch; bumps on every RegisterEngine of the same engine_id."""
@@ -91,6 +92,11 @@ class RegisterEngineResponse(_message.Message):
     """Hex sha256 of the compatibility items."""
     registered_bytes: _builtins.int
     """Bytes registered with NIXL."""
+    peer_endpoint: _builtins.str
+    """This sidecar's PeerService address as other sidecars must dial it (--peer-advertise, or the
+    bound address): what the engine hands to its scheduler as this rank's entry of
+    peer_endpoints / remote_endpoints.
+    """
     def __init__(
         self,
         *,
@@ -98,10 +104,11 @@ class RegisterEngineResponse(_message.Message):
         epoch: _builtins.int = ...,
         compat_digest: _builtins.str = ...,
         registered_bytes: _builtins.int = ...,
+        peer_endpoint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "compat_digest", b"compat_digest", "epoch", b"epoch", "registered_bytes", b"registered_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "compat_digest", b"compat_digest", "epoch", b"epoch", "peer_endpoint", b"peer_endpoint", "registered_bytes", b"registered_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -325,27 +332,44 @@ Global___ReadRequest: _TypeAlias = ReadRequest  # noqa: Y015
 
 @_typing.final
 class ReadResponse(_message.Message):
+    """A Read returns once the request is validated against the local geometry; it never waits for the
+    network. If the remote engine is already handshaken the READs are posted before the call returns
+    (reads_posted, notifications_sent and bytes describe them); otherwise handshaking is true, the
+    handshake and the post happen in the background and the counts are 0. Either way the read ends
+    with exactly one event: RECV_DONE, or RECV_FAILED (reason HANDSHAKE if the handshake failed,
+    REJECTED if the remote engine refuses the ids). A Read whose lists are all empty (a full prefix
+    hit) reads nothing and still ends with RECV_DONE (bytes 0) after notifying every producer rank
+    with CONSUMED; Notify(consumed) does the same without an event or a reads_* count.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     READS_POSTED_FIELD_NUMBER: _builtins.int
     NOTIFICATIONS_SENT_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
+    HANDSHAKING_FIELD_NUMBER: _builtins.int
     reads_posted: _builtins.int
     """NIXL READs posted (one per remote rank read)."""
     notifications_sent: _builtins.int
-    """Notification-only messages sent (notify-only ranks, full prefix hits)."""
+    """CONSUMED notifications queued for producer ranks this rank reads nothing from (notify-only
+    ranks, or every rank on a full prefix hit). READ_DONE notifications, sent when the READs
+    complete, are not counted here (see the notifications_sent counter in Status).
+    """
     bytes: _builtins.int
     """Bytes that will be read."""
+    handshaking: _builtins.bool
+    """True: the remote engine had no handshake yet; the read waits for it in the background."""
     def __init__(
         self,
         *,
         reads_posted: _builtins.int = ...,
         notifications_sent: _builtins.int = ...,
         bytes: _builtins.int = ...,
+        handshaking: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "notifications_sent", b"notifications_sent", "reads_posted", b"reads_posted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "handshaking", b"handshaking", "notifications_sent", b"notifications_sent", "reads_posted", b"reads_posted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -665,6 +689,14 @@ class RecvFailed(_message.Message):
         """This sidecar's own memory failed (e.g. the engine truncated its shared-memory file); the
         producer is not blamed.
         """
+        HANDSHAKE: RecvFailed._Reason.ValueType  # 8
+        """The handshake the read waited for failed: the remote sidecars could not be reached in time,
+        refused, or serve an incompatible engine. The message names the cause.
+        """
+        REJECTED: RecvFailed._Reason.ValueType  # 9
+        """The read was refused once the remote engine's geometry was known (a remote block id past
+        the remote views, for instance). The message names the field and value.
+        """
 
     class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper): ...
     REASON_UNSPECIFIED: RecvFailed.Reason.ValueType  # 0
@@ -681,6 +713,14 @@ class RecvFailed(_message.Message):
     LOCAL_MEMORY: RecvFailed.Reason.ValueType  # 7
     """This sidecar's own memory failed (e.g. the engine truncated its shared-memory file); the
     producer is not blamed.
+    """
+    HANDSHAKE: RecvFailed.Reason.ValueType  # 8
+    """The handshake the read waited for failed: the remote sidecars could not be reached in time,
+    refused, or serve an incompatible engine. The message names the cause.
+    """
+    REJECTED: RecvFailed.Reason.ValueType  # 9
+    """The read was refused once the remote engine's geometry was known (a remote block id past
+    the remote views, for instance). The message names the field and value.
     """
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
@@ -796,23 +836,29 @@ Global___WatchRequest: _TypeAlias = WatchRequest  # noqa: Y015
 
 @_typing.final
 class StatusRequest(_message.Message):
+    """Status reports state and counters and, only when asked, takes queued events: a monitoring poll
+    never steals an engine's events.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MAX_EVENTS_FIELD_NUMBER: _builtins.int
-    SKIP_EVENTS_FIELD_NUMBER: _builtins.int
+    DRAIN_EVENTS_FIELD_NUMBER: _builtins.int
     max_events: _builtins.int
-    """Maximum events to drain (0 = all queued)."""
-    skip_events: _builtins.bool
-    """Report state only and leave queued events for the engine (operator tools, `kvsidecar status`)."""
+    """Maximum events to take when drain_events is set (0 = all queued; at most 65536)."""
+    drain_events: _builtins.bool
+    """Take up to max_events queued events (removing them from the queue) and return them in events.
+    For engines that poll instead of holding Watch open; operator tools leave it unset.
+    """
     def __init__(
         self,
         *,
         max_events: _builtins.int = ...,
-        skip_events: _builtins.bool = ...,
+        drain_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_events", b"max_events", "skip_events", b"skip_events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain_events", b"drain_events", "max_events", b"max_events"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -892,6 +938,9 @@ class StatusResponse(_message.Message):
     WATCH_CONNECTED_FIELD_NUMBER: _builtins.int
     PEER_TLS_FIELD_NUMBER: _builtins.int
     CONFIRM_READS_FIELD_NUMBER: _builtins.int
+    EVENTS_QUEUED_FIELD_NUMBER: _builtins.int
+    READS_HANDSHAKING_FIELD_NUMBER: _builtins.int
+    PEER_ENDPOINT_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Empty when no engine is registered."""
     tp_rank: _builtins.int
@@ -907,6 +956,15 @@ class StatusResponse(_message.Message):
     """PeerService is served with mutual TLS (false only when explicitly configured insecure)."""
     confirm_reads: _builtins.bool
     """Reads report RECV_DONE only after the producer confirmed its hold (the default)."""
+    events_queued: _builtins.int
+    """Events waiting for the engine (in the Watch stream's queue or the Status drain buffer). Each
+    queue holds at most 65536; past that the oldest event is dropped and counted in the
+    events_dropped counter (and kvsidecar_events_dropped_total).
+    """
+    reads_handshaking: _builtins.int
+    """Reads accepted and waiting for the remote engine's handshake (included in reads_in_flight)."""
+    peer_endpoint: _builtins.str
+    """This sidecar's advertised PeerService address (see RegisterEngineResponse.peer_endpoint)."""
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___Event]: ...
     @_builtins.property
@@ -933,10 +991,13 @@ class StatusResponse(_message.Message):
         watch_connected: _builtins.bool = ...,
         peer_tls: _builtins.bool = ...,
         confirm_reads: _builtins.bool = ...,
+        events_queued: _builtins.int = ...,
+        reads_handshaking: _builtins.int = ...,
+        peer_endpoint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "confirm_reads", b"confirm_reads", "counters", b"counters", "draining", b"draining", "engine_id", b"engine_id", "epoch", b"epoch", "events", b"events", "holds_active", b"holds_active", "peer_tls", b"peer_tls", "peers", b"peers", "reads_in_flight", b"reads_in_flight", "ready", b"ready", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "watch_connected", b"watch_connected"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "confirm_reads", b"confirm_reads", "counters", b"counters", "draining", b"draining", "engine_id", b"engine_id", "epoch", b"epoch", "events", b"events", "events_queued", b"events_queued", "holds_active", b"holds_active", "peer_endpoint", b"peer_endpoint", "peer_tls", b"peer_tls", "peers", b"peers", "reads_handshaking", b"reads_handshaking", "reads_in_flight", b"reads_in_flight", "ready", b"ready", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "watch_connected", b"watch_connected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -28,17 +28,26 @@ class Span(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
     GLOBAL_UNITS_FIELD_NUMBER: _builtins.int
+    UNIT_STRIDE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
-    """Names the logical data ("k", "v", "kv", "latent", "conv.x", "ssm", "t3.k", ...). The same key on
-    two ranks or engines means the same logical data.
+    """Names the logical data ("kv", "t3.kv", "latent", "conv.x", "ssm", ...). The same key on two
+    ranks or engines means the same logical data. The keys every helper uses, and how to build the
+    same spans from any language, are specified in docs/geometry.md.
     """
     offset: _builtins.int
-    """Offset of the span from the start of the block, in bytes."""
+    """Offset of the span (of its first held unit) from the start of the block, in bytes."""
     length: _builtins.int
-    """Length of the span within one block, in bytes (on this rank)."""
+    """Bytes of the span within one block on this rank: units held x bytes per unit."""
     global_units: _builtins.int
     """Number of units (KV heads, channels, SSM heads) of the span in the *unsharded* model.
     0 = replicated: every rank holds the whole span.
+    """
+    unit_stride: _builtins.int
+    """Bytes from one held unit to the next; 0 = contiguous (unit k at offset + k * length / held).
+    Set it when the held units lie apart (heads outside tokens, as in [H, N, C] per block, or
+    outside blocks, as in [L, H, B, N, C]). Each unit must fit in block_stride from its start, and
+    either every unit lies inside the block or unit_stride >= num_blocks * block_stride. Must be 0
+    on a replicated span.
     """
     def __init__(
         self,
@@ -47,10 +56,11 @@ class Span(_message.Message):
         offset: _builtins.int = ...,
         length: _builtins.int = ...,
         global_units: _builtins.int = ...,
+        unit_stride: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_units", b"global_units", "key", b"key", "length", b"length", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_units", b"global_units", "key", b"key", "length", b"length", "offset", b"offset", "unit_stride", b"unit_stride"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -153,6 +153,7 @@ def registered_to_proto(registered: Registered) -> engine_pb2.RegisterEngineResp
         epoch=registered.epoch,
         compat_digest=registered.compat_digest,
         registered_bytes=registered.registered_bytes,
+        peer_endpoint=registered.peer_endpoint,
     )
 
 
@@ -162,6 +163,7 @@ def registered_from_proto(pb: engine_pb2.RegisterEngineResponse) -> Registered:
         epoch=pb.epoch,
         compat_digest=pb.compat_digest,
         registered_bytes=pb.registered_bytes,
+        peer_endpoint=pb.peer_endpoint,
     )
 
 
@@ -170,12 +172,16 @@ def read_posted_to_proto(posted: ReadPosted) -> engine_pb2.ReadResponse:
         reads_posted=posted.reads_posted,
         notifications_sent=posted.notifications_sent,
         bytes=posted.bytes,
+        handshaking=posted.handshaking,
     )
 
 
 def read_posted_from_proto(pb: engine_pb2.ReadResponse) -> ReadPosted:
     return ReadPosted(
-        reads_posted=pb.reads_posted, notifications_sent=pb.notifications_sent, bytes=pb.bytes
+        reads_posted=pb.reads_posted,
+        notifications_sent=pb.notifications_sent,
+        bytes=pb.bytes,
+        handshaking=pb.handshaking,
     )
 
 
@@ -206,6 +212,9 @@ def status_to_proto(status: SidecarStatus) -> engine_pb2.StatusResponse:
         watch_connected=status.watch_connected,
         peer_tls=status.peer_tls,
         confirm_reads=status.confirm_reads,
+        events_queued=status.events_queued,
+        reads_handshaking=status.reads_handshaking,
+        peer_endpoint=status.peer_endpoint,
     )
 
 
@@ -236,4 +245,7 @@ def status_from_proto(pb: engine_pb2.StatusResponse) -> SidecarStatus:
         watch_connected=pb.watch_connected,
         peer_tls=pb.peer_tls,
         confirm_reads=pb.confirm_reads,
+        events_queued=pb.events_queued,
+        reads_handshaking=pb.reads_handshaking,
+        peer_endpoint=pb.peer_endpoint,
     )

@@ -12,7 +12,24 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvsidecar.errors import BlockIdError, GeometryError, MemoryImportError
+from kvsidecar.errors import BlockIdError, GeometryError, InvalidArgumentError, MemoryImportError
+from kvsidecar.limits import (
+    MAX_BLOCKS_PER_ID,
+    MAX_COMPAT_EXTRA,
+    MAX_GLOBAL_UNITS,
+    MAX_GROUPS,
+    MAX_IDS_PER_GROUP,
+    MAX_NAME_CHARS,
+    MAX_PATH_CHARS,
+    MAX_SPANS,
+    MAX_SPANS_PER_VIEW,
+    MAX_TP_SIZE,
+    MAX_VIEWS,
+    check_chars,
+    check_count,
+    check_id,
+    check_max,
+)
 from kvsidecar.memory.types import CudaIpcSpec, HostShmSpec, MemorySpec
 from kvsidecar.plan import EngineGeometry, Span, View
 from kvsidecar.plan.compat import CompatItems
@@ -21,6 +38,7 @@ from kvsidecar.v1 import geometry_pb2
 __all__ = [
     "block_ids_from_proto",
     "block_ids_to_proto",
+    "check_geometry_bounds",
     "compat_from_proto",
     "compat_to_proto",
     "geometry_from_proto",
@@ -45,7 +63,11 @@ def view_to_proto(view: View) -> geometry_pb2.View:
         blocks_per_id=view.blocks_per_id,
         spans=[
             geometry_pb2.Span(
-                key=s.key, offset=s.offset, length=s.length, global_units=s.global_units
+                key=s.key,
+                offset=s.offset,
+                length=s.length,
+                global_units=s.global_units,
+                unit_stride=s.unit_stride,
             )
             for s in view.spans
         ],
@@ -64,7 +86,13 @@ def view_from_proto(pb: geometry_pb2.View) -> View:
         groups=tuple(pb.groups) if pb.groups else (0,),
         blocks_per_id=pb.blocks_per_id or 1,
         spans=tuple(
-            Span(key=s.key, offset=s.offset, length=s.length, global_units=s.global_units)
+            Span(
+                key=s.key,
+                offset=s.offset,
+                length=s.length,
+                global_units=s.global_units,
+                unit_stride=s.unit_stride,
+            )
             for s in pb.spans
         ),
     )
@@ -79,7 +107,9 @@ def geometry_from_proto(
     views: Sequence[geometry_pb2.View],
 ) -> EngineGeometry:
     """An engine geometry (unset ``num_groups`` = 1); GeometryError lists every problem found
-    (views, spans, TP)."""
+    (views, spans, TP). Sizes past ``kvsidecar.limits`` are refused (InvalidArgumentError) before
+    anything is built."""
+    check_geometry_bounds(engine_id, tp_size, num_groups, views)
     problems: list[str] = []
     parsed: list[View] = []
     for i, pb in enumerate(views):
@@ -100,12 +130,39 @@ def geometry_from_proto(
     )
 
 
+def check_geometry_bounds(
+    engine_id: str, tp_size: int, num_groups: int, views: Sequence[geometry_pb2.View]
+) -> None:
+    """InvalidArgumentError naming the field, value and bound for anything past the limits."""
+    check_id("engine_id", engine_id)
+    check_max("tp_size", tp_size, MAX_TP_SIZE)
+    check_max("num_groups", num_groups, MAX_GROUPS)
+    check_count("views", views, MAX_VIEWS)
+    total = 0
+    for i, v in enumerate(views):
+        where = f"views[{i}]"
+        check_chars(f"{where}.name", v.name)
+        check_chars(f"{where}.memory_id", v.memory_id)
+        check_count(f"{where}.groups", v.groups, MAX_GROUPS)
+        check_max(f"{where}.blocks_per_id", v.blocks_per_id, MAX_BLOCKS_PER_ID)
+        check_count(f"{where}.spans", v.spans, MAX_SPANS_PER_VIEW)
+        total += len(v.spans)
+        for j, sp in enumerate(v.spans):
+            check_chars(f"{where}.spans[{j}].key", sp.key)
+            check_max(f"{where}.spans[{j}].global_units", sp.global_units, MAX_GLOBAL_UNITS)
+    if total > MAX_SPANS:
+        raise InvalidArgumentError(f"views hold {total} spans in all (at most {MAX_SPANS})")
+
+
 def block_ids_from_proto(
     field: str, groups: Sequence[geometry_pb2.BlockIds]
 ) -> tuple[npt.NDArray[np.int64], ...]:
-    """Per-group id arrays (int64). BlockIdError for ids beyond int32 (field and value named)."""
+    """Per-group id arrays (int64). BlockIdError for ids beyond int32 (field and value named);
+    InvalidArgumentError past the group and id-count limits."""
+    check_count(field, groups, MAX_GROUPS)
     out: list[npt.NDArray[np.int64]] = []
     for g, ids in enumerate(groups):
+        check_count(f"{field}[{g}]", ids.ids, MAX_IDS_PER_GROUP)
         arr = np.asarray(ids.ids, dtype=np.int64)
         if arr.size and int(arr.max()) > _MAX_BLOCK_ID:
             j = int(np.argmax(arr))
@@ -149,6 +206,10 @@ def memory_from_proto(i: int, pb: geometry_pb2.Memory) -> tuple[str, MemorySpec]
     """``memories[i]`` as (engine-chosen id, spec); MemoryImportError names the entry."""
     if not pb.id:
         raise MemoryImportError(f"memories[{i}].id must be non-empty")
+    check_chars(f"memories[{i}].id", pb.id)
+    check_chars(f"memories[{i}].host_shm.path", pb.host_shm.path, MAX_PATH_CHARS)
+    check_chars(f"memories[{i}].cuda_ipc.device_uuid", pb.cuda_ipc.device_uuid)
+    check_count(f"memories[{i}].cuda_ipc.handle", pb.cuda_ipc.handle, MAX_NAME_CHARS)
     if pb.size == 0:
         raise MemoryImportError(f"memories[{i}] ({pb.id!r}).size must be > 0")
     kind = pb.WhichOneof("kind")
@@ -169,4 +230,11 @@ def compat_to_proto(compat: CompatItems) -> geometry_pb2.Compat:
 
 
 def compat_from_proto(pb: geometry_pb2.Compat) -> CompatItems:
+    """Compatibility items; InvalidArgumentError past the limits."""
+    check_chars("compat.model", pb.model)
+    check_chars("compat.dtype", pb.dtype)
+    check_count("compat.extra", pb.extra, MAX_COMPAT_EXTRA)
+    for key, value in pb.extra.items():
+        check_chars("compat.extra key", key)
+        check_chars(f"compat.extra[{key!r}]", value)
     return CompatItems(model=pb.model, dtype=pb.dtype, extra=tuple(sorted(pb.extra.items())))

@@ -13,6 +13,15 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvsidecar.limits import (
+    MAX_AGENT_METADATA,
+    MAX_ID_CHARS,
+    MAX_NOTIFICATIONS,
+    MAX_REQUEST_IDS,
+    MAX_TP_SIZE,
+    check_chars,
+    check_count,
+)
 from kvsidecar.plan import EngineGeometry
 from kvsidecar.plan.compat import CompatItems
 from kvsidecar.v1 import peer_pb2
@@ -99,7 +108,12 @@ def agent_info_to_proto(info: AgentInfo) -> peer_pb2.GetAgentResponse:
 
 
 def agent_info_from_proto(pb: peer_pb2.GetAgentResponse) -> AgentInfo:
-    """Decode a GetAgent answer; GeometryError names every malformed view or span."""
+    """Decode a GetAgent answer; GeometryError names every malformed view or span,
+    InvalidArgumentError anything past the limits."""
+    check_count("nixl_agent_metadata", pb.nixl_agent_metadata, MAX_AGENT_METADATA)
+    check_chars("agent_name", pb.agent_name)
+    check_chars("compat_digest", pb.compat_digest)
+    check_chars("mem_type", pb.mem_type)
     return AgentInfo(
         protocol_version=pb.protocol_version,
         compat_digest=pb.compat_digest,
@@ -180,7 +194,17 @@ def notification_to_proto(n: PeerNotification) -> peer_pb2.PeerNotification:
 
 
 def notification_from_proto(pb: peer_pb2.PeerNotification) -> PeerNotification:
-    """Decode a notification from a peer; unknown kinds read as UNSPECIFIED."""
+    """Decode a notification from a peer; unknown kinds read as UNSPECIFIED. InvalidArgumentError
+    past the limits."""
+    check_chars("remote_request_id", pb.remote_request_id, MAX_ID_CHARS)
+    check_chars("consumer_engine_id", pb.consumer_engine_id, MAX_ID_CHARS)
+    check_chars("token", pb.token)
+    check_count("heartbeat_request_ids", pb.heartbeat_request_ids, MAX_REQUEST_IDS)
+    check_count("heartbeat_tokens", pb.heartbeat_tokens, MAX_REQUEST_IDS)
+    for i, rid in enumerate(pb.heartbeat_request_ids):
+        check_chars(f"heartbeat_request_ids[{i}]", rid, MAX_ID_CHARS)
+    for i, token in enumerate(pb.heartbeat_tokens):
+        check_chars(f"heartbeat_tokens[{i}]", token)
     return PeerNotification(
         kind=_KINDS.get(pb.kind, NotificationKind.UNSPECIFIED),
         remote_request_id=pb.remote_request_id,
@@ -207,6 +231,8 @@ def notify_request_from_proto(
     pb: peer_pb2.PeerNotifyRequest,
 ) -> tuple[str, tuple[PeerNotification, ...]]:
     """(the producer engine id the notifications are for, the notifications)."""
+    check_chars("engine_id", pb.engine_id, MAX_ID_CHARS)
+    check_count("notifications", pb.notifications, MAX_NOTIFICATIONS)
     return pb.engine_id, tuple(notification_from_proto(n) for n in pb.notifications)
 
 
@@ -242,6 +268,9 @@ def directory_to_proto(d: EngineDirectory) -> peer_pb2.GetEngineResponse:
 
 
 def directory_from_proto(pb: peer_pb2.GetEngineResponse) -> EngineDirectory:
+    check_count("endpoints", pb.endpoints, MAX_TP_SIZE)
+    for i, e in enumerate(pb.endpoints):
+        check_chars(f"endpoints[{i}]", e)
     return EngineDirectory(
         engine_id=pb.engine_id, tp_size=pb.tp_size, endpoints=tuple(pb.endpoints), epoch=pb.epoch
     )

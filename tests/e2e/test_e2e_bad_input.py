@@ -25,7 +25,16 @@ import grpc
 import pytest
 
 from kvsidecar import errors
-from kvsidecar.client import AsyncSidecarClient, Event, ReadPosted, RecvDone, SendDone, requests
+from kvsidecar.client import (
+    AsyncSidecarClient,
+    Event,
+    FailReason,
+    ReadPosted,
+    RecvDone,
+    RecvFailed,
+    SendDone,
+    requests,
+)
 from kvsidecar.client.export import SharedMemoryExport
 from kvsidecar.memory import CudaIpcSpec, HostShmSpec, MemorySpec
 from kvsidecar.plan import Span, View
@@ -119,14 +128,17 @@ async def good_transfer(cluster: LocalCluster, request_id: str, seed: int) -> in
     return result.bytes_verified
 
 
-async def assert_sane(cluster: LocalCluster, *, transfers: int, sends: int | None = None) -> None:
+async def assert_sane(
+    cluster: LocalCluster, *, transfers: int, sends: int | None = None, failed: int = 0
+) -> None:
     """Status of every rank after the bad calls and ``transfers`` good requests of the cluster
-    (``sends`` requests served by the producer, counting other consumers' too)."""
-    for rank in cluster.decode:
+    (``sends`` requests served by the producer, counting other consumers' too; ``failed`` reads
+    of decode rank 0 that ended RECV_FAILED)."""
+    for i, rank in enumerate(cluster.decode):
         assert rank.client is not None
         status = await rank.client.status()
         assert (status.engine_id, status.ready, status.watch_connected) == ("decode", True, True)
-        assert status.counters["reads_failed"] == 0
+        assert status.counters["reads_failed"] == (failed if i == 0 else 0)
         assert status.counters["reads_done"] == transfers
         assert status.reads_in_flight == 0
     for rank in cluster.prefill:
@@ -186,14 +198,21 @@ async def test_read_bad_input_is_rejected_and_the_daemon_keeps_serving(
         await expect_error(
             d.plan("ghost3"), NotFound, "NOT_FOUND", "remote_engine_id='ghost3' is unknown"
         )
-        await expect_error(
-            read(ok, ok, remote_engine_id="nobody"),
-            NotFound,
-            "NOT_FOUND",
+        # A real endpoint that serves another engine: the Read returns at once (it never waits
+        # for the network) and the read ends RECV_FAILED with the handshake's reason.
+        posted = await read(ok, ok, remote_engine_id="nobody", request_id="nobody@decode")
+        assert posted.handshaking
+        assert (posted.reads_posted, posted.bytes) == (0, 0)
+        failed = await asyncio.wait_for(cluster.decode[0].expect("nobody@decode"), CALL_TIMEOUT_S)
+        assert isinstance(failed, RecvFailed), failed
+        assert failed.reason is FailReason.HANDSHAKE
+        assert failed.invalid_block_ids == (tuple(ok[0]),)
+        for fragment in (
             "GetAgent('nobody', rank 0)",
             endpoints[0],
             "serves engine 'prefill' rank 0, not 'nobody'",
-        )
+        ):
+            assert fragment in failed.message, failed.message
         await expect_error(
             read(ok, ok, remote_engine_id=""),
             InvalidArgument,
@@ -264,37 +283,38 @@ async def test_read_bad_input_is_rejected_and_the_daemon_keeps_serving(
             read(ok, ok, request_id="x" * 2000),
             InvalidArgument,
             "INVALID_ARGUMENT",
-            "request_id is 2000 characters long (max 1024)",
+            "is 2000 characters long (at most 1024)",
         )
         for deadline in (-1.0, math.inf, math.nan):
             await expect_error(
                 read(ok, ok, deadline_s=deadline),
                 InvalidArgument,
                 "INVALID_ARGUMENT",
-                f"deadline_s={deadline} must be a finite value >= 0",
+                f"deadline_s={deadline} must be a finite value in [0, 3600] s",
             )
 
         # Nothing was posted, nothing failed, and the rejected request ids are free again.
         status = await d.status()
         assert status.reads_in_flight == 0
-        assert status.counters["reads_failed"] == 0
+        assert status.counters["reads_failed"] == 1  # the handshake with 'nobody'
         assert status.counters["reads_done"] == 0
         assert [p.engine_id for p in status.peers if p.state == "ready"] == [PREFILL]
         assert await good_transfer(cluster, "bad", seed=1) > 0
         assert await good_transfer(cluster, "again", seed=2) > 0
-        await assert_sane(cluster, transfers=2)
-        # Every rejected Read is counted by its status code (14 + 2 above).
+        await assert_sane(cluster, transfers=2, failed=1)
+        # Every rejected Read is counted by its status code (14 + 1 above).
         rejected = await metric_values(
             cluster.decode[0].addresses, "kvsidecar_reads_rejected_total"
         )
-        assert rejected.get('{code="NOT_FOUND"}') == 2, rejected
+        assert rejected.get('{code="NOT_FOUND"}') == 1, rejected
         assert rejected.get('{code="INVALID_ARGUMENT"}') == 14, rejected
 
 
 async def test_duplicate_request_id_in_flight_is_rejected(local_cluster: ClusterFactory) -> None:
     """A Read is kept in flight deterministically: its handshake targets a TCP listener that accepts
-    and never answers. Once the sidecar has connected, a second Read with the same id must get
-    ALREADY_EXISTS; the first then fails on its bounded handshake and the id is usable again."""
+    and never answers. The Read itself returns at once (handshaking); while the handshake hangs a
+    second Read with the same id gets ALREADY_EXISTS; the first then ends RECV_FAILED (HANDSHAKE)
+    on its bounded handshake, and its id stays refused: one id, one event."""
     connected = asyncio.Event()
     writers: list[asyncio.StreamWriter] = []
 
@@ -305,9 +325,8 @@ async def test_duplicate_request_id_in_flight_is_rejected(local_cluster: Cluster
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     host, port = server.sockets[0].getsockname()[:2]
     blackhole = f"{host}:{port}"
-    stuck: asyncio.Task[ReadPosted] | None = None
     try:
-        # The stuck Read holds its id for the handshake timeout (2 s): ample for the two calls.
+        # The stuck read holds its id for the handshake timeout (2 s): ample for the two calls.
         async with local_cluster(
             SHAPE, 1, 1, sidecar_args=(*FAST_STOP, "--handshake-timeout-s", "2")
         ) as cluster:
@@ -318,11 +337,12 @@ async def test_duplicate_request_id_in_flight_is_rejected(local_cluster: Cluster
                 "local_block_ids": dids,
                 "remote_block_ids": pids,
             }
-            stuck = asyncio.create_task(
-                d.read("dup@decode", remote_engine_id="silent", endpoints=[blackhole], **kwargs)
+            posted = await asyncio.wait_for(
+                d.read("dup@decode", remote_engine_id="silent", endpoints=[blackhole], **kwargs),
+                CALL_TIMEOUT_S,
             )
+            assert posted.handshaking
             await asyncio.wait_for(connected.wait(), CALL_TIMEOUT_S)
-            assert not stuck.done()
             for engine, eps in (("silent", [blackhole]), (PREFILL, cluster.prefill_endpoints)):
                 await expect_error(
                     d.read("dup@decode", remote_engine_id=engine, endpoints=eps, **kwargs),
@@ -332,21 +352,27 @@ async def test_duplicate_request_id_in_flight_is_rejected(local_cluster: Cluster
                 )
             # A different id is not blocked by the stuck handshake.
             assert await good_transfer(cluster, "other", seed=3) > 0
+            failed = await asyncio.wait_for(cluster.decode[0].expect("dup@decode"), CALL_TIMEOUT_S)
+            assert isinstance(failed, RecvFailed), failed
+            assert failed.reason is FailReason.HANDSHAKE
+            assert "GetAgent('silent'" in failed.message, failed.message
+            assert blackhole in failed.message
+            # The id ended with its event: a retry under it is refused, not read a second time.
             await expect_error(
-                stuck,
-                errors.DeadlineExceededError,
-                "DEADLINE_EXCEEDED",
-                "GetAgent('silent'",
-                blackhole,
+                d.read(
+                    "dup@decode",
+                    remote_engine_id=PREFILL,
+                    endpoints=cluster.prefill_endpoints,
+                    **kwargs,
+                ),
+                AlreadyExists,
+                "ALREADY_EXISTS",
+                "request_id='dup@decode' was used by a read that already ended",
             )
-            # The id is free again: the same request now goes through and verifies every byte.
-            assert await good_transfer(cluster, "dup", seed=4) > 0
-            await assert_sane(cluster, transfers=2)
+            assert await good_transfer(cluster, "dup-retry", seed=4) > 0
+            await assert_sane(cluster, transfers=2, failed=1)
+            assert cluster.decode[0].events_seen == 3  # one per read
     finally:
-        if stuck is not None and not stuck.done():
-            stuck.cancel()
-            with contextlib.suppress(BaseException):
-                await stuck
         for writer in writers:
             writer.close()
         server.close()
@@ -550,7 +576,8 @@ async def read_from_prefill(
     verified = toy.verify(
         memory.array, views, tp_size=1, rank=0, seed=cluster.seed, local_ids=dids, remote_ids=pids
     )
-    assert verified == posted.bytes > 0
+    assert posted.handshaking  # its first read of the producer: it returned before the handshake
+    assert verified == event.bytes > 0
     for fut in sends:
         done = await asyncio.wait_for(fut, CALL_TIMEOUT_S)
         assert isinstance(done, SendDone), done

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from kvsidecar import errors
-from kvsidecar.client import RankPlanInfo, ReadPosted, RecvFailed, SendDone
+from kvsidecar.client import FailReason, RankPlanInfo, ReadPosted, RecvFailed, SendDone
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import DECODE, PREFILL, request_ids, transfer
 from tests.e2e.conftest import ClusterFactory
@@ -173,16 +173,31 @@ async def test_dead_producer_fails_reads_and_the_consumer_keeps_serving(
         assert status.engine_id == DECODE
         # The peer is quarantined: the next request re-handshakes (bounded) and fails cleanly.
         assert [p.state for p in status.peers] == ["quarantined"]
-        await asyncio.sleep(0.2)  # past the first backoff
-        with pytest.raises(errors.KvSidecarError, match=r"UNAVAILABLE|DEADLINE_EXCEEDED"):
+        # Within the backoff a Read is refused at once (the peer is known to be down) ...
+        with pytest.raises(errors.KvSidecarError, match=r"UNAVAILABLE"):
             await consumer.client.read(
-                "retry@decode",
+                "early@decode",
                 remote_engine_id=PREFILL,
-                remote_request_id="retry",
+                remote_request_id="early",
                 local_block_ids=dids,
                 remote_block_ids=pids,
-                deadline_s=3,
             )
+        await asyncio.sleep(0.2)  # past the first backoff
+        # ... after it, the Read is accepted at once and its handshake fails in the background.
+        retry = consumer.expect("retry@decode")
+        posted = await consumer.client.read(
+            "retry@decode",
+            remote_engine_id=PREFILL,
+            remote_request_id="retry",
+            local_block_ids=dids,
+            remote_block_ids=pids,
+            deadline_s=3,
+        )
+        assert posted.handshaking
+        event = await asyncio.wait_for(retry, 10)
+        assert isinstance(event, RecvFailed), event
+        assert event.reason is FailReason.HANDSHAKE
         body = await asyncio.to_thread(_get, consumer.addresses["metrics"], "/metrics")
         assert 'kvsidecar_reads_rejected_total{code="UNAVAILABLE"}' in body
+        assert 'kvsidecar_reads_failed_total{reason="handshake"} 1.0' in body
         assert json.loads((cluster.workdir / "decode-0.ready.json").read_text())["pid"] > 0

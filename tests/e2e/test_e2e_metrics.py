@@ -53,7 +53,7 @@ def _scrape(address: str) -> dict[str, float]:
 
 async def _compare(rank: Rank) -> dict[str, int]:
     assert rank.client is not None
-    status = await rank.client.status(drain=False)
+    status = await rank.client.status()
     scraped = await asyncio.to_thread(_scrape, rank.addresses["metrics"])
     assert set(status.counters) == set(COUNTER_FAMILIES), sorted(status.counters)
     for key, family in COUNTER_FAMILIES.items():
@@ -95,7 +95,7 @@ async def test_status_counters_equal_the_metrics_after_transfers(
         prefill = cluster.prefill[0].client
         assert prefill is not None
         for _ in range(500):  # until the producer has seen both of those notifications (<= 10 s)
-            if (await prefill.status(drain=False)).counters["notifications_received"] >= 8:
+            if (await prefill.status()).counters["notifications_received"] >= 8:
                 break
             await asyncio.sleep(0.02)
         consumer = await _compare(cluster.decode[0])

@@ -192,11 +192,11 @@ async def test_a_restarted_engine_gets_no_event_of_the_dead_registration(
             await cluster.restart_engine(consumer)
             seen: list[str] = []
             for _ in range(25):  # 0.5 s for anything that would still arrive
-                seen += [e.request_id for e in (await consumer.client.status()).events]
+                seen += [e.request_id for e in (await consumer.client.status(drain=True)).events]
                 await asyncio.sleep(0.02)
             assert consumer.early == {}  # nothing reached the new Watch either
             assert seen == []
-            counters = (await consumer.client.status(drain=False)).counters
+            counters = (await consumer.client.status()).counters
             assert counters["events_discarded"] >= 20
             assert counters["reads_failed"] >= 20
         finally:
@@ -205,25 +205,30 @@ async def test_a_restarted_engine_gets_no_event_of_the_dead_registration(
 
 
 async def test_an_unreachable_producer_fails_fast(local_cluster: ClusterFactory) -> None:
-    """A refused connection is an answer: the Read fails at once (UNAVAILABLE), not after the
-    handshake timeout."""
+    """A refused connection is an answer: the read ends RECV_FAILED (HANDSHAKE) at once, not after
+    the 30 s handshake timeout, naming the endpoint."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = f"127.0.0.1:{s.getsockname()[1]}"  # nobody listens once the socket closes
     async with local_cluster(SHAPE, 1, 1, sidecar_args=("--handshake-timeout-s", "30")) as cluster:
         consumer = cluster.decode[0]
         assert consumer.client is not None
-        with pytest.raises(errors.PeerUnavailableError) as refused:
-            await consumer.client.read(
-                "x@decode",
-                remote_engine_id="ghost",
-                remote_request_id="x",
-                local_block_ids=[[1]],
-                remote_block_ids=[[1]],
-                endpoints=[closed],
-            )
-        assert "DEADLINE_EXCEEDED" not in str(refused.value)
-        assert closed in str(refused.value)
+        failed = consumer.expect("x@decode")
+        posted = await consumer.client.read(
+            "x@decode",
+            remote_engine_id="ghost",
+            remote_request_id="x",
+            local_block_ids=[[1]],
+            remote_block_ids=[[1]],
+            endpoints=[closed],
+        )
+        assert posted.handshaking
+        event = await asyncio.wait_for(failed, 10)  # well inside the handshake timeout
+        assert isinstance(event, RecvFailed), event
+        assert event.reason is FailReason.HANDSHAKE
+        assert "DEADLINE_EXCEEDED" not in event.message
+        assert "UNAVAILABLE" in event.message
+        assert closed in event.message
 
 
 async def _outcome(

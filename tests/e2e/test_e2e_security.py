@@ -117,7 +117,7 @@ async def test_forged_notifications_from_a_rogue_agent_change_nothing(
             assert isinstance(expired, SendDone)
             assert expired.expired
             assert not victim.done()  # no forged READ_DONE completed the hold
-            status = await producer.client.status(drain=False)
+            status = await producer.client.status()
             assert status.holds_active == 1
             assert status.counters["bad_notifications"] >= 300
             assert status.counters["sends_done"] == 1  # "warm" only

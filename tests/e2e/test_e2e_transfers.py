@@ -32,6 +32,11 @@ CASES = [
     pytest.param(K.MAMBA, 8, 1, 2, id="mamba-1-2"),
     pytest.param(K.MAMBA, 8, 2, 1, id="mamba-2-1"),
 ]
+# vLLM raw-buffer layouts, prefill and decode in different memory orders
+LAYOUT_CASES = [
+    pytest.param("LHBNC", "BLNHC", 4, 2, id="LHBNC-4-to-BLNHC-2"),
+    pytest.param("BHLNC", "LBHNC", 2, 4, id="BHLNC-2-to-LBHNC-4"),
+]
 
 
 @pytest.mark.parametrize(("kind", "heads", "prefill_tp", "decode_tp"), CASES)
@@ -73,3 +78,23 @@ async def test_transfer_verifies_every_byte(
             status = await rank.client.status()
             assert status.counters["reads_failed"] == 0
             assert status.reads_in_flight == 0
+
+
+@pytest.mark.parametrize(("p_layout", "d_layout", "prefill_tp", "decode_tp"), LAYOUT_CASES)
+async def test_vllm_layouts_across_memory_orders(
+    local_cluster: ClusterFactory, p_layout: str, d_layout: str, prefill_tp: int, decode_tp: int
+) -> None:
+    """The daemon accepts views of interleaved and head-outermost layouts (whose blocks reach past
+    or end before num_blocks x block_stride) and moves every byte between different orders."""
+    shape = toy.ModelShape(kind=K.VLLM, layout=p_layout, block_size=3, head_dim=5, num_blocks=24)
+    d_shape = toy.ModelShape(kind=K.VLLM, layout=d_layout, block_size=3, head_dim=5, num_blocks=20)
+    rng = random.Random(p_layout + d_layout)
+    async with local_cluster(shape, prefill_tp, decode_tp, decode_shape=d_shape) as cluster:
+        await cluster.handshake()
+        for i, (n, hit) in enumerate([(7, 0), (5, 2)]):
+            pids, dids = request_ids(
+                shape, rng.sample(range(24), n), rng.sample(range(20), n), hit=hit
+            )
+            result = await transfer(cluster, f"req-{i}", pids, dids)
+            assert result.bytes_verified == result.bytes_read > 0
+            assert len(result.send_done) == prefill_tp

@@ -10,7 +10,7 @@ from the remote descriptor's address to the local one; then every local byte is 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -48,19 +48,72 @@ def mix(view: int, key: str, unit: np.ndarray, block: np.ndarray, byte: np.ndarr
 def span_global_bytes(
     view_id: int, view: View, geom: EngineGeometry, rank: int, blocks: np.ndarray
 ) -> list[tuple[int, U8]]:
-    """(offset in block, (len(blocks), length) bytes) per span of ``view`` on ``rank``."""
+    """(offset in block, (len(blocks), length) bytes) per contiguous range of every span of
+    ``view`` on ``rank`` (one range per held unit when the span is strided)."""
     out = []
     b = np.asarray(blocks, dtype=np.int64)[:, None]
     for s in view.spans:
-        j = np.arange(s.length, dtype=np.int64)
         if s.replicated:
-            unit, byte = np.zeros_like(j), j
-        else:
-            start, stop = units_held(s.global_units, geom.tp_size, rank)
-            ub = s.length // (stop - start)
+            j = np.arange(s.length, dtype=np.int64)
+            out.append((s.offset, mix(view_id, s.key, np.zeros_like(j)[None, :], b, j[None, :])))
+            continue
+        start, stop = units_held(s.global_units, geom.tp_size, rank)
+        ub = s.length // (stop - start)
+        ranges = s.ranges(stop - start)
+        if len(ranges) == 1:
+            j = np.arange(s.length, dtype=np.int64)
             unit, byte = start + j // ub, j % ub
-        out.append((s.offset, mix(view_id, s.key, unit[None, :], b, byte[None, :])))
+            out.append((s.offset, mix(view_id, s.key, unit[None, :], b, byte[None, :])))
+            continue
+        j = np.arange(ub, dtype=np.int64)
+        for k, (lo, _) in enumerate(ranges):
+            unit = np.full_like(j, start + k)
+            out.append((lo, mix(view_id, s.key, unit[None, :], b, j[None, :])))
     return out
+
+
+def _fill(buf: U8, view: View, blocks: np.ndarray, pieces: list[tuple[int, U8]]) -> None:
+    """Write each (offset in block, per-block bytes) at ``blocks`` of ``view`` in ``buf``."""
+    starts = np.asarray(blocks, dtype=np.int64) * view.block_stride
+    for off, data in pieces:
+        idx = starts[:, None] + off + np.arange(data.shape[1], dtype=np.int64)[None, :]
+        buf[idx] = data
+
+
+Locate = Callable[[int, int], tuple[U8, int]]
+
+
+def execute_plan(
+    plan: PeerPlan,
+    local_ids: Sequence[np.ndarray],
+    remote_ids: Sequence[np.ndarray],
+    locate: Locate,
+) -> int:
+    """Copy every descriptor pair of a request, as NIXL would; ``locate(address, length)`` gives
+    (buffer, offset) of an address. Returns the number of descriptors."""
+    n = 0
+    for rp in plan.ranks:
+        loc, rem = request_descriptor_ids(rp, local_ids, remote_ids)
+        assert loc.dtype == np.int32
+        assert rem.dtype == np.int32
+        assert len(loc) == len(rem)
+        if rp.notify_only:
+            assert len(loc) == 0
+        for ld, rd in zip(loc.tolist(), rem.tolist(), strict=True):
+            lrow = int(np.searchsorted(rp.local_row_starts, ld, side="right")) - 1
+            rrow = int(np.searchsorted(rp.remote_row_starts, rd, side="right")) - 1
+            assert lrow == rrow, (ld, rd, lrow, rrow)
+            la, ln, _, ls, lc = (int(x) for x in rp.local_rows[lrow])
+            ra, rn, _, rs, rc = (int(x) for x in rp.remote_rows[rrow])
+            lb, rb = ld - int(rp.local_row_starts[lrow]), rd - int(rp.remote_row_starts[rrow])
+            assert ln == rn
+            assert 0 <= lb < lc
+            assert 0 <= rb < rc
+            dst, doff = locate(la + lb * ls, ln)
+            src, soff = locate(ra + rb * rs, rn)
+            dst[doff : doff + ln] = src[soff : soff + rn]
+            n += 1
+    return n
 
 
 @dataclasses.dataclass
@@ -78,16 +131,15 @@ class Cluster:
         self.view_ids = {v.name: i for i, v in enumerate(self.local.views)}
         for d in range(self.local.tp_size):
             for i, v in enumerate(self.local.views):
-                size = v.num_blocks * v.block_stride
+                size = max(v.extent(self.local.tp_size), v.num_blocks * v.block_stride)
                 self.bufs[address(LOCAL, d, i)] = rng.integers(0, 256, size, dtype=np.uint8)
         for p in range(self.remote.tp_size):
             for v in self.remote.views:
                 i = self.view_ids[v.name]
-                buf = np.full(v.num_blocks * v.block_stride, 0xA5, dtype=np.uint8)
-                grid = buf.reshape(v.num_blocks, v.block_stride)
+                size = max(v.extent(self.remote.tp_size), v.num_blocks * v.block_stride)
+                buf = np.full(size, 0xA5, dtype=np.uint8)
                 blocks = np.arange(v.num_blocks)
-                for off, data in span_global_bytes(i, v, self.remote, p, blocks):
-                    grid[:, off : off + data.shape[1]] = data
+                _fill(buf, v, blocks, span_global_bytes(i, v, self.remote, p, blocks))
                 self.bufs[address(REMOTE, p, i)] = buf
 
     def local_geom(self, d: int) -> EngineGeometry:
@@ -128,29 +180,7 @@ class Cluster:
         self, plan: PeerPlan, local_ids: Sequence[np.ndarray], remote_ids: Sequence[np.ndarray]
     ) -> int:
         """Copy every descriptor pair of the request; returns the number of descriptors."""
-        n = 0
-        for rp in plan.ranks:
-            loc, rem = request_descriptor_ids(rp, local_ids, remote_ids)
-            assert loc.dtype == np.int32
-            assert rem.dtype == np.int32
-            assert len(loc) == len(rem)
-            if rp.notify_only:
-                assert len(loc) == 0
-            for ld, rd in zip(loc.tolist(), rem.tolist(), strict=True):
-                lrow = int(np.searchsorted(rp.local_row_starts, ld, side="right")) - 1
-                rrow = int(np.searchsorted(rp.remote_row_starts, rd, side="right")) - 1
-                assert lrow == rrow, (ld, rd, lrow, rrow)
-                la, ln, _, ls, lc = (int(x) for x in rp.local_rows[lrow])
-                ra, rn, _, rs, rc = (int(x) for x in rp.remote_rows[rrow])
-                lb, rb = ld - int(rp.local_row_starts[lrow]), rd - int(rp.remote_row_starts[rrow])
-                assert ln == rn
-                assert 0 <= lb < lc
-                assert 0 <= rb < rc
-                dst, doff = self._locate(la + lb * ls, ln)
-                src, soff = self._locate(ra + rb * rs, rn)
-                dst[doff : doff + ln] = src[soff : soff + rn]
-                n += 1
-        return n
+        return execute_plan(plan, local_ids, remote_ids, self._locate)
 
     def expected_local(
         self,
@@ -171,9 +201,7 @@ class Cluster:
             if len(lids):
                 lk = expand_kernel_ids(lids, v.blocks_per_id)
                 rk = expand_kernel_ids(rids, v.blocks_per_id)
-                grid = buf.reshape(v.num_blocks, v.block_stride)
-                for off, data in span_global_bytes(i, v, self.local, d, rk):
-                    grid[lk, off : off + data.shape[1]] = data
+                _fill(buf, v, lk, span_global_bytes(i, v, self.local, d, rk))
             out[key] = buf
         return out
 

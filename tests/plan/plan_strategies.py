@@ -49,14 +49,14 @@ class Model:
 
 @st.composite
 def layer(
-    draw: st.DrawFn, index: int, num_groups: int, kinds: tuple[str, ...]
+    draw: st.DrawFn, index: int, num_groups: int, kinds: tuple[str, ...], group: int | None = None
 ) -> tuple[str, LayerFn]:
     kind = draw(st.sampled_from(kinds))
     heads = draw(st.sampled_from((1, 2, 4, 8, 16)))
     head_dim = draw(st.integers(1, 4))
     dtype = draw(st.sampled_from((1, 2)))
     block_size = draw(st.integers(1, 4))
-    group = draw(st.integers(0, num_groups - 1))
+    group = draw(st.integers(0, num_groups - 1)) if group is None else group
     bpi = draw(st.sampled_from((1, 1, 2, 3)))
     name = f"layers.{index}"
 
@@ -179,9 +179,12 @@ def layer(
 
 @st.composite
 def models(draw: st.DrawFn, kinds: tuple[str, ...] = KINDS, max_layers: int = 3) -> Model:
-    num_groups = draw(st.integers(1, 2))
     n = draw(st.integers(1, max_layers))
-    layers = tuple(draw(layer(i, num_groups, kinds)) for i in range(n))
+    num_groups = draw(st.integers(1, min(2, n)))
+    # the first layers route every group once (a group no view routes to is refused)
+    layers = tuple(
+        draw(layer(i, num_groups, kinds, i if i < num_groups else None)) for i in range(n)
+    )
     return Model(layers=layers, num_groups=num_groups)
 
 

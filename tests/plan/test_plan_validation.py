@@ -149,8 +149,8 @@ def test_compatibility_lists_every_mismatch() -> None:
         "view only_remote: missing on local",
         "view l1 groups: local (0,), remote (1,)",
         "view l1 blocks_per_id: local 1, remote 2",
-        "view l1 span kv unit bytes: local 32, remote 64",
-        "view l3 span kv global_units: local 8, remote 4",
+        "view l1 span t0.kv unit bytes: local 16, remote 32",
+        "view l3 span t0.kv global_units: local 8, remote 4",
         "view l4 span keys: local ['a', 'b'], remote ['a', 'c']",
     ):
         assert needle in text, needle
@@ -161,7 +161,7 @@ def test_compatibility_lists_every_mismatch() -> None:
     # span signatures are TP independent
     g2 = EngineGeometry(engine_id="a", tp_rank=0, tp_size=2, views=(_packed(2),))
     g8 = EngineGeometry(engine_id="b", tp_rank=3, tp_size=8, views=(_packed(8),))
-    assert span_signature(g2) == span_signature(g8) == ("l0/kv:8:32",)
+    assert span_signature(g2) == span_signature(g8) == ("l0/t0.kv:8:16", "l0/t1.kv:8:16")
     with pytest.raises(IncompatibleError):
         build_peer_plan(local=local, remote=remote, local_bases={}, remote_bases={})
 
@@ -288,6 +288,7 @@ def test_plan_imports_only_allowed_modules() -> None:
         "dataclasses",
         "enum",
         "itertools",
+        "math",
         "typing",
         "numpy",
         "kvsidecar",

@@ -178,7 +178,7 @@ async def open_pair(tmp_path: Path, **settings: Any) -> AsyncIterator[Pair]:
 async def next_event(client: AsyncSidecarClient, timeout_s: float = 5.0) -> Event:
     async def first() -> Event:
         while True:
-            status = await client.status(max_events=1)
+            status = await client.status(max_events=1, drain=True)
             if status.events:
                 return status.events[0]
             await asyncio.sleep(0.01)

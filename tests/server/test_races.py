@@ -18,6 +18,7 @@ from kvsidecar import errors
 from kvsidecar.client import (
     AsyncSidecarClient,
     Event,
+    FailReason,
     PlanInfo,
     ReadPosted,
     RecvDone,
@@ -38,7 +39,7 @@ async def _settled(node: Node, timeout_s: float = 5.0) -> SidecarStatus:
 
     async def idle() -> SidecarStatus:
         while True:
-            status = await node.client.status(drain=False)
+            status = await node.client.status()
             if status.reads_in_flight == 0:
                 return status
             await asyncio.sleep(0.02)
@@ -48,7 +49,7 @@ async def _settled(node: Node, timeout_s: float = 5.0) -> SidecarStatus:
 
 async def _watch_connected(client: AsyncSidecarClient) -> None:
     for _ in range(500):
-        if (await client.status(drain=False)).watch_connected:
+        if (await client.status()).watch_connected:
             return
         await asyncio.sleep(0.01)
     pytest.fail("the Watch stream never connected")
@@ -172,7 +173,7 @@ async def test_read_during_reregistration(
         assert isinstance(b, (ReadPosted, errors.FailedPreconditionError))
         await _settled(decode)
     assert _poller_failures(caplog) == []
-    status = await decode.client.status()
+    status = await decode.client.status(drain=True)
     assert (status.epoch, status.ready) == (registered.epoch, True)
     # A failed with the old registration; its event belongs to that registration only (nobody
     # watched it), so the new registration never sees it: counted, not delivered.
@@ -205,7 +206,7 @@ async def test_handshake_while_reregistration_releases_peers(
     registered = await decode.register()
     (outcome,) = await asyncio.gather(*spawned, return_exceptions=True)
     assert isinstance(outcome, (PlanInfo, errors.FailedPreconditionError)), outcome
-    status = await decode.client.status(drain=False)
+    status = await decode.client.status()
     assert (status.engine_id, status.epoch, status.ready) == ("decode", registered.epoch, True)
     assert len(decode.backend.regions()) == 1  # only the new registration's memory
     await _read_eventually(pair, "after")
@@ -226,8 +227,9 @@ async def test_handshake_cancelled_mid_add_agent_leaks_no_agent(
 
 
 async def test_read_waiting_on_a_cancelled_handshake_fails_promptly(tmp_path: Path) -> None:
-    """Re-registration cancels a handshake stuck on a silent endpoint; the waiting Read gets a typed
-    error then, not after the (long) handshake timeout."""
+    """Re-registration cancels a handshake stuck on a silent endpoint; the read waiting for it
+    ends then (RECV_FAILED, to the registration that made it), not after the (long) handshake
+    timeout."""
     async with open_pair(tmp_path, handshake_timeout_s=60) as pair:
         accepted: list[asyncio.StreamWriter] = []
 
@@ -237,21 +239,32 @@ async def test_read_waiting_on_a_cancelled_handshake_fails_promptly(tmp_path: Pa
         server = await asyncio.start_server(silent, "127.0.0.1", 0)
         try:
             port = server.sockets[0].getsockname()[1]
-            read = asyncio.ensure_future(
-                pair.decode.client.read(
-                    "x",
-                    remote_engine_id="silent",
-                    remote_request_id="x",
-                    local_block_ids=[[1]],
-                    remote_block_ids=[[1]],
-                    endpoints=[f"127.0.0.1:{port}"],
-                )
+            events = pair.decode.client.watch()
+            first = asyncio.ensure_future(anext(events))
+            for _ in range(500):  # the Watch of this registration is open
+                if (await pair.decode.client.status()).watch_connected:
+                    break
+                await asyncio.sleep(0.01)
+            posted = await pair.decode.client.read(
+                "x",
+                remote_engine_id="silent",
+                remote_request_id="x",
+                local_block_ids=[[1]],
+                remote_block_ids=[[1]],
+                endpoints=[f"127.0.0.1:{port}"],
             )
+            assert posted.handshaking
             await asyncio.sleep(0.3)
-            assert not read.done()
+            status = await pair.decode.client.status()
+            assert (status.reads_in_flight, status.counters["reads_failed"]) == (1, 0)
             await pair.decode.register()
-            with pytest.raises(errors.FailedPreconditionError):
-                await asyncio.wait_for(read, 10)  # far below the 60 s handshake timeout
+            # far below the 60 s handshake timeout
+            event = await asyncio.wait_for(first, 10)
+            assert isinstance(event, RecvFailed), event
+            assert event.request_id == "x"
+            assert event.reason in (FailReason.ENGINE_GONE, FailReason.HANDSHAKE), event
+            status = await pair.decode.client.status()
+            assert (status.reads_in_flight, status.counters["reads_failed"]) == (0, 1)
         finally:
             for writer in accepted:
                 writer.close()
@@ -287,7 +300,7 @@ async def test_stale_watch_closing_late_keeps_the_new_registration(tmp_path: Pat
             await _watch_connected(new)
             await old.aclose()
             await asyncio.sleep(0.2)
-            status = await new.status(drain=False)
+            status = await new.status()
             assert (status.engine_id, status.epoch, status.ready) == (
                 "decode",
                 registered.epoch,
