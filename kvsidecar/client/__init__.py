@@ -2,7 +2,9 @@
 
     from kvsidecar.client import SharedMemoryExport, SidecarClient, RecvDone
 
-Layout helpers that describe a KV cache as views live in ``kvsidecar.plan`` (``hnd_kv_views``, ...).
+Views of the engine's own tensors (any vLLM memory order, MLA, Mamba states) come from
+``attention_view_from_tensor``, ``latent_view_from_tensor`` and ``state_view_from_tensors``; layout
+helpers that need no tensor live in ``kvsidecar.plan`` (``vllm_attention_views``, ...).
 A local cluster of real sidecars to test an integration against is in ``kvsidecar.testing``.
 """
 
@@ -10,6 +12,11 @@ from kvsidecar.client.aio import AsyncSidecarClient
 from kvsidecar.client.export import SharedMemoryExport, export_cuda_tensor, export_cupy_array
 from kvsidecar.client.requests import BlockIdGroups, ReadSpec
 from kvsidecar.client.sync import SidecarClient
+from kvsidecar.client.tensors import (
+    attention_view_from_tensor,
+    latent_view_from_tensor,
+    state_view_from_tensors,
+)
 from kvsidecar.types import (
     Event,
     FailReason,
@@ -43,6 +50,9 @@ __all__ = [
     "SharedMemoryExport",
     "SidecarClient",
     "SidecarStatus",
+    "attention_view_from_tensor",
     "export_cuda_tensor",
     "export_cupy_array",
+    "latent_view_from_tensor",
+    "state_view_from_tensors",
 ]

@@ -74,8 +74,9 @@ class RankPlan:
     """What local rank reads from (or notifies) remote rank ``remote_rank``.
 
     ``expected_consumers``: notifications remote rank ``remote_rank`` expects for one request across
-    all local ranks (carried in this rank's notification). ``bytes_per_block``: bytes read per view
-    block index, summed over all rows (one kernel block of every view). Arrays are read-only.
+    all local ranks (carried in this rank's notification). ``bytes_per_block``: bytes read per
+    logical block id, i.e. for one id of every group: each row's length times its view's
+    ``blocks_per_id``, summed. Arrays are read-only.
     """
 
     remote_rank: int
@@ -294,7 +295,7 @@ def build_peer_plan(
                 remote_rank=p,
                 role=RankRole.READ,
                 expected_consumers=consumers[p],
-                bytes_per_block=int(lengths.sum()),
+                bytes_per_block=int((lengths * bpi).sum()),
                 local_rows=_frozen(local_rows),
                 remote_rows=_frozen(remote_rows),
                 row_views=tuple(vi.tolist()),

@@ -21,6 +21,7 @@ from kvsidecar.engine.model import Endpoints, ReadCommand
 from kvsidecar.errors import InvalidArgumentError, KvSidecarError
 from kvsidecar.limits import (
     MAX_GROUPS,
+    MAX_ID_CHARS,
     MAX_IDS_PER_GROUP,
     MAX_LEASE_S,
     MAX_MEMORIES,
@@ -177,7 +178,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         kind = request.WhichOneof("kind")
         if kind == "hold":
             h = request.hold
-            check_id("hold.request_id", h.request_id)
+            check_chars("hold.request_id", h.request_id, MAX_ID_CHARS)
             check_chars("hold.token", h.token)
             check_duration("hold.lease_s", h.lease_s, MAX_LEASE_S)
             check_count("hold.block_ids", h.block_ids, MAX_GROUPS)
@@ -187,7 +188,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             token = self._core.hold(h.request_id, h.lease_s or None, block_ids, h.token)
             return engine_pb2.NotifyResponse(token=token)
         if kind == "release":
-            check_id("release.request_id", request.release.request_id)
+            check_chars("release.request_id", request.release.request_id, MAX_ID_CHARS)
             self._core.producer.release(request.release.request_id)
             return engine_pb2.NotifyResponse()
         if kind == "consumed":

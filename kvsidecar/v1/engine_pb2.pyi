@@ -34,11 +34,16 @@ class RegisterEngineRequest(_message.Message):
     NUM_GROUPS_FIELD_NUMBER: _builtins.int
     TAKEOVER_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
-    """Engine identity, the same on every rank of the engine."""
+    """Engine identity, the same on every rank of the engine.
+    Non-empty, at most 1024 characters.
+    """
     tp_rank: _builtins.int
     tp_size: _builtins.int
+    """At most 1024."""
     num_groups: _builtins.int
-    """Number of KV-cache groups; requests carry one id list per group. 0 is read as 1."""
+    """Number of KV-cache groups; requests carry one id list per group. 0 is read as 1.
+    At most 64, and every group must be the first group of some view.
+    """
     takeover: _builtins.bool
     """Replace a registration whose Watch stream is still open (a live engine). Without it such a
     RegisterEngine is refused with FAILED_PRECONDITION: a second process that can reach the socket
@@ -46,12 +51,18 @@ class RegisterEngineRequest(_message.Message):
     dropped) needs no flag.
     """
     @_builtins.property
-    def views(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.View]: ...
+    def views(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.View]:
+        """At most 16384 views, 8192 spans per view, 131072 spans in all."""
+
     @_builtins.property
-    def memories(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.Memory]: ...
+    def memories(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.Memory]:
+        """At most 64 (each is a mapping and a file descriptor in the sidecar)."""
+
     @_builtins.property
     def peer_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """PeerService address of rank r of this engine at index r (optional; enables GetEngine)."""
+        """PeerService address of rank r of this engine at index r (optional; enables GetEngine).
+        Empty or exactly tp_size entries, in rank order; each at most 256 characters.
+        """
 
     @_builtins.property
     def compat(self) -> _geometry_pb2.Compat: ...
@@ -122,11 +133,13 @@ class HandshakeRequest(_message.Message):
     REMOTE_ENDPOINTS_FIELD_NUMBER: _builtins.int
     REMOTE_ENDPOINT_FIELD_NUMBER: _builtins.int
     remote_engine_id: _builtins.str
+    """Non-empty, at most 1024 characters."""
     remote_endpoint: _builtins.str
     @_builtins.property
     def remote_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """PeerService addresses of the remote engine's ranks, indexed by rank. Either this, or
         remote_endpoint (any one rank; the rest comes from GetEngine).
+        In rank order (entry i is rank i's PeerService address); at most 1024 entries of at most 256 characters each, like remote_endpoint.
         """
 
     def __init__(
@@ -159,7 +172,9 @@ class RemoteRankPlan(_message.Message):
     rows: _builtins.int
     """Strided descriptor rows read from this rank per request (0 for notify-only ranks)."""
     bytes_per_block: _builtins.int
-    """Bytes read from this rank per (logical) block id."""
+    """Bytes read from this rank per logical block id (one id of every group; a view with
+    blocks_per_id = k counts k kernel blocks).
+    """
     notify_only: _builtins.bool
     """True when this local rank reads nothing from the remote rank but must notify it."""
     expected_consumers: _builtins.int
@@ -256,6 +271,7 @@ class PlanRequest(_message.Message):
 
     REMOTE_ENGINE_ID_FIELD_NUMBER: _builtins.int
     remote_engine_id: _builtins.str
+    """Non-empty, at most 1024 characters."""
     def __init__(
         self,
         *,
@@ -283,22 +299,31 @@ class ReadRequest(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _builtins.int
     REMOTE_TOKEN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Local (consumer) request id; unique among in-flight reads."""
+    """Local (consumer) request id; unique among in-flight reads.
+    Non-empty, at most 1024 characters; unique per registration: an id in flight, or one of the last 65536 ended reads' ids, is ALREADY_EXISTS (so a retry is never read, or reported, twice).
+    """
     remote_engine_id: _builtins.str
+    """Non-empty, at most 1024 characters."""
     remote_request_id: _builtins.str
-    """The producer's request id (what the producer's engine used in HOLD)."""
+    """The producer's request id (what the producer's engine used in HOLD).
+    Non-empty, at most 1024 characters.
+    """
     remote_endpoint: _builtins.str
     deadline_s: _builtins.float
-    """Deadline for the whole read, in seconds; 0 = the sidecar's default."""
+    """Deadline for the whole read, in seconds; 0 = the sidecar's default.
+    Finite, in [0, 3600] s.
+    """
     remote_token: _builtins.str
     """The producer's hold token (from the producer engine's HOLD, passed along with the transfer
     parameters). Without the right token the producer refuses to confirm the read (RECV_FAILED
     STALE) and does not count it.
+    At most 256 characters.
     """
     @_builtins.property
     def local_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.BlockIds]:
         """Local block ids, one list per KV-cache group. An empty list in every group = full prefix hit
         (notify only).
+        One entry per group (at most 64), each at most 1048576 ids.
         """
 
     @_builtins.property
@@ -307,7 +332,9 @@ class ReadRequest(_message.Message):
 
     @_builtins.property
     def remote_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Remote endpoints, if no handshake happened yet (see HandshakeRequest)."""
+        """Remote endpoints, if no handshake happened yet (see HandshakeRequest).
+        In rank order (entry i is rank i's PeerService address); at most 1024 entries of at most 256 characters each, like remote_endpoint.
+        """
 
     def __init__(
         self,
@@ -461,19 +488,26 @@ class Hold(_message.Message):
     LEASE_S_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """The producer's request id; consumers name it as remote_request_id."""
+    """The producer's request id; consumers name it as remote_request_id.
+    Non-empty, at most 1024 characters.
+    """
     lease_s: _builtins.float
-    """Lease in seconds; 0 = the sidecar's default."""
+    """Lease in seconds; 0 = the sidecar's default.
+    Finite, in [0, 86400] s.
+    """
     token: _builtins.str
     """The hold's token: the secret a consumer must present (Read.remote_token, Consumed, Heartbeat)
     for its notifications to count. Empty = the sidecar generates one and returns it in
     NotifyResponse.token. An engine with TP > 1 chooses one token per request (16-256 printable
     ASCII characters, e.g. secrets.token_urlsafe(24)) and holds it on every rank, so that one token
     in the transfer parameters covers every producer rank.
+    At most 256 characters.
     """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.BlockIds]:
-        """Block ids the engine keeps for the request, one list per group (informational)."""
+        """Block ids the engine keeps for the request, one list per group (informational).
+        At most 64 groups of at most 1048576 ids.
+        """
 
     def __init__(
         self,
@@ -497,6 +531,7 @@ class Release(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    """Non-empty, at most 1024 characters."""
     def __init__(
         self,
         *,
@@ -520,6 +555,7 @@ class Consumed(_message.Message):
     REMOTE_ENDPOINT_FIELD_NUMBER: _builtins.int
     REMOTE_TOKEN_FIELD_NUMBER: _builtins.int
     remote_engine_id: _builtins.str
+    """Non-empty, at most 1024 characters; remote_request_id likewise; endpoints as in ReadRequest; remote_token at most 256 characters."""
     remote_request_id: _builtins.str
     remote_endpoint: _builtins.str
     remote_token: _builtins.str
@@ -551,8 +587,11 @@ class Heartbeat(_message.Message):
     REMOTE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     REMOTE_TOKENS_FIELD_NUMBER: _builtins.int
     remote_engine_id: _builtins.str
+    """Non-empty, at most 1024 characters."""
     @_builtins.property
-    def remote_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def remote_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """At most 4096 ids of at most 1024 characters; remote_tokens likewise (256 characters each)."""
+
     @_builtins.property
     def remote_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The hold token of each remote request, in the same order (a lease whose token does not match

@@ -26,7 +26,12 @@ if _version_not_supported:
 
 
 class EngineServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Bounds: every repeated field and string a caller sends is bounded (the comments on each field
+    give the number; kvsidecar/limits.py holds them). A value past its bound is INVALID_ARGUMENT,
+    with a message naming the field, the value (or its size) and the bound; the daemon never builds
+    anything for it.
+
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -77,7 +82,12 @@ class EngineServiceStub:
 
 
 class EngineServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Bounds: every repeated field and string a caller sends is bounded (the comments on each field
+    give the number; kvsidecar/limits.py holds them). A value past its bound is INVALID_ARGUMENT,
+    with a message naming the field, the value (or its size) and the bound; the daemon never builds
+    anything for it.
+
+    """
 
     def RegisterEngine(self, request, context):
         """Import memory, register it with NIXL, build local rows. Re-registering bumps the epoch: the
@@ -103,8 +113,10 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Read(self, request, context):
-        """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event,
-        which may arrive before this call returns (same-host READs complete while being posted).
+        """Validate and accept a read; never waits for the network. With a handshaken remote engine the
+        NIXL READs are posted before it returns; otherwise the handshake and the post happen in the
+        background (ReadResponse.handshaking). Completion is exactly one Event, which may arrive
+        before this call returns (same-host READs complete while being posted).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,8 +124,8 @@ class EngineServiceServicer:
 
     def ReadBatch(self, request, context):
         """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
-        and posted on its own, in order; one failing never affects the others. Saves one gRPC round
-        trip per read.
+        and accepted on its own, in order, as Read does (none waits for a handshake); one failing
+        never affects the others. Saves one gRPC round trip per read. At most 4096 reads.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,7 +139,8 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """Drain events and read state (polling alternative to Watch).
+        """Read state and counters; with drain_events also take queued events (the polling alternative
+        to Watch). Never takes events unless asked.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -194,7 +207,12 @@ def add_EngineServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class EngineService:
-    """Missing associated documentation comment in .proto file."""
+    """Bounds: every repeated field and string a caller sends is bounded (the comments on each field
+    give the number; kvsidecar/limits.py holds them). A value past its bound is INVALID_ARGUMENT,
+    with a message naming the field, the value (or its size) and the bound; the daemon never builds
+    anything for it.
+
+    """
 
     @staticmethod
     def RegisterEngine(request,

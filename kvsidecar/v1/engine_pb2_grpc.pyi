@@ -27,6 +27,12 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class EngineServiceStub:
+    """Bounds: every repeated field and string a caller sends is bounded (the comments on each field
+    give the number; kvsidecar/limits.py holds them). A value past its bound is INVALID_ARGUMENT,
+    with a message naming the field, the value (or its size) and the bound; the daemon never builds
+    anything for it.
+    """
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
@@ -41,18 +47,22 @@ class EngineServiceStub:
     Plan: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PlanRequest, _engine_pb2.PlanResponse]
     """Explain the plan against a remote engine (handshakes first if needed)."""
     Read: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ReadRequest, _engine_pb2.ReadResponse]
-    """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event,
-    which may arrive before this call returns (same-host READs complete while being posted).
+    """Validate and accept a read; never waits for the network. With a handshaken remote engine the
+    NIXL READs are posted before it returns; otherwise the handshake and the post happen in the
+    background (ReadResponse.handshaking). Completion is exactly one Event, which may arrive
+    before this call returns (same-host READs complete while being posted).
     """
     ReadBatch: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ReadBatchRequest, _engine_pb2.ReadBatchResponse]
     """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
-    and posted on its own, in order; one failing never affects the others. Saves one gRPC round
-    trip per read.
+    and accepted on its own, in order, as Read does (none waits for a handshake); one failing
+    never affects the others. Saves one gRPC round trip per read. At most 4096 reads.
     """
     Notify: _grpc.UnaryUnaryMultiCallable[_engine_pb2.NotifyRequest, _engine_pb2.NotifyResponse]
     """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer)."""
     Status: _grpc.UnaryUnaryMultiCallable[_engine_pb2.StatusRequest, _engine_pb2.StatusResponse]
-    """Drain events and read state (polling alternative to Watch)."""
+    """Read state and counters; with drain_events also take queued events (the polling alternative
+    to Watch). Never takes events unless asked.
+    """
     Watch: _grpc.UnaryStreamMultiCallable[_engine_pb2.WatchRequest, _engine_pb2.Event]
     """Stream of events. Holding it open is the engine's liveness lock: when it drops, the
     registration it was opened for is released. One stream at a time (ALREADY_EXISTS otherwise);
@@ -61,6 +71,12 @@ class EngineServiceStub:
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
+    """Bounds: every repeated field and string a caller sends is bounded (the comments on each field
+    give the number; kvsidecar/limits.py holds them). A value past its bound is INVALID_ARGUMENT,
+    with a message naming the field, the value (or its size) and the bound; the daemon never builds
+    anything for it.
+    """
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterEngine: _aio.UnaryUnaryMultiCallable[_engine_pb2.RegisterEngineRequest, _engine_pb2.RegisterEngineResponse]  # type: ignore[assignment]
     """Import memory, register it with NIXL, build local rows. Re-registering bumps the epoch: the
@@ -72,18 +88,22 @@ class EngineServiceAsyncStub(EngineServiceStub):
     Plan: _aio.UnaryUnaryMultiCallable[_engine_pb2.PlanRequest, _engine_pb2.PlanResponse]  # type: ignore[assignment]
     """Explain the plan against a remote engine (handshakes first if needed)."""
     Read: _aio.UnaryUnaryMultiCallable[_engine_pb2.ReadRequest, _engine_pb2.ReadResponse]  # type: ignore[assignment]
-    """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event,
-    which may arrive before this call returns (same-host READs complete while being posted).
+    """Validate and accept a read; never waits for the network. With a handshaken remote engine the
+    NIXL READs are posted before it returns; otherwise the handshake and the post happen in the
+    background (ReadResponse.handshaking). Completion is exactly one Event, which may arrive
+    before this call returns (same-host READs complete while being posted).
     """
     ReadBatch: _aio.UnaryUnaryMultiCallable[_engine_pb2.ReadBatchRequest, _engine_pb2.ReadBatchResponse]  # type: ignore[assignment]
     """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
-    and posted on its own, in order; one failing never affects the others. Saves one gRPC round
-    trip per read.
+    and accepted on its own, in order, as Read does (none waits for a handshake); one failing
+    never affects the others. Saves one gRPC round trip per read. At most 4096 reads.
     """
     Notify: _aio.UnaryUnaryMultiCallable[_engine_pb2.NotifyRequest, _engine_pb2.NotifyResponse]  # type: ignore[assignment]
     """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer)."""
     Status: _aio.UnaryUnaryMultiCallable[_engine_pb2.StatusRequest, _engine_pb2.StatusResponse]  # type: ignore[assignment]
-    """Drain events and read state (polling alternative to Watch)."""
+    """Read state and counters; with drain_events also take queued events (the polling alternative
+    to Watch). Never takes events unless asked.
+    """
     Watch: _aio.UnaryStreamMultiCallable[_engine_pb2.WatchRequest, _engine_pb2.Event]  # type: ignore[assignment]
     """Stream of events. Holding it open is the engine's liveness lock: when it drops, the
     registration it was opened for is released. One stream at a time (ALREADY_EXISTS otherwise);
@@ -91,6 +111,12 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Bounds: every repeated field and string a caller sends is bounded (the comments on each field
+    give the number; kvsidecar/limits.py holds them). A value past its bound is INVALID_ARGUMENT,
+    with a message naming the field, the value (or its size) and the bound; the daemon never builds
+    anything for it.
+    """
+
     @_abc_1.abstractmethod
     def RegisterEngine(
         self,
@@ -124,8 +150,10 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.ReadRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.ReadResponse, _abc.Awaitable[_engine_pb2.ReadResponse]]:
-        """Validate, handshake if needed, post NIXL READs; returns when posted. Completion is an Event,
-        which may arrive before this call returns (same-host READs complete while being posted).
+        """Validate and accept a read; never waits for the network. With a handshaken remote engine the
+        NIXL READs are posted before it returns; otherwise the handshake and the post happen in the
+        background (ReadResponse.handshaking). Completion is exactly one Event, which may arrive
+        before this call returns (same-host READs complete while being posted).
         """
 
     @_abc_1.abstractmethod
@@ -135,8 +163,8 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.ReadBatchResponse, _abc.Awaitable[_engine_pb2.ReadBatchResponse]]:
         """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
-        and posted on its own, in order; one failing never affects the others. Saves one gRPC round
-        trip per read.
+        and accepted on its own, in order, as Read does (none waits for a handshake); one failing
+        never affects the others. Saves one gRPC round trip per read. At most 4096 reads.
         """
 
     @_abc_1.abstractmethod
@@ -153,7 +181,9 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.StatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.StatusResponse, _abc.Awaitable[_engine_pb2.StatusResponse]]:
-        """Drain events and read state (polling alternative to Watch)."""
+        """Read state and counters; with drain_events also take queued events (the polling alternative
+        to Watch). Never takes events unless asked.
+        """
 
     @_abc_1.abstractmethod
     def Watch(

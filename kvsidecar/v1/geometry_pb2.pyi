@@ -20,7 +20,10 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class Span(_message.Message):
-    """A contiguous byte range inside one block of a view."""
+    """The bytes of one piece of logical data in a block: units_held units of length / units_held
+    bytes each, adjacent or unit_stride apart. docs/geometry.md specifies views, spans, keys, units
+    and the sharding rule language-neutrally, with a worked example per layout.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -33,6 +36,7 @@ class Span(_message.Message):
     """Names the logical data ("kv", "t3.kv", "latent", "conv.x", "ssm", ...). The same key on two
     ranks or engines means the same logical data. The keys every helper uses, and how to build the
     same spans from any language, are specified in docs/geometry.md.
+    At most 256 characters.
     """
     offset: _builtins.int
     """Offset of the span (of its first held unit) from the start of the block, in bytes."""
@@ -41,6 +45,7 @@ class Span(_message.Message):
     global_units: _builtins.int
     """Number of units (KV heads, channels, SSM heads) of the span in the *unsharded* model.
     0 = replicated: every rank holds the whole span.
+    At most 65536.
     """
     unit_stride: _builtins.int
     """Bytes from one held unit to the next; 0 = contiguous (unit k at offset + k * length / held).
@@ -81,9 +86,13 @@ class View(_message.Message):
     BLOCKS_PER_ID_FIELD_NUMBER: _builtins.int
     SPANS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Stable name, the same on every rank and engine (e.g. "layers.7.attn")."""
+    """Stable name, the same on every rank and engine (e.g. "layers.7.attn").
+    At most 256 characters.
+    """
     memory_id: _builtins.str
-    """Id of the memory (RegisterEngineRequest.memories[].id) that holds the blocks."""
+    """Id of the memory (RegisterEngineRequest.memories[].id) that holds the blocks.
+    At most 256 characters.
+    """
     offset: _builtins.int
     """Offset of block 0 from the start of that memory, in bytes."""
     num_blocks: _builtins.int
@@ -96,11 +105,15 @@ class View(_message.Message):
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """KV-cache groups whose block ids index this view (indexes into the request's per-group id lists)."""
+        """KV-cache groups whose block ids index this view (indexes into the request's per-group id lists).
+        At most 64 entries.
+        """
 
     @_builtins.property
     def spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___Span]:
-        """Layout of one block."""
+        """Layout of one block.
+        At most 8192 per view.
+        """
 
     def __init__(
         self,
@@ -130,7 +143,9 @@ class HostShm(_message.Message):
 
     PATH_FIELD_NUMBER: _builtins.int
     path: _builtins.str
-    """Absolute path of the file. Must lie under one of the sidecar's allowed shm roots."""
+    """Absolute path of the file. Must lie under one of the sidecar's allowed shm roots.
+    At most 4096 characters.
+    """
     def __init__(
         self,
         *,
@@ -156,7 +171,9 @@ class CudaIpc(_message.Message):
     handle: _builtins.bytes
     """The 64-byte cudaIpcMemHandle_t."""
     device_uuid: _builtins.str
-    """UUID of the GPU that owns the allocation ("GPU-xxxxxxxx-..."); the sidecar never uses indices."""
+    """UUID of the GPU that owns the allocation ("GPU-xxxxxxxx-..."); the sidecar never uses indices.
+    At most 256 characters.
+    """
     offset: _builtins.int
     """Offset of the exported tensor from the allocation base, in bytes."""
     def __init__(
@@ -185,7 +202,9 @@ class Memory(_message.Message):
     HOST_SHM_FIELD_NUMBER: _builtins.int
     CUDA_IPC_FIELD_NUMBER: _builtins.int
     id: _builtins.str
-    """Engine-chosen id, unique within one RegisterEngine call."""
+    """Engine-chosen id, unique within one RegisterEngine call.
+    At most 256 characters.
+    """
     size: _builtins.int
     """Size of the region the sidecar maps and registers, in bytes (starting at the tensor, i.e. after
     CudaIpc.offset).
@@ -242,12 +261,16 @@ class Compat(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     EXTRA_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """Model identity (name or hash of the architecture and weights)."""
+    """Model identity (name or hash of the architecture and weights).
+    At most 256 characters; dtype likewise.
+    """
     dtype: _builtins.str
     """KV cache dtype ("bfloat16", "fp8_e4m3", ...)."""
     @_builtins.property
     def extra(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Any further items that must match, by name."""
+        """Any further items that must match, by name.
+        At most 64 entries; keys and values at most 256 characters.
+        """
 
     def __init__(
         self,

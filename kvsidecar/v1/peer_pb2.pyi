@@ -27,6 +27,7 @@ class GetAgentRequest(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     TP_RANK_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
+    """At most 1024 characters."""
     tp_rank: _builtins.int
     def __init__(
         self,
@@ -95,7 +96,9 @@ class GetAgentResponse(_message.Message):
     epoch: _builtins.int
     """Registration epoch of the engine; bumps on every RegisterEngine."""
     nixl_agent_metadata: _builtins.bytes
-    """Serialized NIXL agent metadata (nixl_agent.get_agent_metadata())."""
+    """Serialized NIXL agent metadata (nixl_agent.get_agent_metadata()).
+    At most 64 MiB; agent_name, compat_digest and mem_type at most 256 characters; the geometry within the RegisterEngine bounds (a consumer refuses a larger answer).
+    """
     agent_name: _builtins.str
     """NIXL agent name."""
     engine_id: _builtins.str
@@ -141,6 +144,7 @@ class GetEngineRequest(_message.Message):
 
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
+    """At most 1024 characters."""
     def __init__(
         self,
         *,
@@ -167,7 +171,9 @@ class GetEngineResponse(_message.Message):
     epoch: _builtins.int
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """PeerService address ("host:port") of every rank, indexed by rank."""
+        """PeerService address ("host:port") of every rank, indexed by rank.
+        At most 1024 entries of at most 256 characters.
+        """
 
     def __init__(
         self,
@@ -226,7 +232,9 @@ class PeerNotification(_message.Message):
     CONFIRM_FIELD_NUMBER: _builtins.int
     kind: Global___PeerNotification.Kind.ValueType
     remote_request_id: _builtins.str
-    """The producer's request id (the id the producer's engine used in HOLD)."""
+    """The producer's request id (the id the producer's engine used in HOLD).
+    At most 1024 characters; consumer_engine_id likewise.
+    """
     expected_consumers: _builtins.int
     """How many consumer notifications the producer rank should expect for this request in total."""
     epoch: _builtins.int
@@ -237,6 +245,7 @@ class PeerNotification(_message.Message):
     token: _builtins.str
     """The hold's token (READ_DONE, CONSUMED); for a HEARTBEAT, the token of each of
     heartbeat_request_ids in heartbeat_tokens.
+    At most 256 characters; heartbeat_tokens: at most 4096 entries of 256 characters.
     """
     confirm: _builtins.bool
     """READ_DONE: the consumer reports RECV_DONE only on an ACCEPTED outcome, so the producer accepts
@@ -245,7 +254,9 @@ class PeerNotification(_message.Message):
     """
     @_builtins.property
     def heartbeat_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Producer request ids whose leases a HEARTBEAT extends."""
+        """Producer request ids whose leases a HEARTBEAT extends.
+        At most 4096 entries of at most 1024 characters.
+        """
 
     @_builtins.property
     def heartbeat_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -280,7 +291,9 @@ class PeerNotifyRequest(_message.Message):
     engine_id: _builtins.str
     """The producer engine the notifications are for (a sidecar serving another engine refuses them)."""
     @_builtins.property
-    def notifications(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerNotification]: ...
+    def notifications(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerNotification]:
+        """At most 4096 (beyond: INVALID_ARGUMENT naming the field, the count and the bound)."""
+
     def __init__(
         self,
         *,

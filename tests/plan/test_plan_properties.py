@@ -69,7 +69,9 @@ def _check_all(model: Model, t_d: int, t_p: int, nb_d: int, nb_p: int, seed: int
             seen[rp.remote_rank] += 1
             assert rp.expected_consumers == consumers[rp.remote_rank]
             assert rp.notify_only == (rp.num_rows == 0)
-            assert rp.bytes_per_block == int(rp.local_rows[:, 1].sum())
+            # per logical block id: a row of a view with blocks_per_id k moves k kernel blocks
+            per_id = rp.local_rows[:, 1].astype(np.int64) * rp.row_blocks_per_id
+            assert rp.bytes_per_block == int(per_id.sum())
         # rows of one local rank never write overlapping bytes and cover exactly the spans
         for vi, ivs in _local_intervals(cluster, d, plan).items():
             ivs.sort()

@@ -5,6 +5,8 @@ Rows are written as ``(local offset in block, remote offset in block, length)`` 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -378,3 +380,13 @@ def test_nhd_per_token_rows() -> None:
         {0: {0: [(0, 0, 4)] * 2}, 1: {1: [(0, 0, 4)] * 2}},
         (1, 1),
     )
+
+
+def test_bytes_per_block_counts_every_kernel_block_of_a_logical_id() -> None:
+    """Regression: with blocks_per_id=2 the plan reported the bytes of one kernel block per id."""
+    view = dataclasses.replace(packed(1, num_blocks=8), blocks_per_id=2)
+    local, remote = geom("D", 1, (view,)), geom("P", 1, (view,))
+    (rp,) = Cluster(local=local, remote=remote).plan(0).ranks
+    assert rp.bytes_per_block == 2 * view.block_stride
+    loc, _ = request_descriptor_ids(rp, [np.array([3])], [np.array([1])])
+    assert len(loc) * view.block_stride == rp.bytes_per_block  # one id moves exactly that

@@ -313,3 +313,69 @@ def test_plan_imports_only_allowed_modules() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_group_no_view_routes_to_is_refused() -> None:
+    """Ids of a group no view routes to would be silently ignored; and num_groups=2**31 must not
+    build 2**31 of anything."""
+    with pytest.raises(GeometryError, match=r"num_groups=2, but no view routes group 1"):
+        EngineGeometry(engine_id="e", tp_rank=0, tp_size=1, num_groups=2, views=(view("a"),))
+    with pytest.raises(GeometryError, match=r"num_groups=2147483648, but no view routes group 1"):
+        EngineGeometry(engine_id="e", tp_rank=0, tp_size=1, num_groups=2**31, views=(view("a"),))
+    # a view serving groups (1, 0) routes group 1 only: group 0 still needs a view
+    with pytest.raises(GeometryError, match=r"no view routes group 0"):
+        EngineGeometry(
+            engine_id="e", tp_rank=0, tp_size=1, num_groups=2, views=(view("a", groups=(1, 0)),)
+        )
+    EngineGeometry(
+        engine_id="e",
+        tp_rank=0,
+        tp_size=1,
+        num_groups=2,
+        views=(view("a"), view("b", groups=(1,))),
+    )
+
+
+def _strided(offset: int, length: int, units: int, unit_stride: int) -> Span:
+    return Span(key="t0", offset=offset, length=length, global_units=units, unit_stride=unit_stride)
+
+
+@pytest.mark.parametrize(
+    ("spans", "num_blocks", "stride", "problem"),
+    [
+        # units 4 bytes each, 8 apart, inside the 16-byte block: fine
+        ((_strided(0, 8, 2, 8),), 3, 16, None),
+        # units 4 bytes, 12 apart: the second ends at 16 = block_stride: fine
+        ((_strided(0, 8, 2, 12),), 3, 16, None),
+        # heads outside blocks: 48 = num_blocks * block_stride apart: fine
+        ((_strided(0, 8, 2, 48),), 3, 16, None),
+        # 20 apart: past the block but not a whole plane away: blocks would overlap
+        ((_strided(0, 8, 2, 20),), 3, 16, r"less than num_blocks\*block_stride=48 apart"),
+        # units closer than a unit
+        ((_strided(0, 8, 2, 2),), 3, 16, r"less than a unit \(4 bytes\)"),
+        # a unit crossing the block boundary
+        ((_strided(14, 8, 2, 48),), 3, 16, "crosses a block boundary"),
+        # on a replicated span
+        ((Span(key="x", offset=0, length=8, global_units=0, unit_stride=8),), 3, 16, "replicated"),
+        # units of two spans interleave without overlapping: fine
+        ((_strided(0, 8, 2, 8), dataclasses.replace(_strided(4, 8, 2, 8), key="t1")), 3, 16, None),
+        # ... and overlapping
+        (
+            (_strided(0, 8, 2, 8), dataclasses.replace(_strided(2, 8, 2, 8), key="t1")),
+            3,
+            16,
+            "overlap",
+        ),
+    ],
+)
+def test_strided_span_rules(
+    spans: tuple[Span, ...], num_blocks: int, stride: int, problem: str | None
+) -> None:
+    v = view("s", spans=spans, num_blocks=num_blocks, block_stride=stride)
+    if problem is None:  # tp_size 1: every span holds both of its units
+        g = EngineGeometry(engine_id="e", tp_rank=0, tp_size=1, views=(v,))
+        last = max(lo + s.length // 2 + s.unit_stride for s in spans for lo in (s.offset,))
+        assert g.views[0].extent(1) == (num_blocks - 1) * stride + last
+    else:
+        with pytest.raises(GeometryError, match=problem):
+            EngineGeometry(engine_id="e", tp_rank=0, tp_size=1, views=(v,))

@@ -11,7 +11,7 @@ from prometheus_client import Histogram as PromHistogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.engine.stats import POST_BUCKETS, Histogram
-from kvsidecar.errors import BlockIdError, GeometryError, MemoryImportError
+from kvsidecar.errors import BlockIdError, GeometryError, InvalidArgumentError, MemoryImportError
 from kvsidecar.memory.types import CudaIpcSpec, HostShmSpec
 from kvsidecar.metrics import EngineCollector, _histogram
 from kvsidecar.plan import EngineGeometry, hnd_kv_views
@@ -34,6 +34,7 @@ from kvsidecar.wire import engine as wire_engine
 from kvsidecar.wire.geometry import (
     block_ids_from_proto,
     block_ids_to_proto,
+    compat_from_proto,
     geometry_from_proto,
     memory_from_proto,
     memory_to_proto,
@@ -293,3 +294,86 @@ def test_engine_histograms_render_like_prometheus_client() -> None:
 
     mine.register(One())
     assert samples(generate_latest(mine).decode()) == samples(generate_latest(registry).decode())
+
+
+def _bound_error(call: object) -> str:
+    with pytest.raises(InvalidArgumentError) as info:
+        call()  # type: ignore[operator]
+    return str(info.value)
+
+
+def test_every_decoder_enforces_the_limits_naming_field_value_and_bound() -> None:
+    """Sizes past kvsidecar.limits are refused before anything is built (issue: num_groups=2**31
+    built one dict per group; 20k memories stalled the loop)."""
+    span = geometry_pb2.Span(key="k", offset=0, length=8, global_units=1)
+    one = geometry_pb2.View(name="v", memory_id="m", num_blocks=1, block_stride=8, spans=[span])
+
+    def geometry(**kw: object) -> object:
+        args: dict[str, object] = {
+            "engine_id": "e",
+            "tp_rank": 0,
+            "tp_size": 1,
+            "num_groups": 1,
+            "views": [one],
+        }
+        args.update(kw)
+        return lambda: geometry_from_proto(**args)  # type: ignore[arg-type]
+
+    cases = [
+        (geometry(num_groups=2**31), "num_groups=2147483648 exceeds 64"),
+        (geometry(tp_size=2**32 - 1), "tp_size=4294967295 exceeds 1024"),
+        (geometry(engine_id="e" * 2000), "engine_id='eeee"),
+        (geometry(views=[one] * 16385), "views has 16385 entries (at most 16384)"),
+        (
+            geometry(views=[geometry_pb2.View(name="v", spans=[span] * 8193)]),
+            "views[0].spans has 8193 entries (at most 8192)",
+        ),
+        (
+            geometry(views=[geometry_pb2.View(name="v" * 300, spans=[span])]),
+            "is 300 characters long (at most 256)",
+        ),
+        (
+            geometry(
+                views=[
+                    geometry_pb2.View(
+                        name="v", spans=[geometry_pb2.Span(key="k", global_units=70000)]
+                    )
+                ]
+            ),
+            "views[0].spans[0].global_units=70000 exceeds 65536",
+        ),
+        (
+            lambda: block_ids_from_proto("local_block_ids", [geometry_pb2.BlockIds()] * 65),
+            "local_block_ids has 65 entries (at most 64)",
+        ),
+        (
+            lambda: compat_from_proto(geometry_pb2.Compat(extra={str(i): "x" for i in range(65)})),
+            "compat.extra has 65 entries (at most 64)",
+        ),
+        (
+            lambda: notify_request_from_proto(
+                peer_pb2.PeerNotifyRequest(
+                    engine_id="p", notifications=[peer_pb2.PeerNotification()] * 4097
+                )
+            ),
+            "notifications has 4097 entries (at most 4096)",
+        ),
+        (
+            lambda: notify_request_from_proto(
+                peer_pb2.PeerNotifyRequest(
+                    engine_id="p",
+                    notifications=[peer_pb2.PeerNotification(remote_request_id="r" * 1025)],
+                )
+            ),
+            "is 1025 characters long (at most 1024)",
+        ),
+        (
+            lambda: agent_info_from_proto(
+                peer_pb2.GetAgentResponse(nixl_agent_metadata=b"x" * ((64 << 20) + 1))
+            ),
+            f"nixl_agent_metadata has {(64 << 20) + 1} entries (at most {64 << 20})",
+        ),
+    ]
+    for call, fragment in cases:
+        msg = _bound_error(call)
+        assert fragment in msg, (fragment, msg)
