@@ -22,6 +22,9 @@ class InvalidArgumentError(KvSidecarError):
     """The caller sent a value that can never be valid (maps to INVALID_ARGUMENT)."""
 
 
+MAX_PROBLEMS_SHOWN = 20  # problems a GeometryError's message lists (all are in ``problems``)
+
+
 class GeometryError(InvalidArgumentError):
     """A geometry (views, spans, TP) is malformed. ``problems`` lists every problem found."""
 
@@ -29,7 +32,9 @@ class GeometryError(InvalidArgumentError):
         if isinstance(problems, str):
             problems = (problems,)
         self.problems: tuple[str, ...] = tuple(problems)
-        super().__init__("; ".join(self.problems))
+        shown = "; ".join(self.problems[:MAX_PROBLEMS_SHOWN])
+        more = len(self.problems) - MAX_PROBLEMS_SHOWN
+        super().__init__(shown + (f"; ... and {more} more problems" if more > 0 else ""))
 
 
 class BlockIdError(InvalidArgumentError):

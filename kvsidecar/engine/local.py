@@ -55,12 +55,16 @@ class Registration:
 
 def _check_views_fit(geometry: EngineGeometry, sizes: Mapping[str, int]) -> None:
     problems: list[str] = []
+    ids = sorted(sizes)
+    known = ", ".join(repr(m[:64]) for m in ids[:8]) + (
+        f", ... ({len(ids)} in all)" if len(ids) > 8 else ""
+    )
     for i, view in enumerate(geometry.views):
         size = sizes.get(view.memory_id)
         if size is None:
             problems.append(
                 f"views[{i}] ({view.name}).memory_id={view.memory_id!r} names no memory "
-                f"(memories: {sorted(sizes)})"
+                f"(memories: {known})"
             )
             continue
         end = view.offset + view.extent(geometry.tp_size)

@@ -34,7 +34,7 @@ from kvsidecar.limits import (
     check_id,
     check_max,
 )
-from kvsidecar.rpc.status import errors_to_status, status_for
+from kvsidecar.rpc.status import errors_to_status, status_for, status_message
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire.engine import (
     event_to_proto,
@@ -164,7 +164,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 code = status_for(exc)
                 results.append(
                     engine_pb2.ReadResult(
-                        request_id=read.request_id, code=code.value[0], message=f"reads[{i}]: {exc}"
+                        request_id=read.request_id,
+                        code=code.value[0],
+                        message=status_message(KvSidecarError(f"reads[{i}]: {exc}")),
                     )
                 )
             else:
@@ -230,7 +232,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         try:
             queue, binding = self._core.events.subscribe(local.epoch if local else None)
         except KvSidecarError as exc:
-            await context.abort(status_for(exc), str(exc))
+            await context.abort(status_for(exc), status_message(exc))
             return
         log.info("engine Watch stream opened (epoch %s)", binding.epoch)
         clean = False

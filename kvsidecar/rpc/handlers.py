@@ -18,28 +18,36 @@ from google.protobuf import descriptor, message, message_factory
 log = logging.getLogger(__name__)
 
 
-async def _parse(cls: type[message.Message], raw: bytes, context: Any) -> message.Message:
+def _parse(cls: type[message.Message], raw: bytes, context: Any) -> message.Message | None:
+    """The request, or ``None`` with the call's status set to INVALID_ARGUMENT. No abort is raised:
+    a raised abort keeps the frames holding ``raw`` alive (see ``rpc.status``)."""
     request = cls()
     try:
         request.ParseFromString(raw)
     except message.DecodeError as exc:
         log.debug("undecodable %s: %s", cls.__name__, exc)
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {cls.__name__}: {exc}"
-        )
+        context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+        context.set_details(f"request is not a valid {cls.__name__}: {exc}")
+        return None
     return request
 
 
 def _unary(impl: Callable[..., Awaitable[Any]], cls: type[message.Message]) -> Any:
     async def handle(raw: bytes, context: Any) -> Any:
-        return await impl(await _parse(cls, raw, context), context)
+        request = _parse(cls, raw, context)
+        del raw
+        return None if request is None else await impl(request, context)
 
     return handle
 
 
 def _stream(impl: Callable[..., AsyncIterator[Any]], cls: type[message.Message]) -> Any:
     async def handle(raw: bytes, context: Any) -> AsyncIterator[Any]:
-        async for item in impl(await _parse(cls, raw, context), context):
+        request = _parse(cls, raw, context)
+        del raw
+        if request is None:
+            return
+        async for item in impl(request, context):
             yield item
 
     return handle

@@ -11,7 +11,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -33,6 +33,22 @@ _TABLE: tuple[tuple[type[errors.KvSidecarError], grpc.StatusCode], ...] = (
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
+
+
+# A status message travels percent-encoded in an HTTP/2 header (8 KiB soft limit for the whole
+# header block): past it the client sees RESOURCE_EXHAUSTED instead of the real code.
+MAX_MESSAGE_BYTES = 1536
+
+
+def status_message(exc: BaseException) -> str:
+    """``str(exc)``, cut to ``MAX_MESSAGE_BYTES`` UTF-8 bytes (noting how much was cut) so that the
+    status always reaches the caller."""
+    text = str(exc)
+    raw = text.encode("utf-8", "backslashreplace")
+    if len(raw) <= MAX_MESSAGE_BYTES:
+        return text
+    head = raw[:MAX_MESSAGE_BYTES].decode("utf-8", "ignore")
+    return f"{head}... ({len(text) - len(head)} more characters)"
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -58,14 +74,20 @@ def errors_to_status(fn: Handler[_Req, _Resp]) -> Handler[_Req, _Resp]:
         try:
             return await fn(self, request, context)
         except errors.KvSidecarError as exc:
-            await context.abort(status_for(exc), str(exc))
+            code, text = status_for(exc), status_message(exc)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
             log.exception("%s failed", fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
-        raise AssertionError("unreachable")  # context.abort always raises
+            code = grpc.StatusCode.INTERNAL
+            text = status_message(RuntimeError(f"internal error: {exc!r}"))
+        # The status is set and the handler returns (grpc discards the response of a non-OK
+        # call) instead of raising through context.abort: a raised abort keeps the frames that
+        # hold the request, and a large rejected request then stays in memory.
+        context.set_code(code)
+        context.set_details(text)
+        return cast(_Resp, None)
 
     return wrapper

@@ -674,7 +674,7 @@ async def test_register_engine_bad_input(local_cluster: ClusterFactory, tmp_path
             await bad(
                 iarg,
                 InvalidArgument,
-                f"views[0] ({views[0].name}).memory_id='kv' names no memory (memories: ['other'])",
+                f"views[0] ({views[0].name}).memory_id='kv' names no memory (memories: 'other')",
                 memories={"other": good.spec},
             )
             # CUDA IPC memory on a host without a GPU (or with cupy missing): a clean refusal.
