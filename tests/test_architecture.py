@@ -134,6 +134,21 @@ def test_wire_and_types_are_leaves() -> None:
     _check_layer("limits", {"errors"})
 
 
+def test_integrations_use_only_the_client_side() -> None:
+    """Framework integrations are engines' code: client, plan and the shared leaves; and only the
+    vLLM connector module imports vLLM (nothing in the daemon ever does)."""
+    _check_layer(
+        "integrations",
+        {"integrations", "client", "plan", "memory", "types", "errors", "limits", "wire", "v1"},
+    )
+    importers = sorted(
+        str(p.relative_to(PACKAGE.parent))
+        for p in PACKAGE.rglob("*.py")
+        if any(m == "vllm" or m.startswith("vllm.") for m in _imports(p))
+    )
+    assert importers == ["kvsidecar/integrations/vllm/connector.py"], importers
+
+
 def test_rpc_and_testing_stay_in_their_lanes() -> None:
     _check_layer(
         "rpc", {"rpc", "engine", "wire", "v1", "types", "plan", "memory", "errors", "limits"}

@@ -1,0 +1,1 @@
+"""Integrations of kvsidecar into serving frameworks (each imports its framework lazily)."""

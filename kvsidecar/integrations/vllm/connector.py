@@ -1,0 +1,231 @@
+"""``KvSidecarConnector``: vLLM's KV connector interface on top of kvsidecar (docs/vllm.md).
+
+Load it with ``kv_connector="KvSidecarConnector"`` and
+``kv_connector_module_path="kvsidecar.integrations.vllm.connector"``. ``kv_connector_extra_config``:
+
+* ``sidecar_socket`` (required on workers): the rank's sidecar EngineService socket; ``{rank}``,
+  ``{tp_rank}`` and ``{local_rank}`` are replaced (one sidecar per GPU);
+* ``peer_endpoints``: this engine's sidecar PeerService addresses in rank order (default: learnt
+  from the workers' registrations, as the sidecars advertise them);
+* ``lease_s``: how long a prefill engine keeps blocks for decode engines that never read them
+  (default 30; decode engines heartbeat requests that wait in their queue).
+
+This module imports vLLM; nothing else in kvsidecar does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from .geometry import describe_kv_caches, layers_from_config
+from .scheduler import SchedulerSide, StepWork
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KvSidecarConnector"]
+
+DEFAULT_LEASE_S = 30.0
+
+
+@dataclass
+class KvSidecarMetadata(KVConnectorMetadata):
+    """One step's work, from the scheduler to every worker."""
+
+    work: StepWork
+
+
+@dataclass
+class KvSidecarHandshake(KVConnectorHandshakeMetadata):
+    """A worker's sidecar PeerService endpoint, for the scheduler's kv_transfer_params."""
+
+    peer_endpoint: str
+
+
+def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
+    """(this worker's TP rank, TP size)."""
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if size == 1:
+        return 0, 1
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), size
+
+
+class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
+    """Pull-model P/D disaggregation through kvsidecar (see the module docstring)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        self._extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {})
+        self._engine_id = str(transfer.engine_id)
+        tp_rank, tp_size = _tp(vllm_config)
+        lease_s = float(self._extra.get("lease_s", DEFAULT_LEASE_S))
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                engine_id=self._engine_id,
+                tp_size=tp_size,
+                lease_s=lease_s,
+                endpoints=tuple(self._extra.get("peer_endpoints") or ()),
+            )
+        else:
+            socket = str(self._extra.get("sidecar_socket", ""))
+            if not socket:
+                raise ValueError(
+                    "kv_connector_extra_config.sidecar_socket is required: the EngineService "
+                    "socket of this rank's kvsidecar (e.g. /run/kvsidecar/gpu{local_rank}/"
+                    "engine.sock)"
+                )
+            local_rank = vllm_config.parallel_config.data_parallel_rank_local or 0
+            self._worker = WorkerSide(
+                socket=socket.format(rank=tp_rank, tp_rank=tp_rank, local_rank=local_rank),
+                engine_id=self._engine_id,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+            )
+        self._tp_size = tp_size
+        self._load_errors: set[int] = set()
+
+    # --- worker side ----------------------------------------------------------------------------
+
+    def _w(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side method was called on the scheduler side"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        model = self._vllm_config.model_config
+        layers = layers_from_config(kv_caches, self._kv_cache_config)
+        rank_kv = describe_kv_caches(
+            layers, global_kv_heads=model.get_total_num_kv_heads(), tp_size=self._tp_size
+        )
+        self._w().register(
+            views=rank_kv.views,
+            memories=rank_kv.memories,
+            model=str(model.model),
+            dtype=str(model.dtype),
+            num_groups=len(self._kv_cache_config.kv_cache_groups),
+        )
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return KvSidecarHandshake(peer_endpoint=self._w().peer_endpoint)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvSidecarMetadata)
+        self._w().start_step(meta.work)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # pull model: a request runs only once its whole KV has arrived
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # the KV stays where it is; decode engines read it
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        r = self._w().take_results(finished_req_ids)
+        self._load_errors |= r.invalid_block_ids
+        return KVConnectorTransferResults(
+            finished_sending=r.sending, finished_recving=r.recving, failed_recving=r.failed
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # --- scheduler side -------------------------------------------------------------------------
+
+    def _s(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side method was called on a worker"
+        return self._scheduler
+
+    def on_new_request(self, request: Request) -> None:
+        self._s().on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._s().num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # The request's own blocks are transferred for every group.
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._s().after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return KvSidecarMetadata(work=self._s().take_step())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        return
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._s().set_endpoints(
+            {
+                rank: meta.peer_endpoint
+                for rank, meta in metadata.items()
+                if isinstance(meta, KvSidecarHandshake)
+            }
+        )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None  # every memory order is described by its strides

@@ -1,0 +1,245 @@
+"""The scheduler-side half of the connector: which requests load, hold or heartbeat this step.
+
+It runs in vLLM's scheduler process and never talks to a sidecar: it decides, and the per-step
+:class:`StepWork` travels to every worker (``build_connector_meta``), whose half calls its sidecar.
+
+* Prefill (``do_remote_decode``): when the request finishes (length-capped or stopped) its blocks
+  stay allocated (``request_finished`` returns True) and every worker HOLDs them under one token
+  generated here; the returned ``kv_transfer_params`` tell the decode engine where they are. An
+  aborted prefill holds nothing. The blocks are freed when the sidecar reports SEND_DONE (every
+  consumer confirmed, or the lease expired).
+* Decode (``do_remote_prefill``): the uncomputed prompt tokens are loaded asynchronously; the
+  workers Read them. A full local prefix hit, or a request aborted before it was scheduled, still
+  Reads with no local blocks so that the producer's hold ends at once (not at lease expiry).
+* Requests waiting in the queue with remote KV are heartbeated so their producer leases last.
+
+vLLM objects are used only through the attributes named here (no vLLM import at run time).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .params import ParamsError, RemoteKv, wants_remote_decode, wants_remote_prefill
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Heartbeat", "Hold", "Load", "SchedulerSide", "StepWork", "clip_block_ids"]
+
+# RequestStatus names after which a prefill's KV is complete (not aborted or failed).
+_COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Load:
+    """Read ``remote``'s blocks into ``local_block_ids`` (per group; tail-aligned with the remote
+    lists). ``reported``: vLLM waits for the request (False: a full hit or an abort, whose read
+    only releases the producer's hold)."""
+
+    request_id: str
+    local_block_ids: tuple[tuple[int, ...], ...]
+    remote: RemoteKv
+    reported: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hold:
+    """Keep ``block_ids`` (per group) for the consumers, under ``token``, for ``lease_s``."""
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    token: str
+    lease_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    """Extend the producer leases of ``request_ids`` (tokens in order) on ``engine_id``."""
+
+    engine_id: str
+    endpoints: tuple[str, ...]
+    request_ids: tuple[str, ...]
+    tokens: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepWork:
+    """What every worker does with its sidecar at the start of one step."""
+
+    loads: tuple[Load, ...] = ()
+    holds: tuple[Hold, ...] = ()
+    heartbeats: tuple[Heartbeat, ...] = ()
+
+
+def clip_block_ids(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """Per group, the blocks that hold data: vLLM pads sliding-window groups with the null block
+    (id 0) before the in-window tail."""
+    out = []
+    for group in block_ids:
+        ids = list(group)
+        start = 0
+        while start < len(ids) and ids[start] == 0:
+            start += 1
+        out.append(tuple(ids[start:]))
+    return tuple(out)
+
+
+@dataclass
+class _Waiting:
+    remote: RemoteKv
+    since: float
+
+
+@dataclass
+class SchedulerSide:
+    """The scheduler half. ``engine_id``: this engine's; ``lease_s``: producer hold lease;
+    ``endpoints``: this engine's sidecar endpoints in rank order (from configuration, or learnt
+    from the workers' handshake metadata)."""
+
+    engine_id: str
+    tp_size: int
+    lease_s: float
+    endpoints: tuple[str, ...] = ()
+    heartbeat_s: float = 0.0  # 0: lease_s / 3
+    clock: Any = time.monotonic
+    _loads: dict[str, Load] = field(default_factory=dict)
+    _holds: dict[str, Hold] = field(default_factory=dict)
+    _waiting: dict[str, _Waiting] = field(default_factory=dict)
+    _last_heartbeat: float = 0.0
+
+    # --- decode side ----------------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params
+        if wants_remote_prefill(params):
+            try:
+                remote = RemoteKv.from_params(params)
+            except ParamsError as exc:
+                log.warning("request %s: %s; it will be computed locally", request.request_id, exc)
+                params["do_remote_prefill"] = False
+                return
+            self._waiting[request.request_id] = _Waiting(remote=remote, since=self.clock())
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens to load for a decode request (all uncomputed prompt tokens), asynchronously."""
+        if wants_remote_prefill(request.kv_transfer_params):
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Blocks are allocated: plan the load (or, for a full local hit, the release)."""
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        waiting = self._waiting.pop(request.request_id, None)
+        try:
+            remote = waiting.remote if waiting else RemoteKv.from_params(params)
+        except ParamsError as exc:
+            log.warning("request %s: %s", request.request_id, exc)
+            return
+        if num_external_tokens > 0:
+            local = clip_block_ids(blocks.get_unhashed_block_ids_all_groups())
+            # Local lists are tail-aligned with the remote ones and never longer.
+            local = tuple(
+                g[len(g) - min(len(g), len(r)) :]
+                for g, r in zip(local, remote.block_ids, strict=False)
+            )
+            self._loads[request.request_id] = Load(
+                request_id=request.request_id, local_block_ids=local, remote=remote
+            )
+        else:  # full local prefix hit: read nothing, release the producer now
+            self._loads[request.request_id] = _release(request.request_id, remote)
+
+    # --- both sides -----------------------------------------------------------------------------
+
+    def finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished_all_groups``: (delay freeing the blocks, params to return)."""
+        params = request.kv_transfer_params
+        rid = request.request_id
+        waiting = self._waiting.pop(rid, None)
+        if wants_remote_prefill(params):  # aborted before it was scheduled
+            params["do_remote_prefill"] = False
+            if waiting is not None:
+                self._loads[rid] = _release(rid, waiting.remote)
+            return False, None
+        if not wants_remote_decode(params):
+            return False, None
+        status = getattr(request.status, "name", str(request.status))
+        if status not in _COMPLETED:
+            return False, None  # aborted or failed prefill: nothing to hold
+        blocks = clip_block_ids(block_ids)
+        if not any(blocks):
+            return False, None
+        if len(self.endpoints) != self.tp_size:
+            log.error(
+                "request %s: this engine's sidecar endpoints are unknown (%d of %d ranks); "
+                "set kv_connector_extra_config.peer_endpoints",
+                rid,
+                len(self.endpoints),
+                self.tp_size,
+            )
+            return False, None
+        token = secrets.token_urlsafe(24)
+        self._holds[rid] = Hold(request_id=rid, block_ids=blocks, token=token, lease_s=self.lease_s)
+        remote = RemoteKv(
+            engine_id=self.engine_id,
+            request_id=rid,
+            block_ids=blocks,
+            endpoints=self.endpoints,
+            token=token,
+            tp_size=self.tp_size,
+            num_tokens=int(request.num_computed_tokens),
+        )
+        return True, remote.to_params()
+
+    def take_step(self) -> StepWork:
+        """This step's work for the workers; resets what was handed out."""
+        loads, holds = tuple(self._loads.values()), tuple(self._holds.values())
+        self._loads.clear()
+        self._holds.clear()
+        return StepWork(loads=loads, holds=holds, heartbeats=self._heartbeats())
+
+    def _heartbeats(self) -> tuple[Heartbeat, ...]:
+        interval = self.heartbeat_s or self.lease_s / 3
+        now = self.clock()
+        if not self._waiting or now - self._last_heartbeat < interval:
+            return ()
+        self._last_heartbeat = now
+        by_engine: dict[str, list[RemoteKv]] = {}
+        for w in self._waiting.values():
+            if now - w.since >= interval:
+                by_engine.setdefault(w.remote.engine_id, []).append(w.remote)
+        return tuple(
+            Heartbeat(
+                engine_id=engine,
+                endpoints=remotes[0].endpoints,
+                request_ids=tuple(r.request_id for r in remotes),
+                tokens=tuple(r.token for r in remotes),
+            )
+            for engine, remotes in by_engine.items()
+        )
+
+    def set_endpoints(self, by_rank: Mapping[int, str]) -> None:
+        """The workers' sidecar endpoints (handshake metadata), unless configured."""
+        if self.endpoints or len(by_rank) != self.tp_size:
+            return
+        self.endpoints = tuple(by_rank[r] for r in range(self.tp_size))
+
+
+def _release(request_id: str, remote: RemoteKv) -> Load:
+    return Load(
+        request_id=request_id,
+        local_block_ids=tuple(() for _ in remote.block_ids),
+        remote=remote,
+        reported=False,
+    )

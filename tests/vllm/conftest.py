@@ -1,0 +1,31 @@
+"""vLLM's integration tests run only where vLLM is installed (`make test-vllm` builds that venv).
+
+vLLM and the torch parts it loads raise deprecation and user warnings of their own while being
+imported and while engines start; the project runs with warnings as errors, so those categories are
+ignored for these tests only (imported here once, under the same filter).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import pytest
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+_THIRD_PARTY = ("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
+
+if HAS_VLLM:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import vllm
+        import vllm.config
+        import vllm.v1.core.sched.scheduler
+        import vllm.v1.worker.utils  # noqa: F401
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/vllm/" in str(item.fspath):
+            for spec in _THIRD_PARTY:
+                item.add_marker(pytest.mark.filterwarnings(spec))
