@@ -27,10 +27,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from .geometry import describe_kv_caches, layers_from_config
 from .scheduler import SchedulerSide, StepWork
-from .worker import WorkerSide
+from .worker import COUNTERS, WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +63,26 @@ class KvSidecarHandshake(KVConnectorHandshakeMetadata):
     """A worker's sidecar PeerService endpoint, for the scheduler's kv_transfer_params."""
 
     peer_endpoint: str
+
+
+@dataclass
+class KvSidecarStats(KVConnectorStats):
+    """Counters of one logging interval, summed over workers: reads (done and failed), bytes
+    read, holds, sends done and leases expired."""
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(COUNTERS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: self.data.get(key, 0) for key in COUNTERS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
@@ -171,6 +192,16 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        stats = KvSidecarStats(data=self._worker.take_counts())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KvSidecarStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -34,7 +34,7 @@ from .scheduler import Heartbeat, StepWork
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StepResults", "WorkerSide"]
+__all__ = ["COUNTERS", "StepResults", "WorkerSide"]
 
 
 @dataclass
@@ -47,14 +47,7 @@ class StepResults:
     invalid_block_ids: set[int] = field(default_factory=set)
 
 
-@dataclass
-class _Counters:
-    reads: int = 0
-    reads_failed: int = 0
-    bytes: int = 0
-    holds: int = 0
-    sends_done: int = 0
-    leases_expired: int = 0
+COUNTERS = ("reads", "reads_failed", "bytes_read", "holds", "sends_done", "leases_expired")
 
 
 class WorkerSide:
@@ -74,7 +67,7 @@ class WorkerSide:
         self._load_ids: dict[str, tuple[tuple[int, ...], ...]] = {}  # request id -> local ids
         self._finished_seen: set[str] = set()
         self._pending_sends: set[str] = set()
-        self.counters = _Counters()
+        self._counts = dict.fromkeys(COUNTERS, 0)  # since the last take_counts
         self.peer_endpoint = ""
 
     def register(
@@ -129,7 +122,7 @@ class WorkerSide:
                     lease_s=hold.lease_s,
                     token=hold.token,
                 )
-                self.counters.holds += 1
+                self._count("holds")
             except KvSidecarError as exc:  # the blocks are freed at once rather than leaked
                 log.error("kvsidecar: HOLD of %s failed: %s", hold.request_id, exc)
                 with self._lock:
@@ -200,10 +193,10 @@ class WorkerSide:
         if isinstance(event, SendDone):
             with self._lock:
                 self._pending_sends.add(event.request_id)
-                self.counters.sends_done += 1
-                self.counters.leases_expired += int(event.expired)
+            self._count("sends_done")
+            self._count("leases_expired", int(event.expired))
         elif isinstance(event, RecvDone):
-            self.counters.bytes += event.bytes
+            self._count("bytes_read", event.bytes)
             self._ended(event.request_id, ok=True)
         elif isinstance(event, RecvFailed):
             log.warning("kvsidecar: read of %s failed: %s", event.request_id, event.message)
@@ -219,13 +212,23 @@ class WorkerSide:
             local = self._load_ids.pop(request_id, None)
             if local is None:
                 return
-            self.counters.reads += 1
+            self._counts["reads"] += 1
             self._results.recving.add(request_id)
             if not ok:
-                self.counters.reads_failed += 1
+                self._counts["reads_failed"] += 1
                 self._results.failed.add(request_id)
                 groups = local if invalid is None else invalid
                 self._results.invalid_block_ids.update(int(b) for g in groups for b in g)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def take_counts(self) -> dict[str, int]:
+        """Counters since the last call (for vLLM's connector stats)."""
+        with self._lock:
+            out, self._counts = self._counts, dict.fromkeys(COUNTERS, 0)
+            return out
 
     def _require(self) -> SidecarClient:
         if self._client is None:
