@@ -184,7 +184,10 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         r = self._w().take_results(finished_req_ids)
-        self._load_errors |= r.invalid_block_ids
+        # Per-block failures only where vLLM takes them (one KV-cache group); with several groups
+        # block ids overlap between groups and vLLM takes the failed requests alone.
+        if len(self._kv_cache_config.kv_cache_groups) == 1:
+            self._load_errors |= r.invalid_block_ids
         return KVConnectorTransferResults(
             finished_sending=r.sending, finished_recving=r.recving, failed_recving=r.failed
         )

@@ -26,7 +26,7 @@ from kvsidecar.client import (
     SendDone,
     SidecarClient,
 )
-from kvsidecar.errors import KvSidecarError
+from kvsidecar.errors import KvSidecarError, NotFoundError
 from kvsidecar.memory import MemorySpec
 from kvsidecar.plan import View
 
@@ -65,7 +65,8 @@ class WorkerSide:
         self._results = StepResults()
         self._quiet: set[str] = set()  # loads vLLM does not wait for (full hits, aborts)
         self._load_ids: dict[str, tuple[tuple[int, ...], ...]] = {}  # request id -> local ids
-        self._finished_seen: set[str] = set()
+        self._held: set[str] = set()  # holds issued and not yet reported sent
+        self._finished_seen: set[str] = set()  # of those, the ones vLLM has named finished
         self._pending_sends: set[str] = set()
         self._counts = dict.fromkeys(COUNTERS, 0)  # since the last take_counts
         self.peer_endpoint = ""
@@ -115,6 +116,8 @@ class WorkerSide:
         """Issue the step's HOLDs, reads and heartbeats; returns without waiting for peers."""
         client = self._require()
         for hold in work.holds:
+            with self._lock:
+                self._held.add(hold.request_id)
             try:
                 client.hold(
                     hold.request_id,
@@ -159,23 +162,29 @@ class WorkerSide:
             self._pool.submit(self._heartbeat, hb)
 
     def _heartbeat(self, hb: Heartbeat) -> None:
+        """Runs in the background thread: it may wait for a handshake with the producer."""
+        client = self._require()
+        holds = dict(zip(hb.request_ids, hb.tokens, strict=True))
         try:
-            self._require().heartbeat(
-                hb.engine_id, dict(zip(hb.request_ids, hb.tokens, strict=True))
-            )
-        except KvSidecarError as exc:  # the producer has no peer yet, or is gone: lease decides
-            log.debug("kvsidecar: heartbeat to %s: %s", hb.engine_id, exc)
+            try:
+                client.heartbeat(hb.engine_id, holds)
+            except NotFoundError:  # no handshake with the producer yet: make one, then retry
+                client.handshake(hb.engine_id, endpoints=hb.endpoints)
+                client.heartbeat(hb.engine_id, holds)
+        except KvSidecarError as exc:  # the producer is unreachable: its lease decides
+            log.warning("kvsidecar: heartbeat to %s failed: %s", hb.engine_id, exc)
 
     def take_results(self, finished_req_ids: Iterable[str]) -> StepResults:
         """Everything that finished since the last call. A SEND_DONE is reported once vLLM has
         named its request as finished (vLLM's contract for delayed frees)."""
         with self._lock:
-            self._finished_seen.update(finished_req_ids)
+            self._finished_seen.update(self._held.intersection(finished_req_ids))
             out, self._results = self._results, StepResults()
             ready = self._pending_sends & self._finished_seen
             out.sending |= ready
             self._pending_sends -= ready
             self._finished_seen -= ready
+            self._held -= ready
             return out
 
     # --- events ---------------------------------------------------------------------------------
