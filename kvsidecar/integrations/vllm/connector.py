@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from .geometry import describe_kv_caches, layers_from_config
+from .geometry import describe_kv_caches, layers_from_config, refuse_state_models
 from .scheduler import SchedulerSide, StepWork
 from .worker import COUNTERS, WorkerSide
 
@@ -102,6 +102,7 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        refuse_state_models(kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         self._extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {})

@@ -7,12 +7,13 @@ layer one view named after the layer, routed by the KV-cache group that owns it.
 storage is moved into a named shared-memory file (``share_memory_``, file-system strategy; the
 tensors follow, data kept) and registered as ``host_shm``; on GPUs it is exported by CUDA IPC.
 
-Layers vLLM does not view as ``[B, H, N, C]`` (Mamba states) are refused with a clear error: their
-state layout comes from the model, not from the tensors.
+State layers (Mamba1, Mamba2, Gated DeltaNet) come as raw per-block pages; their views are built
+from the layer's ``MambaSpec`` (:mod:`.states`). Anything else is refused by name.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -23,11 +24,24 @@ from kvsidecar.client.tensors import attention_view_from_tensor, latent_view_fro
 from kvsidecar.memory import HostShmSpec, MemorySpec
 from kvsidecar.plan import View
 
-__all__ = ["Layer", "RankKv", "describe_kv_caches"]
+from .states import ConvLayout, UnsupportedLayerError, state_view_from_spec
+
+__all__ = [
+    "ConvLayout",
+    "Layer",
+    "LayerKind",
+    "RankKv",
+    "UnsupportedLayerError",
+    "describe_kv_caches",
+    "layers_from_config",
+    "refuse_state_models",
+]
 
 
-class UnsupportedLayerError(ValueError):
-    """A KV-cache layer kvsidecar cannot describe from vLLM's tensors (its name and why)."""
+class LayerKind(enum.Enum):
+    ATTENTION = "attention"  # [B, H, N, C], sharded over KV heads
+    LATENT = "latent"  # MLA [B, 1, N, latent], replicated
+    STATE = "state"  # Mamba-family raw pages, described by the layer's MambaSpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,9 +49,11 @@ class Layer:
     """One layer's tensor, the KV-cache group that owns it, and what it holds."""
 
     name: str
-    tensor: Any  # torch.Tensor [B, H, N, C]
+    tensor: Any  # torch.Tensor [B, H, N, C], or a state layer's raw [B, 1, 1, page] bytes
     group: int
-    latent: bool  # MLA: one replicated latent per token
+    kind: LayerKind
+    spec: Any = None  # the layer's KVCacheSpec (a MambaSpec for STATE layers)
+    blocks_per_id: int = 1  # kernel blocks per vLLM block id (the worker's kernel-block split)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,30 +64,78 @@ class RankKv:
     views: tuple[View, ...]
 
 
+def _layer_specs(group: Any) -> dict[str, Any]:
+    """Layer name -> its spec in one KV-cache group (a uniform-type group holds one per layer)."""
+    spec = group.kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None) or {}
+    return {name: specs.get(name, spec) for name in group.layer_names}
+
+
 def layers_from_config(kv_caches: Mapping[str, Any], kv_cache_config: Any) -> tuple[Layer, ...]:
-    """Pair every tensor vLLM hands the connector with its group and kind."""
-    group_of: dict[str, int] = {}
-    latent: set[str] = set()
+    """Pair every tensor vLLM hands the connector with its group, kind and spec."""
+    found: dict[str, tuple[int, Any]] = {}
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        specs = getattr(spec, "kv_cache_specs", None) or dict.fromkeys(group.layer_names, spec)
-        for name in group.layer_names:
-            group_of.setdefault(name, g)
-            layer_spec = specs.get(name, spec)
-            kind = type(layer_spec).__name__
-            if "Mamba" in kind or not getattr(layer_spec, "has_layer_views", True):
-                raise UnsupportedLayerError(
-                    f"layer {name!r} ({kind}): kvsidecar's vLLM connector moves attention and "
-                    "MLA layers; state layers (Mamba, linear attention) are not supported yet"
-                )
-            if "MLA" in kind:
-                latent.add(name)
+        for name, spec in _layer_specs(group).items():
+            found.setdefault(name, (g, spec))
     out = []
     for name, tensor in kv_caches.items():
-        if name not in group_of:
+        if name not in found:
             raise UnsupportedLayerError(f"layer {name!r} is in no KV-cache group")
-        out.append(Layer(name=name, tensor=tensor, group=group_of[name], latent=name in latent))
+        group, spec = found[name]
+        kind_name = type(spec).__name__
+        if "Mamba" in kind_name:
+            out.append(
+                Layer(name=name, tensor=tensor, group=group, kind=LayerKind.STATE, spec=spec)
+            )
+            continue
+        if not getattr(spec, "has_layer_views", True):
+            raise UnsupportedLayerError(
+                f"layer {name!r} ({kind_name}): kvsidecar's vLLM connector moves attention, MLA "
+                "and Mamba-family state layers"
+            )
+        out.append(
+            Layer(
+                name=name,
+                tensor=tensor,
+                group=group,
+                kind=LayerKind.LATENT if "MLA" in kind_name else LayerKind.ATTENTION,
+                spec=spec,
+                blocks_per_id=_kernel_blocks(name, int(spec.block_size), int(tensor.shape[2])),
+            )
+        )
     return tuple(out)
+
+
+def refuse_state_models(kv_cache_config: Any) -> None:
+    """The connector does not serve models with state layers yet: their views exist
+    (:func:`describe_kv_caches`), but P/D for them also needs vLLM's one-token prefill backoff (the
+    decoder must get the state after N-1 prompt tokens to compute token N) and must leave out
+    speculative scratch blocks, neither of which is built or could be tried on CPU vLLM here."""
+    names = [
+        name
+        for group in kv_cache_config.kv_cache_groups
+        for name, spec in _layer_specs(group).items()
+        if "Mamba" in type(spec).__name__
+    ]
+    if names:
+        shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+        raise UnsupportedLayerError(
+            f"{len(names)} state layer(s) ({shown}): kvsidecar's vLLM connector serves attention "
+            "and MLA models; models with Mamba-family layers are not supported yet"
+        )
+
+
+def _kernel_blocks(name: str, block_size: int, kernel_block_size: int) -> int:
+    """Kernel blocks per vLLM block: a worker whose attention backend needs smaller blocks
+    splits each block of the KV-cache config into ``block_size // kernel`` consecutive kernel
+    blocks and hands connectors tensors indexed by kernel block, while requests still carry
+    vLLM block ids."""
+    if kernel_block_size <= 0 or block_size % kernel_block_size:
+        raise UnsupportedLayerError(
+            f"layer {name!r}: tensor has {kernel_block_size} tokens per block, which does not "
+            f"divide the KV-cache group's block_size {block_size}"
+        )
+    return block_size // kernel_block_size
 
 
 def _share(storage: Any) -> tuple[HostShmSpec, int]:
@@ -92,9 +156,16 @@ def _share(storage: Any) -> tuple[HostShmSpec, int]:
     return HostShmSpec(path=path, size=file_size), header
 
 
-def describe_kv_caches(layers: Iterable[Layer], *, global_kv_heads: int, tp_size: int) -> RankKv:
+def describe_kv_caches(
+    layers: Iterable[Layer],
+    *,
+    global_kv_heads: int,
+    tp_size: int,
+    conv_layout: ConvLayout = ConvLayout.SD,
+) -> RankKv:
     """Export every distinct storage of ``layers`` and build one view per layer. On CPU this
-    moves the storages into shared memory first (so call it before the tensors are read)."""
+    moves the storages into shared memory first (so call it before the tensors are read).
+    ``conv_layout``: vLLM's conv-state layout (state layers only)."""
     layers = tuple(layers)
     memories: dict[str, MemorySpec] = {}
     memory_of: dict[int, tuple[str, int]] = {}  # storage address -> (memory id, its address)
@@ -115,7 +186,20 @@ def describe_kv_caches(layers: Iterable[Layer], *, global_kv_heads: int, tp_size
     views = []
     for layer in layers:
         mid, base = memory_of[layer.tensor.untyped_storage().data_ptr()]
-        if layer.latent:
+        if layer.kind is LayerKind.STATE:
+            views.append(
+                state_view_from_spec(
+                    layer.tensor,
+                    layer.spec,
+                    memory=base,
+                    name=layer.name,
+                    memory_id=mid,
+                    tp_size=tp_size,
+                    conv_layout=conv_layout,
+                    group=layer.group,
+                )
+            )
+        elif layer.kind is LayerKind.LATENT:
             views.append(
                 latent_view_from_tensor(
                     layer.tensor,
@@ -124,6 +208,7 @@ def describe_kv_caches(layers: Iterable[Layer], *, global_kv_heads: int, tp_size
                     memory_id=mid,
                     dims="BHNC",
                     groups=(layer.group,),
+                    blocks_per_id=layer.blocks_per_id,
                 )
             )
         else:
@@ -137,6 +222,7 @@ def describe_kv_caches(layers: Iterable[Layer], *, global_kv_heads: int, tp_size
                     tp_size=tp_size,
                     dims="BHNC",
                     groups=(layer.group,),
+                    blocks_per_id=layer.blocks_per_id,
                 )
             )
     return RankKv(memories=memories, views=tuple(views))
