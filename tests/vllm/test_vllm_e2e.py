@@ -1,6 +1,10 @@
-"""Two real vLLM engines on CPU (prefill, decode) move KV through two real `kvsidecar serve`
-processes: the decode engine's greedy tokens and logprobs equal the prefill engine's own
-continuation of the same prompts, including a prompt whose prefix the decode engine has cached."""
+"""Two real vLLM engines on CPU (prefill, decode) move KV through real `kvsidecar serve` processes
+(one per rank): the decode engine's greedy tokens and logprobs equal the prefill engine's own
+continuation of the same prompts, including a prompt whose prefix the decode engine has cached.
+
+TP 1 -> 1 is checked bit for bit. TP 2 -> 1 and 1 -> 2 move the same bytes (the geometry tests
+check that byte by byte), but an engine with another TP size sums its attention output in another
+order, so there tokens must be equal and logprobs within 1e-4."""
 
 from __future__ import annotations
 
@@ -33,25 +37,38 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
+TP_PAIRS = [(1, 1), (2, 1), (1, 2)]
+
+
 @pytest.fixture
-def sidecars(tmp_path: Path) -> Iterator[dict[str, sidecar_proc.SidecarProcess]]:
-    procs: dict[str, sidecar_proc.SidecarProcess] = {}
+def sidecars(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[dict[str, list[sidecar_proc.SidecarProcess]]]:
+    """One sidecar per rank of each engine; sockets ``<side><rank>.sock``."""
+    tp_p, tp_d = request.param
+    procs: dict[str, list[sidecar_proc.SidecarProcess]] = {"prefill": [], "decode": []}
     try:
-        for name in ("prefill", "decode"):
-            procs[name] = sidecar_proc.start(
-                tmp_path,
-                *sidecar_proc.default_args(tmp_path, name),
-                "--shm-roots",
-                "/dev/shm",
-                name=name,
-            )
+        for side, tp in (("prefill", tp_p), ("decode", tp_d)):
+            for rank in range(tp):
+                name = f"{side}{rank}"
+                procs[side].append(
+                    sidecar_proc.start(
+                        tmp_path,
+                        *sidecar_proc.default_args(tmp_path, name),
+                        "--shm-roots",
+                        "/dev/shm",
+                        name=name,
+                    )
+                )
         yield procs
     finally:
-        for sc in procs.values():
-            sc.stop()
+        for scs in procs.values():
+            for sc in scs:
+                sc.stop()
 
 
-def engine(model: Path, engine_id: str, socket: str) -> Any:
+def engine(model: Path, engine_id: str, socket: str, tp: int) -> Any:
+    """A ``vllm.LLM``; ``socket``: the sidecar socket template (``{rank}`` is the TP rank)."""
     return LLM(
         model=str(model),
         skip_tokenizer_init=True,
@@ -64,6 +81,8 @@ def engine(model: Path, engine_id: str, socket: str) -> Any:
         enable_prefix_caching=True,
         kv_cache_memory_bytes=32 << 20,
         seed=0,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvSidecarConnector",
             kv_connector_module_path="kvsidecar.integrations.vllm.connector",
@@ -91,12 +110,32 @@ def status(sc: sidecar_proc.SidecarProcess) -> Any:
         return client.status()
 
 
+def same_continuation(got: Any, want: Any, exact: bool) -> None:
+    got_tokens, got_lp = continuation(got)
+    want_tokens, want_lp = continuation(want)
+    assert got_tokens == want_tokens
+    if exact:
+        assert got_lp == want_lp
+        return
+    assert [set(g) for g in got_lp] == [set(w) for w in want_lp]
+    diff = max(abs(g[k] - w[k]) for g, w in zip(got_lp, want_lp, strict=True) for k in g)
+    assert diff <= 1e-4, diff
+
+
+@pytest.mark.parametrize(
+    "sidecars", TP_PAIRS, indirect=True, ids=[f"tp{p}-to-tp{d}" for p, d in TP_PAIRS]
+)
 def test_decode_engine_continues_exactly_like_the_prefill_engine(
-    model: Path, sidecars: dict[str, sidecar_proc.SidecarProcess], tmp_path: Path
+    model: Path,
+    sidecars: dict[str, list[sidecar_proc.SidecarProcess]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    tp_p, tp_d = len(sidecars["prefill"]), len(sidecars["decode"])
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a TP 2 engine's threads, 2 cores
     # Both engines are up before the first hold (a hold outlives its lease only so long).
-    prefill = engine(model, "prefill", sidecars["prefill"].addresses["engine_socket"])
-    decode = engine(model, "decode", sidecars["decode"].addresses["engine_socket"])
+    prefill = engine(model, "prefill", str(tmp_path / "prefill{rank}.sock"), tp_p)
+    decode = engine(model, "decode", str(tmp_path / "decode{rank}.sock"), tp_d)
     prompts = [A, C]
     # The reference: the prefill engine's own continuation, batched as the decode engine will be.
     reference = [
@@ -115,7 +154,8 @@ def test_decode_engine_continues_exactly_like_the_prefill_engine(
     for p in params:
         assert p, p
         assert p["do_remote_prefill"], p
-        assert p["remote_endpoints"] == [sidecars["prefill"].addresses["peer"]]
+        assert p["remote_endpoints"] == [sc.addresses["peer"] for sc in sidecars["prefill"]]
+        assert p["tp_size"] == tp_p
 
     t0 = time.perf_counter()
     first = decode.generate(
@@ -128,26 +168,36 @@ def test_decode_engine_continues_exactly_like_the_prefill_engine(
         [TokensPrompt(prompt_token_ids=B)], [greedy(MAX_TOKENS, params[2])], use_tqdm=False
     )
     elapsed = time.perf_counter() - t0
-    # Bit for bit: the decode engine recomputes only the last prompt token, over KV that must be
-    # the prefill engine's own bytes (a prefix-cached rerun on one engine is exact the same way).
+    # Bit for bit at equal TP: the decode engine recomputes only the last prompt token, over KV
+    # that must be the prefill engine's own bytes (a prefix-cached rerun on one engine is exact
+    # the same way).
     for got, want in zip([*first, *second], reference, strict=True):
-        assert continuation(got) == continuation(want)
+        same_continuation(got, want, exact=tp_p == tp_d)
     assert second[0].num_cached_tokens >= 64  # the prefix hit happened on the decode engine
 
-    d, p = status(sidecars["decode"]), status(sidecars["prefill"])
+    d = [status(sc) for sc in sidecars["decode"]]
+    p = [status(sc) for sc in sidecars["prefill"]]
     print(
         json.dumps(
             {
+                "tp": [tp_p, tp_d],
                 "decode_s": round(elapsed, 2),
-                "reads_done": d.counters["reads_done"],
-                "bytes_read": d.counters["bytes_read"],
-                "sends_done": p.counters["sends_done"],
+                "reads_done": [s.counters["reads_done"] for s in d],
+                "bytes_read": [s.counters["bytes_read"] for s in d],
+                "sends_done": [s.counters["sends_done"] for s in p],
             }
         )
     )
-    assert d.counters["reads_done"] == 3
-    assert d.counters["reads_failed"] == 0
-    assert d.counters["bytes_read"] > 0
-    assert p.counters["sends_done"] == 3  # every hold ended by its consumer, none by its lease
-    assert p.counters["leases_expired"] == 0
-    assert p.holds_active == 0
+    for s in d:  # every decode rank read every request
+        assert s.counters["reads_done"] == 3
+        assert s.counters["reads_failed"] == 0
+    # Together the decode ranks read every KV head of the same blocks once, whatever the TP
+    # sizes: A's 3 blocks, C's 2 and B's one uncached block, each all layers x KV heads x
+    # 32 tokens x (K, V) x head_dim x float32.
+    cfg = json.loads((model / "config.json").read_text())
+    per_block = cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * 32 * 2 * cfg["head_dim"] * 4
+    assert sum(s.counters["bytes_read"] for s in d) == (3 + 2 + 1) * per_block
+    for s in p:  # every hold ended by its consumers, none by its lease
+        assert s.counters["sends_done"] == 3
+        assert s.counters["leases_expired"] == 0
+        assert s.holds_active == 0

@@ -85,11 +85,11 @@ class KvSidecarStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
-    """(this worker's TP rank, TP size)."""
+def _tp(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
+    """(this worker's TP rank, TP size); the scheduler process has no TP group (rank 0)."""
     size = vllm_config.parallel_config.tensor_parallel_size
-    if size == 1:
-        return 0, 1
+    if size == 1 or role == KVConnectorRole.SCHEDULER:
+        return 0, size
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return get_tensor_model_parallel_rank(), size
@@ -107,7 +107,7 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         assert transfer is not None
         self._extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {})
         self._engine_id = str(transfer.engine_id)
-        tp_rank, tp_size = _tp(vllm_config)
+        tp_rank, tp_size = _tp(vllm_config, role)
         lease_s = float(self._extra.get("lease_s", DEFAULT_LEASE_S))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
