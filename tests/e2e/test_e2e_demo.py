@@ -75,6 +75,7 @@ def test_demo_rejects_impossible_settings() -> None:
 
 def test_ctrl_c_cleans_up_every_sidecar_and_shm_file() -> None:
     before = _shm_files()
+    others = _sidecars()  # sidecars of other processes on this host are not the demo's
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvsidecar.cli", "demo", "--requests", "100000"],
         stdout=subprocess.PIPE,
@@ -87,7 +88,7 @@ def test_ctrl_c_cleans_up_every_sidecar_and_shm_file() -> None:
         for line in proc.stdout:  # bounded by the demo's own progress output
             if b"requests" in line and b"/100000" in line:
                 break
-        children = _sidecars()
+        children = _sidecars() - others
         assert children, "the demo started no sidecar"
         assert _shm_files() - before, "the demo created no shm file"
         proc.send_signal(signal.SIGINT)
