@@ -93,9 +93,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=(16,),
         help="request (prompt) lengths in blocks, comma-separated (default 16)",
     )
-    bench.add_argument("--requests", type=_positive_int, default=8, help="requests per measurement")
+    bench.add_argument(
+        "--requests",
+        type=_positive_int,
+        default=32,
+        help="requests per measurement (the ReadBatch size of the batch method)",
+    )
     bench.add_argument("--repeats", type=_positive_int, default=7, help="rounds (best-of-N)")
     bench.add_argument("--latency-samples", type=_positive_int, default=100)
+    bench.add_argument(
+        "--batch-reads",
+        type=_positive_int,
+        default=64,
+        help="one-block reads in the ReadBatch whose acceptance is timed",
+    )
+    bench.add_argument(
+        "--loaded-holds",
+        type=int,
+        default=1000,
+        help="other holds active during the loaded latency pass",
+    )
     bench.add_argument("--idle-s", type=float, default=3.0, help="idle-CPU sampling time (s)")
     bench.add_argument("--scattered", action="store_true", help="also measure scattered ids")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -242,6 +259,8 @@ def _bench(args: argparse.Namespace) -> int:
             requests=args.requests,
             repeats=args.repeats,
             latency_samples=args.latency_samples,
+            batch_reads=args.batch_reads,
+            loaded_holds=args.loaded_holds,
             idle_s=args.idle_s,
             scattered=args.scattered,
         )

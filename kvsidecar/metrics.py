@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvsidecar import __version__
-from kvsidecar.engine.stats import POST_BUCKETS, EngineStats, HistogramSnapshot
+from kvsidecar.engine.stats import POST_BUCKETS, EngineStats, HistogramSnapshot, ReadPhase
 
 StatsSource = Callable[[], EngineStats]
 _le = cast(Callable[[float], str], floatToGoString)  # the client's own `le` label format
@@ -53,13 +53,27 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
-def _histogram(name: str, doc: str, h: HistogramSnapshot) -> HistogramMetricFamily:
+def _buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
+    """Cumulative ``le`` buckets of ``h``."""
     buckets: list[tuple[str, float]] = []
     total = 0
     for bound, count in zip((*h.bounds, math.inf), h.counts, strict=True):
         total += count
         buckets.append((_le(bound), total))
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h.sum)
+    return buckets
+
+
+def _histogram(name: str, doc: str, h: HistogramSnapshot) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, buckets=_buckets(h), sum_value=h.sum)
+
+
+def _phases(
+    name: str, doc: str, phases: Mapping[ReadPhase, HistogramSnapshot]
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=["phase"])
+    for phase, h in phases.items():
+        family.add_metric([phase.value], buckets=_buckets(h), sum_value=h.sum)
+    return family
 
 
 class EngineCollector(Collector):
@@ -107,6 +121,12 @@ class EngineCollector(Collector):
         )
         yield _histogram(
             "kvsidecar_read_descriptors", "Descriptors per posted READ.", t.descriptors
+        )
+        yield _phases(
+            "kvsidecar_read_phase_seconds",
+            "Where Read time goes, by phase (decode, validate, ids, hop, make, post, back, "
+            "confirm, report; see docs/operations.md).",
+            t.phases,
         )
         yield _gauge(
             "kvsidecar_reads_in_flight",

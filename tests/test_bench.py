@@ -7,6 +7,7 @@ that every method moved the right bytes, and that nothing (process, shm file) is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -27,7 +28,9 @@ from kvsidecar.tools.bench import _shape, run_bench
 from kvsidecar.tools.bench_report import (
     BenchConfig,
     BenchReport,
+    ConfirmCost,
     ControlPlane,
+    Loaded,
     Percentiles,
     Row,
     Throughput,
@@ -35,7 +38,10 @@ from kvsidecar.tools.bench_report import (
 )
 from kvsidecar.tools.bench_target import copy_runs
 
-TINY = ("--block-kib", "64", "--blocks-per-request", "4", "--requests", "5", "--repeats", "1")
+TINY = (
+    *("--block-kib", "64", "--blocks-per-request", "4", "--requests", "5", "--repeats", "1"),
+    *("--latency-samples", "10", "--batch-reads", "4", "--loaded-holds", "20", "--idle-s", "0.5"),
+)
 
 
 @pytest.fixture
@@ -70,12 +76,31 @@ def _check_report(doc: dict[str, Any], *, rows: int) -> None:
         assert all(v > 0 for v in row["ratios"].values())
         assert row["request_bytes"] == row["blocks_per_request"] * row["block_kib"] * 1024
     cp = doc["control_plane"]
-    for name in ("read_posted", "done_to_event", "status_rtt"):
-        assert cp[name]["samples"] > 0
-        assert cp[name]["p99_us"] >= cp[name]["p50_us"] > 0
+    figures = [cp[n] for n in ("read_posted", "done_to_event", "status_rtt", "nixl_done")]
+    figures += [cp["batch_accept"], cp["confirm"]["on"], cp["confirm"]["off"]]
+    figures += list(cp["loaded"].values())
+    for fig in figures:
+        assert fig["samples"] > 0
+        assert fig["p99_us"] >= fig["p50_us"] > 0
     assert set(cp["idle_cpu_pct"]) == {"prefill-0", "decode-0"}
     assert all(v >= 0 for v in cp["idle_cpu_pct"].values())
-    assert len(doc["targets"]) == 5
+    # Every phase of the Read path was observed by the decode sidecar over the latency Reads.
+    assert set(cp["phases_us"]) == {
+        "decode",
+        "validate",
+        "ids",
+        "hop",
+        "make",
+        "post",
+        "back",
+        "confirm",
+        "report",
+    }
+    assert all(v > 0 for v in cp["phases_us"].values())
+    assert cp["server_post_mean_us"] > 0
+    names = [t["name"] for t in doc["targets"]]
+    assert len(names) == 9
+    assert all(t["goal"].split()[0] in (">=", "<=") for t in doc["targets"])
     assert doc["verified_bytes"] > 0
 
 
@@ -86,6 +111,8 @@ async def test_tiny_run_reports_three_methods_and_cleans_up(tmp_path: Path, shm_
         requests=5,
         repeats=1,
         latency_samples=10,
+        batch_reads=4,
+        loaded_holds=20,
         idle_s=0.5,
         workdir=tmp_path / "work",
         shm_dir=shm_dir,
@@ -101,6 +128,8 @@ async def test_tiny_run_reports_three_methods_and_cleans_up(tmp_path: Path, shm_
     table = format_table(report)
     assert "raw NIXL" in table
     assert "DONE -> event" in table
+    assert "sidecar-side phases of those Reads (mean us): decode" in table
+    assert table.count("[ok  ]") + table.count("[MISS]") + table.count("[n/a ]") == 9
     assert os.listdir(shm_dir) == []
     assert _processes_mentioning(str(shm_dir)) == []
     assert _processes_mentioning(str(tmp_path)) == []
@@ -139,6 +168,8 @@ def test_config_rejects_bad_values() -> None:
         {"requests": 0},
         {"repeats": 0},
         {"tp": 0},
+        {"batch_reads": 0},
+        {"loaded_holds": -1},
         {"idle_s": 0},
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
@@ -176,24 +207,44 @@ def test_format_and_targets_of_a_synthetic_report() -> None:
         methods={"memcpy": tp(10.0), "nixl": tp(4.0), "sidecar": tp(3.9), "batch": tp(3.95)},
         read_call_p50_us=900.0,
     )
+    mib = dataclasses.replace(
+        row,
+        block_kib=64,
+        request_bytes=1 << 20,
+        measured_bytes=32 << 20,
+        # 0.8 and 0.925 of raw NIXL
+        methods={"memcpy": tp(10.0), "nixl": tp(4.0), "sidecar": tp(3.2), "batch": tp(3.7)},
+    )
     report = BenchReport(
         config=BenchConfig(),
-        rows=(row,),
+        rows=(mib, row),
         control=ControlPlane(
             read_posted=pct(400),
             done_to_event=pct(200),
             status_rtt=pct(150),
+            nixl_done=pct(300),
             server_post_mean_us=None,
+            phases_us={"hop": 20.0, "post": 100.0},
+            batch_reads=64,
+            batch_accept=pct(1500),
             idle_cpu_pct={"prefill-0": 1.0, "decode-0": 2.5},
+            confirm=ConfirmCost(on=pct(450), off=pct(350)),
+            loaded_holds=1000,
+            loaded=Loaded(read_posted=pct(400), read_done=pct(540), done_to_event=pct(200)),
         ),
         verified_bytes=1,
         cpus=2,
         wall_s=1.0,
     )
     met = {t.name: t.met for t in report.targets}
-    assert list(met.values()) == [True, False, False, True, False]
-    assert math.isclose(report.targets[0].value or 0, 3.9 / 4.0)
+    # added 150 us; 1 MiB batch 0.925, single 0.8; 16 MiB 0.975; DONE->event 200 us;
+    # accepted 1.5 ms; idle 2.5 %; loaded 540/450 = 1.2; memcpy 0.32
+    assert list(met.values()) == [False, True, True, True, False, True, False, False, False]
+    assert math.isclose(report.targets[0].value or 0, 150.0)
+    assert math.isclose(report.targets[3].value or 0, 3.9 / 4.0)
     text = format_table(report)
-    assert "[MISS] Read->posted" in text
+    assert "[MISS] added latency per Read over raw NIXL" in text
+    assert "[ok  ] 1 MiB requests: ReadBatch of 32 / raw NIXL >= 0.9: 0.93" in text
     assert "mean -" in text
+    assert "hop 20  post 100" in text
     json.dumps(report.as_dict(), allow_nan=False)

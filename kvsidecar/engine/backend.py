@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import numpy.typing as npt
 
+from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import BackendError
 from kvsidecar.memory.types import MemoryRegion, MemType
 
@@ -92,6 +93,9 @@ class XferHandle:
     #: the READ had already completed when ``post_read`` returned (same-host ``cma`` copies
     #: synchronously); the notification was sent and no poll is needed
     done_at_post: bool = False
+    #: seconds the post spent per phase, as far as the backend can tell (for /metrics); not part
+    #: of the handle's identity
+    phases: tuple[tuple[ReadPhase, float], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -19,7 +20,7 @@ from kvsidecar.engine.handshakes import Handshakes
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Endpoints, ReadCommand
 from kvsidecar.engine.peers import Peer, PeerRegistry
-from kvsidecar.engine.stats import ConsumerStats
+from kvsidecar.engine.stats import ConsumerStats, ReadPhase
 from kvsidecar.engine.transfers import TransferManager
 from kvsidecar.errors import (
     AlreadyExistsError,
@@ -82,6 +83,7 @@ class Consumer:
         are posted before returning; otherwise the read waits for the handshake in the background
         (``ReadPosted.handshaking``) and ends with one event either way. Raises typed errors for
         what can be refused at once; never loses other requests."""
+        t0 = time.perf_counter()
         check_id("request_id", cmd.request_id)
         check_id("remote_request_id", cmd.remote_request_id)
         check_id("remote_engine_id", cmd.remote_engine_id)
@@ -103,6 +105,7 @@ class Consumer:
             if self._peers.pending(cmd.remote_engine_id) is None:
                 self._peers.check_backoff(cmd.remote_engine_id)
             self._transfers.admit(cmd)
+            self._transfers.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
             task = asyncio.get_running_loop().create_task(
                 self._read_after_handshake(cmd, local, deadline_s)
             )
@@ -110,6 +113,7 @@ class Consumer:
             task.add_done_callback(self._waiters.discard)
             return ReadPosted(reads_posted=0, notifications_sent=0, bytes=0, handshaking=True)
         validate_request_ids(local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry)
+        self._transfers.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
         return await self._post(cmd, local, peer, deadline_s)
 
     async def _post(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -37,6 +38,7 @@ from kvsidecar.engine.nixl_support import (
     translate_error,
     validate_metadata,
 )
+from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import BackendError, BackendInvalidParamError
 from kvsidecar.memory.types import MemoryRegion, MemType
 
@@ -212,19 +214,17 @@ class NixlAgent:
     ) -> XferHandle:
         b, book = self._b, self._book
         r = book.read_pair(local, local_ids, remote, remote_ids)
+        t0 = time.perf_counter()
         raw = self._run(
             "makeXferReq",
             lambda: self._agent.makeXferReq(
                 b.NIXL_READ, r.local, r.local_ids, r.remote, r.remote_ids, notification, [], False
             ),
         )
-        h = XferHandle(
-            id=book.new_id(),
-            remote_agent=r.remote_agent,
-            num_descs=r.local_ids.size,
-            num_bytes=r.num_bytes,
-        )
+        n, nbytes = r.local_ids.size, r.num_bytes
+        h = XferHandle(id=book.new_id(), remote_agent=r.remote_agent, num_descs=n, num_bytes=nbytes)
         book.xfers[h.id] = (h, int(raw), local.id, remote.id)
+        t1 = time.perf_counter()
         try:
             status = self._run("postXferReq", lambda: self._agent.postXferReq(raw, notification))
             if status not in (b.NIXL_SUCCESS, b.NIXL_IN_PROG):
@@ -233,9 +233,10 @@ class NixlAgent:
             self._suspect.add(r.remote_agent)
             self._guard(lambda: self.release_xfer(h))
             raise
-        if status == b.NIXL_SUCCESS:  # completed inside the post (same-host cma)
-            h = dataclasses.replace(h, done_at_post=True)
-            book.xfers[h.id] = (h, *book.xfers[h.id][1:])
+        timed = ((ReadPhase.MAKE, t1 - t0), (ReadPhase.POST, time.perf_counter() - t1))
+        # done_at_post: completed inside the post (same-host cma)
+        h = dataclasses.replace(h, done_at_post=status == b.NIXL_SUCCESS, phases=timed)
+        book.xfers[h.id] = (h, *book.xfers[h.id][1:])
         return h
 
     def poll(self, xfers: Sequence[XferHandle]) -> tuple[XferState, ...]:

@@ -10,6 +10,7 @@ handles) on the dedicated agent thread, bounded by ``call_timeout_s``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import uuid
@@ -33,7 +34,8 @@ from kvsidecar.engine.nixl_agent import NixlAgent
 from kvsidecar.engine.nixl_support import (
     variant_candidates,
 )
-from kvsidecar.engine.nixl_thread import AgentThread
+from kvsidecar.engine.nixl_thread import AgentThread, CallTiming
+from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import BackendError, BackendInvalidParamError, ConfigError
 from kvsidecar.memory.types import MemoryRegion, MemType
 
@@ -126,10 +128,14 @@ class NixlBackend:
         if not self._thread.shutdown():
             log.error("the NIXL thread did not stop in time; abandoning it")
 
-    async def _call(self, what: str, fn: Callable[[NixlAgent], T]) -> T:
+    def _require_agent(self, what: str) -> NixlAgent:
         agent = self._agent
         if agent is None or self._closed:
             raise BackendError(f"{what}: the NIXL backend is not started (or closed)")
+        return agent
+
+    async def _call(self, what: str, fn: Callable[[NixlAgent], T]) -> T:
+        agent = self._require_agent(what)
         return await self._thread.call(functools.partial(fn, agent), what=what)
 
     # --- metadata, memory, agents -------------------------------------------------------------
@@ -183,9 +189,15 @@ class NixlBackend:
         remote_ids: npt.ArrayLike,
         notification: bytes,
     ) -> XferHandle:
-        return await self._call(
-            "post_read", lambda a: a.post_read(local, local_ids, remote, remote_ids, notification)
+        agent = self._require_agent("post_read")
+        timing = CallTiming()
+        h = await self._thread.call(
+            lambda: agent.post_read(local, local_ids, remote, remote_ids, notification),
+            what="post_read",
+            timing=timing,
         )
+        hops = ((ReadPhase.HOP, timing.hop), (ReadPhase.BACK, timing.back))
+        return dataclasses.replace(h, phases=(*h.phases, *hops))
 
     async def poll(self, xfers: Sequence[XferHandle]) -> tuple[XferState, ...]:
         if not xfers:

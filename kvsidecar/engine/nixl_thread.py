@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,7 +24,19 @@ from kvsidecar.errors import DeadlineExceededError, ShuttingDownError
 
 T = TypeVar("T")
 
-_Job = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+
+class CallTiming:
+    """Where one call's time went (perf_counter seconds): ``hop`` queued -> running on the
+    thread, ``run`` running, ``back`` done -> the awaiter resumed."""
+
+    __slots__ = ("back", "end", "hop", "queued", "run", "start")
+
+    def __init__(self) -> None:
+        self.queued = self.start = self.end = 0.0
+        self.hop = self.run = self.back = 0.0
+
+
+_Job = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]", CallTiming | None]
 
 
 def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -33,6 +46,11 @@ def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
         fut.set_result(value)
     else:
         fut.set_exception(value)
+
+
+def _settle_all(results: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
+    for fut, ok, value in results:
+        _settle(fut, ok, value)
 
 
 class AgentThread:
@@ -58,27 +76,53 @@ class AgentThread:
         return threading.current_thread() is self._thread
 
     def _work(self) -> None:
+        # Every job queued by the time one finishes runs before the loop is woken, and their
+        # results go back in one call_soon_threadsafe per loop: the loop's wake-up (a self-pipe
+        # write and a GIL hand-over) is paid once per burst, not once per call.
         while True:
             job = self._jobs.get()
+            done: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]] = []
+            while job is not None:
+                fn, loop, fut, timing = job
+                if timing is not None:
+                    timing.start = time.perf_counter()
+                try:
+                    result, ok = fn(), True
+                except BaseException as exc:
+                    result, ok = exc, False
+                if timing is not None:
+                    timing.end = time.perf_counter()
+                done.append((loop, fut, ok, result))
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+            for loop in {id(d[0]): d[0] for d in done}.values():
+                mine = [(fut, ok, result) for lp, fut, ok, result in done if lp is loop]
+                # RuntimeError: the loop is closed, so nobody is waiting any more.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_settle_all, mine)
             if job is None:
                 return
-            fn, loop, fut = job
-            try:
-                result, ok = fn(), True
-            except BaseException as exc:
-                result, ok = exc, False
-            # RuntimeError: the loop is closed, so nobody is waiting any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, fut, ok, result)
 
-    async def call(self, fn: Callable[[], T], *, what: str, timeout_s: float | None = None) -> T:
-        """Run ``fn()`` on the thread; wait at most ``timeout_s`` seconds (default from init)."""
+    async def call(
+        self,
+        fn: Callable[[], T],
+        *,
+        what: str,
+        timeout_s: float | None = None,
+        timing: CallTiming | None = None,
+    ) -> T:
+        """Run ``fn()`` on the thread; wait at most ``timeout_s`` seconds (default from init).
+        ``timing``: filled in when the call returns."""
         if not self._accepting:
             raise ShuttingDownError(f"{what}: the transfer agent is not running")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         limit = self._timeout_s if timeout_s is None else timeout_s
-        self._jobs.put((fn, loop, fut))
+        if timing is not None:
+            timing.queued = time.perf_counter()
+        self._jobs.put((fn, loop, fut, timing))
         timer = loop.call_later(
             limit,
             _settle,
@@ -87,9 +131,14 @@ class AgentThread:
             DeadlineExceededError(f"{what}: the transfer agent did not answer within {limit:g}s"),
         )
         try:
-            return await fut
+            result = await fut
         finally:
             timer.cancel()
+        if timing is not None:
+            timing.hop = timing.start - timing.queued
+            timing.run = timing.end - timing.start
+            timing.back = time.perf_counter() - timing.end
+        return result
 
     def shutdown(self, timeout_s: float | None = None) -> bool:
         """Stop accepting calls, let queued ones finish and join (bounded). Returns whether the

@@ -1,13 +1,22 @@
-"""gRPC client side of PeerService: fetch agent metadata and engine directories from remote sidecars.
+"""gRPC client side of PeerService: agent metadata, engine directories and notifications.
 
 One channel per remote endpoint, cached and closed by ``aclose``. Every call is bounded by a timeout
 and fails fast on a refused connection (no ``wait_for_ready``: a dead producer must not cost the
 whole timeout); gRPC failures become typed errors naming the endpoint.
+
+Notifications go over one ``NotifyStream`` per endpoint, opened on first use: a message on an open
+stream costs well under a new unary call (about 280 vs 700 µs per round trip on a 2-core VM), and
+a confirmed read pays one per producer rank. Responses come back in request order, so each waiter
+is simply the oldest one. Anything that goes wrong with a stream (the producer died, a waiter
+timed out, the stream ended) fails every call waiting on it and drops it; the next call opens a
+new one. A producer that does not serve ``NotifyStream`` (an older sidecar) gets unary ``Notify``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 from collections.abc import Awaitable, Sequence
 from typing import Any, cast
 
@@ -52,6 +61,58 @@ def _translate(endpoint: str, what: str, exc: grpc.aio.AioRpcError) -> Exception
     return PeerUnavailableError(f"{detail} ({code.name})")
 
 
+class _NotifyStream:
+    """One open NotifyStream: writes under a lock (one write in flight, as gRPC requires), and a
+    reader task that hands each response to the oldest waiter."""
+
+    def __init__(self, endpoint: str, call: Any) -> None:
+        self.endpoint = endpoint
+        self.call = call
+        self.waiters: collections.deque[asyncio.Future[peer_pb2.PeerNotifyResponse]] = (
+            collections.deque()
+        )
+        self.lock = asyncio.Lock()
+        self.broken: Exception | None = None
+        self.unimplemented = False  # the producer does not serve NotifyStream
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                resp = await self.call.read()
+                if resp is grpc.aio.EOF:
+                    raise PeerUnavailableError(f"NotifyStream to {self.endpoint} ended")
+                if not self.waiters:
+                    raise PeerUnavailableError(f"NotifyStream to {self.endpoint}: unasked answer")
+                fut = self.waiters.popleft()
+                if not fut.done():
+                    fut.set_result(resp)
+        except grpc.aio.AioRpcError as exc:
+            self.unimplemented = exc.code() == grpc.StatusCode.UNIMPLEMENTED
+            self.fail(_translate(self.endpoint, "NotifyStream", exc))
+        except Exception as exc:  # a typed error above, or the call cancelled
+            self.fail(exc)
+        except asyncio.CancelledError:
+            self.fail(PeerUnavailableError(f"NotifyStream to {self.endpoint} closed"))
+            raise
+
+    def fail(self, exc: Exception) -> None:
+        """Fail every waiter and mark the stream unusable (idempotent)."""
+        if self.broken is None:
+            self.broken = exc
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_exception(self.broken)
+
+    async def close(self) -> None:
+        self.fail(PeerUnavailableError(f"NotifyStream to {self.endpoint} closed"))
+        self.call.cancel()
+        self.reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.reader
+
+
 class PeerLink:
     """Cached channels to remote PeerService endpoints (``host:port``), with mutual TLS unless
     ``tls`` is ``None`` (explicitly insecure)."""
@@ -59,6 +120,8 @@ class PeerLink:
     def __init__(self, *, timeout_s: float, tls: PeerTls | None) -> None:
         self._timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: dict[str, _NotifyStream] = {}
+        self._unary_only: set[str] = set()  # endpoints that do not serve NotifyStream
         self._tls = tls
 
     async def reload(self, tls: PeerTls | None) -> None:
@@ -112,10 +175,60 @@ class PeerLink:
         self, endpoint: str, engine_id: str, notifications: Sequence[PeerNotification]
     ) -> tuple[int, tuple[Outcome, ...]]:
         """Notify one producer rank; (its current epoch, one outcome per notification)."""
+        request = notify_request_to_proto(engine_id, notifications)
+        if endpoint in self._unary_only:
+            return await self._notify_unary(endpoint, engine_id, request)
+        stream = self._streams.get(endpoint)
+        if stream is None or stream.broken is not None:
+            # No request iterator: the call is written to as notifications come.
+            opened = cast(Any, self._stub(endpoint).NotifyStream)()
+            stream = self._streams[endpoint] = _NotifyStream(endpoint, opened)
+        fut: asyncio.Future[peer_pb2.PeerNotifyResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
         try:
-            call = self._stub(endpoint).Notify(
-                notify_request_to_proto(engine_id, notifications), timeout=self._timeout_s
+            async with stream.lock:
+                if stream.broken is not None:
+                    raise stream.broken
+                stream.waiters.append(fut)
+                await asyncio.wait_for(stream.call.write(request), self._timeout_s)
+            resp = await asyncio.wait_for(fut, self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            err = _translate(endpoint, f"Notify({engine_id!r})", exc)
+            await self._drop(stream, err)
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older producer sidecar
+                self._unary_only.add(endpoint)
+                return await self._notify_unary(endpoint, engine_id, request)
+            raise err from None
+        except TimeoutError:
+            # Its answer may still come and would pair with the next waiter: start afresh.
+            err = DeadlineExceededError(
+                f"Notify({engine_id!r}) to {endpoint}: no answer within {self._timeout_s:g}s"
             )
+            await self._drop(stream, err)
+            raise err from None
+        except PeerUnavailableError as exc:
+            await self._drop(stream, exc)
+            if stream.unimplemented:  # an older producer sidecar
+                self._unary_only.add(endpoint)
+                return await self._notify_unary(endpoint, engine_id, request)
+            raise
+        except BaseException as exc:  # cancelled mid-write: the stream's order is unknown
+            await self._drop(stream, PeerUnavailableError(f"Notify to {endpoint}: {exc!r}"))
+            raise
+        return notify_response_from_proto(resp)
+
+    async def _drop(self, stream: _NotifyStream, exc: Exception) -> None:
+        stream.fail(exc)
+        if self._streams.get(stream.endpoint) is stream:
+            del self._streams[stream.endpoint]
+        await asyncio.shield(stream.close())
+
+    async def _notify_unary(
+        self, endpoint: str, engine_id: str, request: peer_pb2.PeerNotifyRequest
+    ) -> tuple[int, tuple[Outcome, ...]]:
+        try:
+            call = self._stub(endpoint).Notify(request, timeout=self._timeout_s)
             resp = cast(peer_pb2.PeerNotifyResponse, await cast(Awaitable[Any], call))
         except grpc.aio.AioRpcError as exc:
             raise _translate(endpoint, f"Notify({engine_id!r})", exc) from None
@@ -123,10 +236,16 @@ class PeerLink:
 
     async def forget(self, endpoint: str) -> None:
         """Close the channel of an endpoint (after a peer failure; the next call reconnects)."""
+        stream = self._streams.pop(endpoint, None)
+        if stream is not None:
+            await stream.close()
+        self._unary_only.discard(endpoint)  # the peer may have been upgraded meanwhile
         channel = self._channels.pop(endpoint, None)
         if channel is not None:
             await channel.close()
 
     async def aclose(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

@@ -8,6 +8,7 @@ one snapshot, so ``/metrics`` and ``Status`` cannot disagree. Units: seconds, by
 from __future__ import annotations
 
 import bisect
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -35,6 +36,22 @@ DURATION_BUCKETS = (
 )
 POST_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0)
 DESCRIPTOR_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+# Phases of the Read path take from a few µs (a hop) to milliseconds (a copy inside the post).
+PHASE_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)
+
+
+class ReadPhase(enum.Enum):
+    """Where a Read's time goes between the engine's call and its event (seconds each)."""
+
+    DECODE = "decode"  #: the gRPC request -> a read command (EngineService)
+    VALIDATE = "validate"  #: id, deadline, geometry and peer checks before posting
+    IDS = "ids"  #: the peer plan's rows -> descriptor ids for this request
+    HOP = "hop"  #: queued for the transfer agent's thread -> running there
+    MAKE = "make"  #: the backend builds the transfer request (NIXL makeXferReq)
+    POST = "post"  #: the backend posts it (postXferReq; same-host cma copies inside)
+    BACK = "back"  #: the agent thread is done -> the event loop resumes the read
+    CONFIRM = "confirm"  #: READ_DONE sent -> every producer rank read from confirmed
+    REPORT = "report"  #: the event emitted -> handed to the engine's Watch stream
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +87,21 @@ class Histogram:
         return HistogramSnapshot(bounds=self._bounds, counts=tuple(self._counts), sum=self._sum)
 
 
+class PhaseHistograms:
+    """One histogram per :class:`ReadPhase` (``PHASE_BUCKETS``); one loop owns it."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self) -> None:
+        self._h = {p: Histogram(PHASE_BUCKETS) for p in ReadPhase}
+
+    def observe(self, phase: ReadPhase, seconds: float) -> None:
+        self._h[phase].observe(seconds)
+
+    def snapshot(self) -> dict[ReadPhase, HistogramSnapshot]:
+        return {p: h.snapshot() for p, h in self._h.items()}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransferStats:
     """Reads this sidecar posted (consumer side). ``reads_failed`` is keyed by failure reason."""
@@ -84,6 +116,7 @@ class TransferStats:
     post_duration: HistogramSnapshot
     confirm_duration: HistogramSnapshot  # every READ done -> every producer rank confirmed
     descriptors: HistogramSnapshot
+    phases: Mapping[ReadPhase, HistogramSnapshot]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

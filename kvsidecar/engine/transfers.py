@@ -37,6 +37,8 @@ from kvsidecar.engine.stats import (
     DURATION_BUCKETS,
     POST_BUCKETS,
     Histogram,
+    PhaseHistograms,
+    ReadPhase,
     TransferStats,
 )
 from kvsidecar.errors import AlreadyExistsError, BackendError, KvSidecarError
@@ -58,6 +60,7 @@ class ReadReport:
         self.post_duration = Histogram(POST_BUCKETS)
         self.confirm_duration = Histogram(DURATION_BUCKETS)
         self.descriptors = Histogram(DESCRIPTOR_BUCKETS)
+        self.phases = PhaseHistograms()
 
     def stats(self, in_flight: int, handshaking: int) -> TransferStats:
         return TransferStats(
@@ -71,7 +74,13 @@ class ReadReport:
             post_duration=self.post_duration.snapshot(),
             confirm_duration=self.confirm_duration.snapshot(),
             descriptors=self.descriptors.snapshot(),
+            phases=self.phases.snapshot(),
         )
+
+    def confirmed(self, seconds: float) -> None:
+        """Every producer rank confirmed a read ``seconds`` after its READs were done."""
+        self.confirm_duration.observe(seconds)
+        self.phases.observe(ReadPhase.CONFIRM, seconds)
 
     def failure(self, cmd: ReadCommand, reason: FailReason, message: str) -> None:
         """``cmd`` ended RECV_FAILED; every local block id it named is reported invalid (an
@@ -105,7 +114,9 @@ async def _post_reads(
     already posted is released before the error propagates."""
     xfers: list[Xfer] = []
     total = 0
+    t0 = time.perf_counter()
     by_rank = {r.remote_rank: r for r in request_ids(peer.plan, cmd.local_ids, cmd.remote_ids)}
+    report.phases.observe(ReadPhase.IDS, time.perf_counter() - t0)
     try:
         for link in peer.links.values():
             ids = by_rank.get(link.rank)
@@ -124,6 +135,8 @@ async def _post_reads(
                     f"{handle.num_bytes} bytes, the plan needs {ids.num_bytes}"
                 )
             report.descriptors.observe(len(ids.local_desc_ids))
+            for phase, seconds in handle.phases:
+                report.phases.observe(phase, seconds)
             total += ids.num_bytes
     except BaseException:
         for x in xfers:
@@ -134,9 +147,9 @@ async def _post_reads(
 
 
 class TransferManager:
-    """Owns every in-flight read and its transfer handles (released exactly once).
-
-    ``confirm``: report RECV_DONE only once every producer rank read from has confirmed."""
+    """Owns every in-flight read and its transfer handles (released exactly once). ``confirm``:
+    report RECV_DONE only once every producer rank read from has confirmed. ``phases``: where
+    Read time goes (the RPC layer and the consumer observe their phases there too)."""
 
     def __init__(
         self,
@@ -155,6 +168,7 @@ class TransferManager:
         self._to_release: list[XferHandle] = []  # completed, not yet released
         self._outgoing: list[Outgoing] = []
         self._report = ReadReport(events)
+        self.phases: PhaseHistograms = self._report.phases
 
     def stats(self) -> TransferStats:
         return self._report.stats(len(self), len(self._ids.waiting))
@@ -274,7 +288,7 @@ class TransferManager:
             if not read.unconfirmed:
                 del self._reads[request_id]
                 self._ids.ended(request_id)
-                self._report.confirm_duration.observe(time.perf_counter() - read.done_at)
+                self._report.confirmed(time.perf_counter() - read.done_at)
                 self._report.success(read)
             return
         where = f"rank {rank} of {read.peer.engine_id!r}"

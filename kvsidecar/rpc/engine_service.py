@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,7 @@ import grpc
 from kvsidecar.engine.core import EngineCore
 from kvsidecar.engine.local import Registration
 from kvsidecar.engine.model import Endpoints, ReadCommand
+from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import InvalidArgumentError, KvSidecarError
 from kvsidecar.limits import (
     MAX_GROUPS,
@@ -138,7 +140,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def _read_one(self, request: engine_pb2.ReadRequest) -> engine_pb2.ReadResponse:
         """Parse and post one read; counts a rejection (by status code) before re-raising."""
         try:
-            posted = await self._core.read(_read_command(request))
+            t0 = time.perf_counter()
+            cmd = _read_command(request)
+            self._core.transfers.phases.observe(ReadPhase.DECODE, time.perf_counter() - t0)
+            posted = await self._core.read(cmd)
         except KvSidecarError as exc:
             self._core.consumer.rejected(status_for(exc).name)
             raise
@@ -156,22 +161,23 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise InvalidArgumentError(
                 f"reads has {len(request.reads)} entries (at most {MAX_BATCH} per ReadBatch)"
             )
-        results = []
-        for i, read in enumerate(request.reads):
-            try:
-                posted = await self._read_one(read)
-            except KvSidecarError as exc:
-                code = status_for(exc)
-                results.append(
-                    engine_pb2.ReadResult(
-                        request_id=read.request_id,
-                        code=code.value[0],
-                        message=status_message(KvSidecarError(f"reads[{i}]: {exc}")),
-                    )
-                )
-            else:
-                results.append(engine_pb2.ReadResult(request_id=read.request_id, posted=posted))
+        # Concurrently: every read is validated in turn, then their posts reach the NIXL thread in
+        # one burst (one wake-up of the loop for all of them, not one per read).
+        results = await asyncio.gather(
+            *(self._batch_entry(i, read) for i, read in enumerate(request.reads))
+        )
         return engine_pb2.ReadBatchResponse(results=results)
+
+    async def _batch_entry(self, i: int, read: engine_pb2.ReadRequest) -> engine_pb2.ReadResult:
+        try:
+            posted = await self._read_one(read)
+        except KvSidecarError as exc:
+            return engine_pb2.ReadResult(
+                request_id=read.request_id,
+                code=status_for(exc).value[0],
+                message=status_message(KvSidecarError(f"reads[{i}]: {exc}")),
+            )
+        return engine_pb2.ReadResult(request_id=read.request_id, posted=posted)
 
     @errors_to_status
     async def Notify(
@@ -235,6 +241,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             await context.abort(status_for(exc), status_message(exc))
             return
         log.info("engine Watch stream opened (epoch %s)", binding.epoch)
+        phases = self._core.transfers.phases
         clean = False
         try:
             while True:
@@ -242,6 +249,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 if event is None:  # a newer registration ended this stream
                     log.info("Watch stream of epoch %s ended by a new registration", binding.epoch)
                     return
+                phases.observe(ReadPhase.REPORT, max(0.0, time.time() - event.timestamp))
                 yield event_to_proto(event)
         except asyncio.CancelledError:
             clean = self._core.draining  # shutdown closes streams; that is not an engine death

@@ -53,16 +53,36 @@ def _stream(impl: Callable[..., AsyncIterator[Any]], cls: type[message.Message])
     return handle
 
 
+def _bidi(impl: Callable[..., AsyncIterator[Any]], cls: type[message.Message]) -> Any:
+    async def handle(raws: AsyncIterator[bytes], context: Any) -> AsyncIterator[Any]:
+        async def requests() -> AsyncIterator[message.Message]:
+            async for raw in raws:
+                request = _parse(cls, raw, context)
+                if request is None:  # the status is set: end the stream with it
+                    return
+                yield request
+
+        async for item in impl(requests(), context):
+            yield item
+
+    return handle
+
+
 def service_handler(servicer: Any, service: descriptor.ServiceDescriptor) -> grpc.GenericRpcHandler:
-    """Every (unary or server-streaming) method of ``service``, served by ``servicer``."""
+    """Every (unary, server-streaming or bidirectional) method of ``service``, served by
+    ``servicer``."""
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
         impl = getattr(servicer, method.name)
-        if method.client_streaming:
-            raise TypeError(f"{method.full_name}: client streaming is not supported")
-        if method.server_streaming:
+        if method.client_streaming and method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                _bidi(impl, request_cls), response_serializer=serialize
+            )
+        elif method.client_streaming:
+            raise TypeError(f"{method.full_name}: client-only streaming is not supported")
+        elif method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 _stream(impl, request_cls), response_serializer=serialize
             )

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
+
 from kvsidecar.engine.core import EngineCore
+from kvsidecar.errors import KvSidecarError
 from kvsidecar.limits import MAX_ID_CHARS, check_chars
-from kvsidecar.rpc.status import errors_to_status
+from kvsidecar.rpc.status import errors_to_status, status_for, status_message
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kvsidecar.wire.peer import (
     agent_info_to_proto,
@@ -17,8 +21,8 @@ from kvsidecar.wire.peer import (
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
-    """GetAgent (the metadata to read from this rank), Notify (consumers' notifications, each
-    answered with an outcome) and GetEngine (the engine's directory)."""
+    """GetAgent (the metadata to read from this rank), Notify and NotifyStream (consumers'
+    notifications, each answered with an outcome) and GetEngine (the engine's directory)."""
 
     def __init__(self, core: EngineCore) -> None:
         self._core = core
@@ -37,6 +41,21 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         engine_id, notes = notify_request_from_proto(request)
         epoch, outcomes = self._core.peer_notify(engine_id, notes)
         return notify_response_to_proto(epoch, outcomes)
+
+    async def NotifyStream(
+        self,
+        request_iterator: AsyncIterator[peer_pb2.PeerNotifyRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[peer_pb2.PeerNotifyResponse]:
+        async for request in request_iterator:
+            try:
+                engine_id, notes = notify_request_from_proto(request)
+                epoch, outcomes = self._core.peer_notify(engine_id, notes)
+            except KvSidecarError as exc:  # the stream ends with the status Notify would give
+                context.set_code(status_for(exc))
+                context.set_details(status_message(exc))
+                return
+            yield notify_response_to_proto(epoch, outcomes)
 
     @errors_to_status
     async def GetEngine(

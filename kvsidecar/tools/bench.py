@@ -37,12 +37,14 @@ from pathlib import Path
 import numpy as np
 
 from kvsidecar.testing import toy
+from kvsidecar.tools.bench_load import batch_accept, hold_many, release
 from kvsidecar.tools.bench_nixl import IdPairs
 from kvsidecar.tools.bench_report import (
     BenchConfig,
     BenchReport,
     ConfirmCost,
     ControlPlane,
+    Loaded,
     Percentiles,
     Row,
     Throughput,
@@ -164,28 +166,52 @@ async def _block_size(
                     row, nbytes = await _row(run, cfg, bpr, pattern, say)
                     rows.append(row)
                     verified += nbytes
+            if first:
+                control = await _control(cfg, run, kib, pool, workdir, say)
         finally:
             for baseline in run.baselines:
                 await baseline.aclose()
-        if first:
-            say(f"control-plane latency ({cfg.latency_samples} requests) and idle CPU")
-            lat = await run.latency(cfg.latency_samples)
-            control = ControlPlane(
-                read_posted=_pct(lat.read_posted_s),
-                done_to_event=_pct(lat.done_to_event_s),
-                status_rtt=_pct(lat.status_rtt_s),
-                server_post_mean_us=None
-                if lat.server_post_mean_s is None
-                else lat.server_post_mean_s * 1e6,
-                idle_cpu_pct=await run.idle_cpu(cfg.idle_s),
-                confirm=ConfirmCost(
-                    on=_pct(lat.read_done_s),
-                    off=await _unconfirmed(cfg, kib, pool, workdir / "unconfirmed", say),
-                ),
-            )
     finally:
         await cluster.aclose()
     return rows, verified, control
+
+
+async def _control(
+    cfg: BenchConfig, run: Runner, kib: int, pool: int, workdir: Path, say: Callable[[str], None]
+) -> ControlPlane:
+    """Latency (sequential one-block requests), ReadBatch acceptance, idle CPU, the latency again
+    with ``cfg.loaded_holds`` other holds active, and unconfirmed reads on a second cluster."""
+    say(f"control-plane latency ({cfg.latency_samples} requests) and idle CPU")
+    lat = await run.latency(cfg.latency_samples)
+    accept = await batch_accept(run, cfg.batch_reads, rounds=max(3, cfg.repeats))
+    idle = await run.idle_cpu(cfg.idle_s)
+    say(f"the same latency with {cfg.loaded_holds} other holds active")
+    holds = await hold_many(run, cfg.loaded_holds)
+    loaded = await run.latency(cfg.latency_samples)
+    await release(run, holds)
+    return ControlPlane(
+        read_posted=_pct(lat.read_posted_s),
+        done_to_event=_pct(lat.done_to_event_s),
+        status_rtt=_pct(lat.status_rtt_s),
+        nixl_done=_pct(lat.nixl_s),
+        server_post_mean_us=None
+        if lat.server_post_mean_s is None
+        else lat.server_post_mean_s * 1e6,
+        phases_us={k: v * 1e6 for k, v in lat.server_phase_mean_s.items()},
+        batch_reads=cfg.batch_reads,
+        batch_accept=_pct(accept),
+        idle_cpu_pct=idle,
+        confirm=ConfirmCost(
+            on=_pct(lat.read_done_s),
+            off=await _unconfirmed(cfg, kib, pool, workdir / "unconfirmed", say),
+        ),
+        loaded_holds=cfg.loaded_holds,
+        loaded=Loaded(
+            read_posted=_pct(loaded.read_posted_s),
+            read_done=_pct(loaded.read_done_s),
+            done_to_event=_pct(loaded.done_to_event_s),
+        ),
+    )
 
 
 async def _unconfirmed(

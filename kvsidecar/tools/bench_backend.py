@@ -15,22 +15,16 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from kvsidecar.engine.backend import MemType, XferState
 from kvsidecar.engine.nixl_backend import NixlBackend
 from kvsidecar.memory import HostShmSpec, import_host_shm
+from kvsidecar.tools.bench_scrape import cpu_seconds
 from kvsidecar.tools.target_process import TargetProcess, make_shm, pattern
 
 POOL = 64 << 20  # bytes of memory on each side
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
 IDLE_AGENT = """

@@ -7,13 +7,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -22,8 +19,7 @@ from kvsidecar.client import Event, ReadPosted, ReadSpec, RecvDone, SendDone
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import PREFILL, LocalCluster, Rank
 from kvsidecar.tools.bench_nixl import IdPairs, NixlBaseline
-
-_POST_METRIC = "kvsidecar_read_post_duration_seconds"
+from kvsidecar.tools.bench_scrape import Latency, cpu_seconds, means, scrape
 
 
 @dataclass(slots=True, kw_only=True)
@@ -48,48 +44,13 @@ def copy_runs(reqs: Sequence[IdPairs], stride: int) -> list[tuple[int, int, int]
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of process ``pid`` (all its threads), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Latency:
-    """Control-plane samples, seconds: client-side Read call durations, Read call to RECV_DONE,
-    event delivery (client receive minus sidecar emit), no-op Status round trips, and the
-    sidecars' mean server-side post duration (``kvsidecar_read_post_duration_seconds``) over the
-    same Reads."""
-
-    read_posted_s: tuple[float, ...]
-    read_done_s: tuple[float, ...]  # Read call -> its RECV_DONE received here
-    done_to_event_s: tuple[float, ...]
-    status_rtt_s: tuple[float, ...]
-    server_post_mean_s: float | None
-
-
-async def _post_metric(rank: Rank) -> tuple[float, float]:
-    """(sum, count) of the sidecar's post-duration histogram, from its /metrics endpoint."""
-
-    def fetch() -> str:
-        url = f"http://{rank.addresses['metrics']}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            text: str = resp.read().decode()
-        return text
-
-    values = {}
-    for line in (await asyncio.to_thread(fetch)).splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith(_POST_METRIC):
-            values[name[len(_POST_METRIC) :]] = float(value)
-    return values.get("_sum", 0.0), values.get("_count", 0.0)
-
-
 class Runner:
     """The three ways of moving a request list on one started ``TimedCluster`` (homogeneous TP,
     one single-view packed model). Each timed method returns its elapsed seconds; setup (HOLDs,
     zeroing) and follow-up (SEND_DONEs, releases) stay outside the timed part where the method
-    allows. ``posted`` collects the client-side duration of every sidecar Read call (s)."""
+    allows. ``posted`` collects the client-side duration of every sidecar Read call (s); ``seq``
+    numbers the request lists (request ids are unique per run); ``tokens``: each held request's
+    token."""
 
     def __init__(self, cluster: TimedCluster, *, timeout_s: float, seed: int) -> None:
         self.cluster = cluster
@@ -98,8 +59,8 @@ class Runner:
         self.posted: list[float] = []
         self.timeout_s = timeout_s
         self.seed = seed
-        self._seq = 0
-        self._tokens: dict[str, str] = {}  # request id -> its hold token
+        self.seq = 0
+        self.tokens: dict[str, str] = {}  # request id -> its hold token
 
     async def start_baselines(self) -> None:
         """One NIXL target + initiator per (prefill rank, decode rank) pair, on the same files."""
@@ -137,10 +98,10 @@ class Runner:
         await asyncio.gather(*(b.read(reqs) for b in self.baselines))
         return time.perf_counter() - t0
 
-    async def _hold(self, rid: str, ids: list[list[int]]) -> list[asyncio.Future[Event]]:
+    async def hold(self, rid: str, ids: list[list[int]]) -> list[asyncio.Future[Event]]:
         """HOLD ``rid`` on every prefill rank under one token (kept for the reads)."""
         sends = []
-        token = self._tokens.setdefault(rid, secrets.token_urlsafe(24))
+        token = self.tokens.setdefault(rid, secrets.token_urlsafe(24))
         for p in self.cluster.prefill:
             assert p.client is not None
             sends.append(p.expect(rid))
@@ -159,11 +120,11 @@ class Runner:
             local_block_ids=local,
             remote_block_ids=remote,
             endpoints=self.cluster.prefill_endpoints,
-            token=self._tokens[rid],
+            token=self.tokens[rid],
         )
         self.posted.append(time.perf_counter() - start)
 
-    async def _sent(self, sends: Sequence[asyncio.Future[Event]]) -> None:
+    async def sent(self, sends: Sequence[asyncio.Future[Event]]) -> None:
         done = await asyncio.wait_for(asyncio.gather(*sends), self.timeout_s)
         bad = [e for e in done if not isinstance(e, SendDone) or e.expired]
         if bad:
@@ -173,12 +134,12 @@ class Runner:
         """HOLD every request (untimed); timed: Read on every decode rank (``concurrent``: all at
         once, else one after another) until every RECV_DONE; then every SEND_DONE (untimed)."""
         c = self.cluster
-        self._seq += 1
+        self.seq += 1
         ids = [
-            (f"bench-{self._seq}-{i}", [lo.tolist()], [ro.tolist()])
+            (f"bench-{self.seq}-{i}", [lo.tolist()], [ro.tolist()])
             for i, (lo, ro) in enumerate(reqs)
         ]
-        sends = [f for rid, _, remote in ids for f in await self._hold(rid, remote)]
+        sends = [f for rid, _, remote in ids for f in await self.hold(rid, remote)]
         recvs = [d.expect(f"{rid}@d") for rid, _, _ in ids for d in c.decode]
         t0 = time.perf_counter()
         if concurrent:
@@ -192,19 +153,19 @@ class Runner:
         bad = [e for e in events if not isinstance(e, RecvDone)]
         if bad:
             raise RuntimeError(f"sidecar transfer failed: {bad[0]}")
-        await self._sent(sends)
+        await self.sent(sends)
         return elapsed
 
     async def sidecar_batch(self, reqs: Sequence[IdPairs]) -> float:
         """Like ``sidecar``, but every decode rank gets the measurement's reads in one ReadBatch
         call (how an engine issues a scheduler step's reads)."""
         c = self.cluster
-        self._seq += 1
+        self.seq += 1
         ids = [
-            (f"batch-{self._seq}-{i}", [lo.tolist()], [ro.tolist()])
+            (f"batch-{self.seq}-{i}", [lo.tolist()], [ro.tolist()])
             for i, (lo, ro) in enumerate(reqs)
         ]
-        sends = [f for rid, _, remote in ids for f in await self._hold(rid, remote)]
+        sends = [f for rid, _, remote in ids for f in await self.hold(rid, remote)]
         recvs = [d.expect(f"{rid}@d") for rid, _, _ in ids for d in c.decode]
         t0 = time.perf_counter()
 
@@ -218,7 +179,7 @@ class Runner:
                     local_block_ids=local,
                     remote_block_ids=remote,
                     endpoints=tuple(c.prefill_endpoints),
-                    token=self._tokens[rid],
+                    token=self.tokens[rid],
                 )
                 for rid, local, remote in ids
             ]
@@ -232,7 +193,7 @@ class Runner:
         bad = [e for e in events if not isinstance(e, RecvDone)]
         if bad:
             raise RuntimeError(f"sidecar batch transfer failed: {bad[0]}")
-        await self._sent(sends)
+        await self.sent(sends)
         return elapsed
 
     def zero(self) -> None:
@@ -263,13 +224,13 @@ class Runner:
         """``samples`` sequential one-block requests on every decode rank, and as many no-op
         Status calls (the gRPC floor)."""
         c = self.cluster
-        self._seq += 1
-        rids = [f"lat-{self._seq}-{i}" for i in range(samples)]
+        self.seq += 1
+        rids = [f"lat-{self.seq}-{i}" for i in range(samples)]
         blocks = [[[i % self.view.num_blocks]] for i in range(samples)]
         sends = [
-            f for rid, ids in zip(rids, blocks, strict=True) for f in await self._hold(rid, ids)
+            f for rid, ids in zip(rids, blocks, strict=True) for f in await self.hold(rid, ids)
         ]
-        before = [await _post_metric(d) for d in c.decode]
+        before = [await scrape(d) for d in c.decode]
         self.posted, delivered, read_done = [], [], []
         for rid, ids in zip(rids, blocks, strict=True):
             for d in c.decode:
@@ -282,23 +243,27 @@ class Runner:
                     raise RuntimeError(f"latency read failed: {event}")
                 emitted, received = c.emitted_received[f"{rid}@d"]
                 delivered.append(received - emitted)
-        after = [await _post_metric(d) for d in c.decode]
-        await self._sent(sends)
+        after = [await scrape(d) for d in c.decode]
+        await self.sent(sends)
         status, client = [], c.decode[0].client
         assert client is not None
         for _ in range(samples):
             start = time.perf_counter()
             await client.status()
             status.append(time.perf_counter() - start)
-        seconds, count = (
-            sum(a[i] - b[i] for a, b in zip(after, before, strict=True)) for i in (0, 1)
-        )
+        nixl = []
+        for ids in blocks:
+            one = np.asarray(ids[0], dtype=np.int64)
+            nixl.append(await self.nixl([(one, one)]))
+        mean = means(before, after)
         return Latency(
             read_posted_s=tuple(self.posted),
             read_done_s=tuple(read_done),
             done_to_event_s=tuple(delivered),
             status_rtt_s=tuple(status),
-            server_post_mean_s=seconds / count if count else None,
+            nixl_s=tuple(nixl),
+            server_post_mean_s=mean.pop("post_duration", None),
+            server_phase_mean_s=mean,
         )
 
     async def idle_cpu(self, seconds: float) -> dict[str, float]:

@@ -125,7 +125,8 @@ class EngineServiceServicer:
     def ReadBatch(self, request, context):
         """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
         and accepted on its own, in order, as Read does (none waits for a handshake); one failing
-        never affects the others. Saves one gRPC round trip per read. At most 4096 reads.
+        never affects the others. Saves one gRPC round trip per read, and the batch's READs reach
+        the NIXL thread together (one loop wake-up for all of them). At most 4096 reads.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

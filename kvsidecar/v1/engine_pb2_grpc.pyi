@@ -55,7 +55,8 @@ class EngineServiceStub:
     ReadBatch: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ReadBatchRequest, _engine_pb2.ReadBatchResponse]
     """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
     and accepted on its own, in order, as Read does (none waits for a handshake); one failing
-    never affects the others. Saves one gRPC round trip per read. At most 4096 reads.
+    never affects the others. Saves one gRPC round trip per read, and the batch's READs reach
+    the NIXL thread together (one loop wake-up for all of them). At most 4096 reads.
     """
     Notify: _grpc.UnaryUnaryMultiCallable[_engine_pb2.NotifyRequest, _engine_pb2.NotifyResponse]
     """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer)."""
@@ -96,7 +97,8 @@ class EngineServiceAsyncStub(EngineServiceStub):
     ReadBatch: _aio.UnaryUnaryMultiCallable[_engine_pb2.ReadBatchRequest, _engine_pb2.ReadBatchResponse]  # type: ignore[assignment]
     """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
     and accepted on its own, in order, as Read does (none waits for a handshake); one failing
-    never affects the others. Saves one gRPC round trip per read. At most 4096 reads.
+    never affects the others. Saves one gRPC round trip per read, and the batch's READs reach
+    the NIXL thread together (one loop wake-up for all of them). At most 4096 reads.
     """
     Notify: _aio.UnaryUnaryMultiCallable[_engine_pb2.NotifyRequest, _engine_pb2.NotifyResponse]  # type: ignore[assignment]
     """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer)."""
@@ -164,7 +166,8 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_engine_pb2.ReadBatchResponse, _abc.Awaitable[_engine_pb2.ReadBatchResponse]]:
         """Several Reads in one call (e.g. every read of an engine's scheduler step): each is validated
         and accepted on its own, in order, as Read does (none waits for a handshake); one failing
-        never affects the others. Saves one gRPC round trip per read. At most 4096 reads.
+        never affects the others. Saves one gRPC round trip per read, and the batch's READs reach
+        the NIXL thread together (one loop wake-up for all of them). At most 4096 reads.
         """
 
     @_abc_1.abstractmethod

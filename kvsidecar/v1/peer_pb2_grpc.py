@@ -49,6 +49,11 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
                 _registered_method=True)
+        self.NotifyStream = channel.stream_stream(
+                '/kvsidecar.v1.PeerService/NotifyStream',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -79,6 +84,16 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NotifyStream(self, request_iterator, context):
+        """Notify over one long-lived stream: every request in gets exactly one response out, in order,
+        with the same meaning and checks as Notify. A consumer keeps one stream per producer rank (a
+        message on an open stream costs well under a new call); a request Notify would refuse ends
+        the stream with that status. Consumers fall back to Notify where a producer does not serve it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +109,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
             ),
             'Notify': grpc.unary_unary_rpc_method_handler(
                     servicer.Notify,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.SerializeToString,
+            ),
+            'NotifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.NotifyStream,
                     request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.SerializeToString,
             ),
@@ -177,6 +197,33 @@ class PeerService:
             request,
             target,
             '/kvsidecar.v1.PeerService/Notify',
+            kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NotifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvsidecar.v1.PeerService/NotifyStream',
             kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
             kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
             options,

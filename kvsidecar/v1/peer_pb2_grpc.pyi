@@ -42,6 +42,12 @@ class PeerServiceStub:
     under the named epoch and token when it arrived, so the bytes the consumer read were the held
     ones.
     """
+    NotifyStream: _grpc.StreamStreamMultiCallable[_peer_pb2.PeerNotifyRequest, _peer_pb2.PeerNotifyResponse]
+    """Notify over one long-lived stream: every request in gets exactly one response out, in order,
+    with the same meaning and checks as Notify. A consumer keeps one stream per producer rank (a
+    message on an open stream costs well under a new call); a request Notify would refuse ends
+    the stream with that status. Consumers fall back to Notify where a producer does not serve it.
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -56,6 +62,12 @@ class PeerServiceAsyncStub(PeerServiceStub):
     READ_DONE outcome ACCEPTED is the producer's confirmation that the request's hold was live
     under the named epoch and token when it arrived, so the bytes the consumer read were the held
     ones.
+    """
+    NotifyStream: _aio.StreamStreamMultiCallable[_peer_pb2.PeerNotifyRequest, _peer_pb2.PeerNotifyResponse]  # type: ignore[assignment]
+    """Notify over one long-lived stream: every request in gets exactly one response out, in order,
+    with the same meaning and checks as Notify. A consumer keeps one stream per producer rank (a
+    message on an open stream costs well under a new call); a request Notify would refuse ends
+    the stream with that status. Consumers fall back to Notify where a producer does not serve it.
     """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -86,6 +98,18 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         READ_DONE outcome ACCEPTED is the producer's confirmation that the request's hold was live
         under the named epoch and token when it arrived, so the bytes the consumer read were the held
         ones.
+        """
+
+    @_abc_1.abstractmethod
+    def NotifyStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_peer_pb2.PeerNotifyRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_peer_pb2.PeerNotifyResponse], _abc.AsyncIterator[_peer_pb2.PeerNotifyResponse]]:
+        """Notify over one long-lived stream: every request in gets exactly one response out, in order,
+        with the same meaning and checks as Notify. A consumer keeps one stream per producer rank (a
+        message on an open stream costs well under a new call); a request Notify would refuse ends
+        the stream with that status. Consumers fall back to Notify where a producer does not serve it.
         """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

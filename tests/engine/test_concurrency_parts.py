@@ -1,0 +1,130 @@
+"""The two pieces that let many Reads post at once: the guard's shared lock (posts share it,
+quarantine and registration changes take it alone) and the NIXL thread answering a burst of
+calls with one wake-up of the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvsidecar.engine.guard import SharedLock
+from kvsidecar.engine.nixl_thread import AgentThread, CallTiming
+from kvsidecar.errors import DeadlineExceededError
+
+
+async def test_users_share_the_lock_and_an_exclusive_holder_waits_for_them() -> None:
+    lock = SharedLock()
+    inside = 0
+    most = 0
+    log: list[str] = []
+    gate = asyncio.Event()
+
+    async def user(i: int) -> None:
+        nonlocal inside, most
+        async with lock.use():
+            inside += 1
+            most = max(most, inside)
+            await gate.wait()
+            inside -= 1
+            log.append(f"user{i}")
+
+    async def exclusive() -> None:
+        async with lock.exclusive():
+            assert inside == 0
+            log.append("exclusive")
+
+    users = [asyncio.ensure_future(user(i)) for i in range(5)]
+    await asyncio.sleep(0.01)
+    assert most == 5  # all five posted at once
+    writer = asyncio.ensure_future(exclusive())
+    await asyncio.sleep(0.01)
+    late = asyncio.ensure_future(user(99))  # arrives while the exclusive holder waits
+    await asyncio.sleep(0.01)
+    assert not writer.done()
+    assert inside == 5  # the late user did not get in ahead of the waiting exclusive holder
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(writer, late, *users), 5)
+    assert log.index("exclusive") == 5  # after the five users, before the late one
+    assert log[-1] == "user99"
+
+
+async def test_a_cancelled_user_releases_the_lock() -> None:
+    lock = SharedLock()
+    started = asyncio.Event()
+
+    async def user() -> None:
+        async with lock.use():
+            started.set()
+            await asyncio.sleep(3600)
+
+    task = asyncio.ensure_future(user())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    async def exclusive() -> None:
+        async with lock.exclusive():
+            pass
+
+    await asyncio.wait_for(exclusive(), 1)
+
+
+async def test_a_burst_of_calls_runs_in_order_with_one_wake_up() -> None:
+    thread = AgentThread(timeout_s=5)
+    thread.start()
+    loop = asyncio.get_running_loop()
+    wakeups = 0
+    real = loop.call_soon_threadsafe
+
+    def counting(*args: object, **kwargs: object) -> asyncio.Handle:
+        nonlocal wakeups
+        wakeups += 1
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    ran: list[int] = []
+    blocker = threading.Event()
+    try:
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        first = asyncio.ensure_future(thread.call(blocker.wait, what="block"))
+        await asyncio.sleep(0.01)  # the thread is busy: everything below queues up
+
+        def job(i: int) -> int:
+            ran.append(i)
+            if i == 7:
+                raise ValueError("job 7 fails alone")
+            return i * i
+
+        timings = [CallTiming() for _ in range(50)]
+        calls = [
+            asyncio.ensure_future(thread.call(lambda i=i: job(i), what=f"job {i}", timing=t))
+            for i, t in enumerate(timings)
+        ]
+        await asyncio.sleep(0.01)
+        blocker.set()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        await first
+    finally:
+        loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+        thread.shutdown()
+    assert ran == list(range(50))
+    assert isinstance(results[7], ValueError)
+    assert [r for i, r in enumerate(results) if i != 7] == [i * i for i in range(50) if i != 7]
+    assert wakeups <= 2  # the blocker's answer and the burst's (or both in one)
+    assert all(t.hop >= 0 and t.run >= 0 and t.back >= 0 for t in timings)
+
+
+async def test_a_call_past_its_bound_fails_typed_while_the_thread_finishes_it() -> None:
+    thread = AgentThread(timeout_s=5)
+    thread.start()
+    release = threading.Event()
+    try:
+        with pytest.raises(DeadlineExceededError, match="slow: the transfer agent did not answer"):
+            await thread.call(release.wait, what="slow", timeout_s=0.05)
+        release.set()
+        assert await thread.call(lambda: 42, what="next") == 42
+    finally:
+        release.set()
+        thread.shutdown()
