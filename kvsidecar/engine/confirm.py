@@ -20,6 +20,7 @@ from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads import Outgoing
 from kvsidecar.engine.transfers import TransferManager
 from kvsidecar.errors import KvSidecarError, PeerUnavailableError
+from kvsidecar.limits import MAX_NOTIFICATIONS
 from kvsidecar.wire.peer import Outcome, PeerNotification
 
 log = logging.getLogger(__name__)
@@ -33,20 +34,35 @@ class Confirmer:
         self._transfers = transfers
         self._guard = guard
         self._tasks: set[asyncio.Task[None]] = set()
+        self._queued: list[Outgoing] = []  # sent this turn of the loop, not yet delivered
+        self._flush: asyncio.Handle | None = None
         self.sent: dict[str, int] = {}  #: notifications delivered, by kind
         self.refused: dict[str, int] = {}  #: outcomes other than ACCEPTED, by outcome
         self.undelivered = 0  #: notifications whose Notify call failed
         self._log = RateLimited(log)
 
     def send(self, items: Sequence[Outgoing]) -> None:
-        """Deliver ``items`` in the background, one call per (peer, rank)."""
+        """Deliver ``items`` in the background, one message per (peer, rank) for everything sent
+        in this turn of the event loop: the reads of a ReadBatch, whose posts complete together,
+        are confirmed with one NotifyStream message per producer rank instead of one each."""
+        if not items:
+            return
+        self._queued.extend(items)
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_soon(self._send_queued)
+
+    def _send_queued(self) -> None:
+        self._flush = None
+        items, self._queued = self._queued, []
         groups: dict[tuple[int, int], list[Outgoing]] = {}
         for item in items:
             groups.setdefault((id(item.peer), item.rank), []).append(item)
+        loop = asyncio.get_running_loop()
         for group in groups.values():
-            task = asyncio.get_running_loop().create_task(self._deliver(group))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            for start in range(0, len(group), MAX_NOTIFICATIONS):  # what one message may carry
+                task = loop.create_task(self._deliver(group[start : start + MAX_NOTIFICATIONS]))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     async def deliver(self, peer: Peer, endpoint: str, notes: Sequence[PeerNotification]) -> int:
         """Deliver ``notes`` to one producer rank now; returns how many it refused. Raises
@@ -97,6 +113,10 @@ class Confirmer:
             await self._guard.invalidate(peer, why)
 
     async def aclose(self) -> None:
+        if self._flush is not None:  # nobody waits for them any more: reads fail at shutdown
+            self._flush.cancel()
+            self._flush = None
+            self._queued = []
         tasks = tuple(self._tasks)
         for task in tasks:
             task.cancel()

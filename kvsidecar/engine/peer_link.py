@@ -187,12 +187,14 @@ class PeerLink:
             asyncio.get_running_loop().create_future()
         )
         try:
-            async with stream.lock:
-                if stream.broken is not None:
-                    raise stream.broken
-                stream.waiters.append(fut)
-                await asyncio.wait_for(stream.call.write(request), self._timeout_s)
-            resp = await asyncio.wait_for(fut, self._timeout_s)
+            # One deadline for the write and the answer (asyncio.timeout: no extra task per call).
+            async with asyncio.timeout(self._timeout_s):
+                async with stream.lock:
+                    if stream.broken is not None:
+                        raise stream.broken
+                    stream.waiters.append(fut)
+                    await stream.call.write(request)
+                resp = await fut
         except grpc.aio.AioRpcError as exc:
             err = _translate(endpoint, f"Notify({engine_id!r})", exc)
             await self._drop(stream, err)

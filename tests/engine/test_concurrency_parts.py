@@ -1,17 +1,25 @@
-"""The two pieces that let many Reads post at once: the guard's shared lock (posts share it,
-quarantine and registration changes take it alone) and the NIXL thread answering a burst of
-calls with one wake-up of the event loop."""
+"""The pieces that let many Reads post at once: the guard's shared lock (posts share it,
+quarantine and registration changes take it alone), the NIXL thread answering a burst of calls
+with one wake-up of the event loop, and the confirmer sending one message per producer rank for
+everything queued in one turn of the loop."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from kvsidecar.engine.confirm import Confirmer
 from kvsidecar.engine.guard import SharedLock
 from kvsidecar.engine.nixl_thread import AgentThread, CallTiming
+from kvsidecar.engine.reads import Outgoing
 from kvsidecar.errors import DeadlineExceededError
+from kvsidecar.limits import MAX_NOTIFICATIONS
+from kvsidecar.wire.peer import NotificationKind, Outcome, PeerNotification
 
 
 async def test_users_share_the_lock_and_an_exclusive_holder_waits_for_them() -> None:
@@ -128,3 +136,60 @@ async def test_a_call_past_its_bound_fails_typed_while_the_thread_finishes_it() 
     finally:
         release.set()
         thread.shutdown()
+
+
+class RecordingLink:
+    """Stands in for PeerLink: records every Notify message (endpoint, notification count)."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, int]] = []
+
+    async def notify(
+        self, endpoint: str, engine_id: str, notes: Sequence[PeerNotification]
+    ) -> tuple[int, tuple[Outcome, ...]]:
+        self.messages.append((endpoint, len(notes)))
+        return 1, (Outcome.ACCEPTED,) * len(notes)
+
+
+def outgoing(peer: Any, rank: int, n: int) -> list[Outgoing]:
+    note = PeerNotification(
+        kind=NotificationKind.CONSUMED,
+        remote_request_id="r",
+        expected_consumers=1,
+        epoch=1,
+        consumer_engine_id="decode",
+        consumer_rank=0,
+    )
+    return [
+        Outgoing(peer=peer, rank=rank, endpoint=f"p{rank}", notification=note) for _ in range(n)
+    ]
+
+
+async def test_notifications_sent_in_one_turn_go_out_as_one_message_per_producer_rank() -> None:
+    link = RecordingLink()
+    confirmer = Confirmer(link=link, transfers=None, guard=None)  # type: ignore[arg-type]
+    peer = SimpleNamespace(engine_id="prefill", epoch=1)
+    try:
+        for _ in range(64):  # the 64 reads of a ReadBatch, each posted and sent on its own
+            confirmer.send(outgoing(peer, 0, 1))
+            confirmer.send(outgoing(peer, 1, 1))
+        confirmer.send(outgoing(peer, 2, MAX_NOTIFICATIONS + 5))  # more than one message holds
+        for _ in range(100):
+            if sum(n for _, n in link.messages) == 128 + MAX_NOTIFICATIONS + 5:
+                break
+            await asyncio.sleep(0.001)
+        assert sorted(link.messages) == [
+            ("p0", 64),
+            ("p1", 64),
+            ("p2", 5),
+            ("p2", MAX_NOTIFICATIONS),
+        ]
+        confirmer.send(outgoing(peer, 0, 1))  # a later turn: a message of its own
+        for _ in range(100):
+            if len(link.messages) == 5:
+                break
+            await asyncio.sleep(0.001)
+        assert link.messages[-1] == ("p0", 1)
+        assert confirmer.sent == {"consumed": 128 + MAX_NOTIFICATIONS + 5 + 1}
+    finally:
+        await confirmer.aclose()
