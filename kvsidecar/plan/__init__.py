@@ -24,6 +24,8 @@ from .layouts import (
 from .peer_plan import PeerPlan, RankPlan, build_peer_plan
 from .request import RequestIds, request_ids, validate_request_ids
 from .state_layouts import (
+    ConvLayout,
+    conv_state_view,
     gdn_conv_segments,
     gdn_view,
     mamba1_view,
@@ -34,6 +36,7 @@ from .strided import Segment, StateArray, attention_view, latent_view, state_vie
 
 __all__ = [
     "VLLM_LAYOUTS",
+    "ConvLayout",
     "EngineGeometry",
     "PeerPlan",
     "RankPlan",
@@ -45,6 +48,7 @@ __all__ = [
     "attention_view",
     "build_peer_plan",
     "compatibility_mismatches",
+    "conv_state_view",
     "flashinfer_view",
     "gdn_conv_segments",
     "gdn_view",

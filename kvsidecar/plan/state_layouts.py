@@ -2,13 +2,15 @@
 :func:`~kvsidecar.plan.strided.state_view` (docs/geometry.md).
 
 Every helper describes one rank of a ``tp_size`` group and one layer's state per block: a conv
-state in the DS layout (``[rows, conv_kernel - 1]``, rows cut into sharded segments) followed by
+state (DS ``[rows, conv_kernel - 1]`` by default, or SD; rows cut into sharded segments) followed by
 the SSM state, packed; ``block_stride`` defaults to the packed size (pass a larger one for page
 padding). Sizes are bytes; units are heads, groups or channels as stated.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 
 from .geometry import View
@@ -16,6 +18,8 @@ from .layouts import heads_held
 from .strided import Segment, StateArray, state_view
 
 __all__ = [
+    "ConvLayout",
+    "conv_state_view",
     "gdn_conv_segments",
     "gdn_view",
     "mamba1_view",
@@ -24,7 +28,14 @@ __all__ = [
 ]
 
 
-def _conv_state_view(
+class ConvLayout(enum.Enum):
+    """Order of a conv state's axes per block (vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``)."""
+
+    DS = "DS"  #: ``[rows, conv_kernel - 1]``: each row contiguous
+    SD = "SD"  #: ``[conv_kernel - 1, rows]``: each conv step contiguous
+
+
+def conv_state_view(
     *,
     name: str,
     memory_id: str,
@@ -36,12 +47,16 @@ def _conv_state_view(
     conv_dtype_bytes: int,
     ssm_dtype_bytes: int,
     tp_size: int,
-    offset: int,
-    block_stride: int | None,
-    groups: tuple[int, ...],
-    blocks_per_id: int,
+    offset: int = 0,
+    block_stride: int | None = None,
+    groups: tuple[int, ...] = (0,),
+    blocks_per_id: int = 1,
+    conv_layout: ConvLayout = ConvLayout.DS,
 ) -> View:
-    """Conv state ``[rows, conv_kernel - 1]`` (DS) then SSM state ``ssm_shape``, packed per block."""
+    """Conv state (``conv_layout``; its rows cut into ``conv_rows``) then SSM state ``ssm_shape``
+    (dim 0 cut into ``ssm_segments``), packed per block. In the ``SD`` layout every conv step is
+    its own array with its segments keyed by the step (``s0.conv.x``, ``s1.conv.x`` ...), so a
+    hetero-TP read stays a plain strided copy; ``DS`` and ``SD`` engines then differ by key."""
     rows = sum(seg.rows(tp_size) for seg in conv_rows)
     state_len = conv_kernel - 1
     conv_bytes = rows * state_len * conv_dtype_bytes
@@ -54,13 +69,29 @@ def _conv_state_view(
     for d in reversed(ssm_inner):
         inner_strides.append(acc)
         acc *= d
-    conv = StateArray(
-        offset=offset,
-        shape=(num_blocks, rows, state_len),
-        strides=(stride, state_len * conv_dtype_bytes, conv_dtype_bytes),
-        dtype_bytes=conv_dtype_bytes,
-        segments=conv_rows,
-    )
+    if conv_layout is ConvLayout.DS:
+        conv = [
+            StateArray(
+                offset=offset,
+                shape=(num_blocks, rows, state_len),
+                strides=(stride, state_len * conv_dtype_bytes, conv_dtype_bytes),
+                dtype_bytes=conv_dtype_bytes,
+                segments=conv_rows,
+            )
+        ]
+    else:
+        conv = [
+            StateArray(
+                offset=offset + step * rows * conv_dtype_bytes,
+                shape=(num_blocks, rows),
+                strides=(stride, conv_dtype_bytes),
+                dtype_bytes=conv_dtype_bytes,
+                segments=tuple(
+                    dataclasses.replace(seg, key=f"s{step}.{seg.key}") for seg in conv_rows
+                ),
+            )
+            for step in range(state_len)
+        ]
     ssm = StateArray(
         offset=offset + conv_bytes,
         shape=(num_blocks, *ssm_shape),
@@ -71,7 +102,7 @@ def _conv_state_view(
     return state_view(
         name=name,
         memory_id=memory_id,
-        arrays=(conv, ssm),
+        arrays=(*conv, ssm),
         tp_size=tp_size,
         groups=groups,
         blocks_per_id=blocks_per_id,
@@ -97,7 +128,7 @@ def mamba1_view(
     """Mamba1 state per block: conv ``[I, conv_kernel - 1]`` (DS) then SSM ``[I, d_state]``, ``I``
     = channels held of ``intermediate_size``. Spans ``conv.x`` and ``ssm``, units = channels."""
     held = heads_held(intermediate_size, tp_size)
-    return _conv_state_view(
+    return conv_state_view(
         name=name,
         memory_id=memory_id,
         num_blocks=num_blocks,
@@ -138,7 +169,7 @@ def gdn_view(
     state ``[V heads held, head_k_dim, head_v_dim]``. Spans ``conv.q``, ``conv.k`` (units: K heads),
     ``conv.v`` and ``ssm`` (units: V heads)."""
     hv = heads_held(num_v_heads, tp_size)
-    return _conv_state_view(
+    return conv_state_view(
         name=name,
         memory_id=memory_id,
         num_blocks=num_blocks,
@@ -203,7 +234,7 @@ def mamba2_view(
     ``conv.x`` (units: heads), ``conv.B``, ``conv.C`` (units: groups) and ``ssm`` (units: heads).
     """
     hh = heads_held(num_heads, tp_size)
-    return _conv_state_view(
+    return conv_state_view(
         name=name,
         memory_id=memory_id,
         num_blocks=num_blocks,

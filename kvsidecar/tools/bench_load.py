@@ -8,8 +8,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from kvsidecar.client import Event, ReadPosted, ReadSpec, RecvDone
-from kvsidecar.testing.cluster import PREFILL
+from kvsidecar.client import Event, ReadPosted, RecvDone
 from kvsidecar.tools.bench_target import Runner
 
 
@@ -26,18 +25,7 @@ async def batch_accept(run: Runner, reads: int, rounds: int) -> tuple[float, ...
         blocks = [[[i % run.view.num_blocks]] for i in range(reads)]
         sends = [f for rid, ids in zip(rids, blocks, strict=True) for f in await run.hold(rid, ids)]
         recvs = [x.expect(f"{rid}@d") for rid in rids for x in c.decode]
-        specs = [
-            ReadSpec(
-                request_id=f"{rid}@d",
-                remote_engine_id=PREFILL,
-                remote_request_id=rid,
-                local_block_ids=ids,
-                remote_block_ids=ids,
-                endpoints=tuple(c.prefill_endpoints),
-                token=run.tokens[rid],
-            )
-            for rid, ids in zip(rids, blocks, strict=True)
-        ]
+        specs = [run.spec(rid, ids, ids) for rid, ids in zip(rids, blocks, strict=True)]
         start = time.perf_counter()
         results = await d.client.read_batch(specs)
         out.append(time.perf_counter() - start)
@@ -82,15 +70,7 @@ async def release(run: Runner, load: Load) -> None:
             chunk = rids[start : start + 256]
             recvs = [d.expect(f"{rid}@d") for rid in chunk]
             specs = [
-                ReadSpec(
-                    request_id=f"{rid}@d",
-                    remote_engine_id=PREFILL,
-                    remote_request_id=rid,
-                    local_block_ids=[[i % run.view.num_blocks]],
-                    remote_block_ids=[[i % run.view.num_blocks]],
-                    endpoints=tuple(c.prefill_endpoints),
-                    token=run.tokens[rid],
-                )
+                run.spec(rid, [[i % run.view.num_blocks]], [[i % run.view.num_blocks]])
                 for i, rid in enumerate(chunk, start)
             ]
             await d.client.read_batch(specs)

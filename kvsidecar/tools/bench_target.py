@@ -124,6 +124,18 @@ class Runner:
         )
         self.posted.append(time.perf_counter() - start)
 
+    def spec(self, rid: str, local: list[list[int]], remote: list[list[int]]) -> ReadSpec:
+        """The decode side's read (``<rid>@d``) of held request ``rid``, for ReadBatch."""
+        return ReadSpec(
+            request_id=f"{rid}@d",
+            remote_engine_id=PREFILL,
+            remote_request_id=rid,
+            local_block_ids=local,
+            remote_block_ids=remote,
+            endpoints=tuple(self.cluster.prefill_endpoints),
+            token=self.tokens[rid],
+        )
+
     async def sent(self, sends: Sequence[asyncio.Future[Event]]) -> None:
         done = await asyncio.wait_for(asyncio.gather(*sends), self.timeout_s)
         bad = [e for e in done if not isinstance(e, SendDone) or e.expired]
@@ -171,18 +183,7 @@ class Runner:
 
         async def one(d: Rank) -> None:
             assert d.client is not None
-            specs = [
-                ReadSpec(
-                    request_id=f"{rid}@d",
-                    remote_engine_id=PREFILL,
-                    remote_request_id=rid,
-                    local_block_ids=local,
-                    remote_block_ids=remote,
-                    endpoints=tuple(c.prefill_endpoints),
-                    token=self.tokens[rid],
-                )
-                for rid, local, remote in ids
-            ]
+            specs = [self.spec(rid, local, remote) for rid, local, remote in ids]
             failed = [r for r in await d.client.read_batch(specs) if not isinstance(r, ReadPosted)]
             if failed:
                 raise RuntimeError(f"sidecar batch: {failed[0]}")

@@ -13,31 +13,23 @@ is ``SD`` (vLLM's default); its rows are the model's sub-projections, each shard
   ``[V heads, head_v_dim, head_k_dim]``.
 
 The global sizes are recovered from the per-rank shapes and ``tp_size`` as vLLM's own connector
-does, so both engines must describe the same model. In the ``SD`` layout each conv step is its own
-array (``s0.conv.x``, ``s1.conv.x`` ...): hetero-TP reads then stay plain strided copies. Two engines
-with different conv layouts have different span keys and fail the compatibility check by name.
+does, so both engines must describe the same model; the view itself is
+:func:`kvsidecar.plan.conv_state_view` (in the ``SD`` layout one array per conv step, keyed
+``s0.conv.x`` ...; engines with different conv layouts fail the compatibility check by key).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from typing import Any
 
-from kvsidecar.plan import Segment, StateArray, View, state_view
+from kvsidecar.plan import ConvLayout, Segment, View, conv_state_view
 
 __all__ = ["ConvLayout", "UnsupportedLayerError", "state_view_from_spec"]
 
 
 class UnsupportedLayerError(ValueError):
     """A KV-cache layer kvsidecar cannot describe from vLLM's tensors (its name and why)."""
-
-
-class ConvLayout(enum.Enum):
-    """vLLM's conv-state layout (``VLLM_SSM_CONV_STATE_LAYOUT``)."""
-
-    DS = "DS"  # [rows, conv_kernel - 1]
-    SD = "SD"  # [conv_kernel - 1, rows]
 
 
 def _dtype_bytes(dtype: Any) -> int:
@@ -133,53 +125,22 @@ def state_view_from_spec(
     conv_rows, ssm_rows = _segments(name, spec, rows, tp_size)
     cb, sb = _dtype_bytes(spec.dtypes[0]), _dtype_bytes(spec.dtypes[1])
     page = int(tensor.stride(0))
-    blocks = int(tensor.shape[0])
-    offset = int(tensor.data_ptr()) - memory
-    conv_bytes = rows * steps * cb
     ssm_shape = tuple(int(d) for d in spec.shapes[1])
-    if conv_bytes + math.prod(ssm_shape) * sb > page:
+    if rows * steps * cb + math.prod(ssm_shape) * sb > page:
         raise UnsupportedLayerError(f"layer {name!r}: states do not fit the {page}-byte page")
-    if conv_layout is ConvLayout.DS:
-        conv = [
-            StateArray(
-                offset=offset,
-                shape=(blocks, rows, steps),
-                strides=(page, steps * cb, cb),
-                dtype_bytes=cb,
-                segments=conv_rows,
-            )
-        ]
-    else:  # one array per conv step, its row segments keyed by the step
-        conv = [
-            StateArray(
-                offset=offset + s * rows * cb,
-                shape=(blocks, rows),
-                strides=(page, cb),
-                dtype_bytes=cb,
-                segments=tuple(
-                    Segment(
-                        key=f"s{s}.{g.key}",
-                        global_units=g.global_units,
-                        rows_per_unit=g.rows_per_unit,
-                    )
-                    for g in conv_rows
-                ),
-            )
-            for s in range(steps)
-        ]
-    inner = math.prod(ssm_shape[1:]) * sb
-    ssm_strides = [page, inner]
-    acc = inner
-    for d in ssm_shape[1:]:
-        acc //= d
-        ssm_strides.append(acc)
-    ssm = StateArray(
-        offset=offset + conv_bytes,
-        shape=(blocks, *ssm_shape),
-        strides=tuple(ssm_strides),
-        dtype_bytes=sb,
-        segments=ssm_rows,
-    )
-    return state_view(
-        name=name, memory_id=memory_id, arrays=(*conv, ssm), tp_size=tp_size, groups=(group,)
+    return conv_state_view(
+        name=name,
+        memory_id=memory_id,
+        num_blocks=int(tensor.shape[0]),
+        conv_rows=conv_rows,
+        ssm_shape=ssm_shape,
+        ssm_segments=ssm_rows,
+        conv_kernel=steps + 1,
+        conv_dtype_bytes=cb,
+        ssm_dtype_bytes=sb,
+        tp_size=tp_size,
+        offset=int(tensor.data_ptr()) - memory,
+        block_stride=page,
+        groups=(group,),
+        conv_layout=conv_layout,
     )
