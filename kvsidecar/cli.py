@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--idle-s", type=float, default=3.0, help="idle-CPU sampling time (s)")
     bench.add_argument("--scattered", action="store_true", help="also measure scattered ids")
+    bench.add_argument(
+        "--engine-api",
+        choices=("session", "unary"),
+        default="session",
+        help="engines call their sidecars over one Session stream (default) or unary RPCs",
+    )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
@@ -250,7 +256,7 @@ def _bench(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvsidecar.tools.bench import run_bench
-    from kvsidecar.tools.bench_report import BenchConfig, format_table
+    from kvsidecar.tools.bench_report import BenchConfig, EngineApi, format_table
 
     try:
         config = BenchConfig(
@@ -263,6 +269,7 @@ def _bench(args: argparse.Namespace) -> int:
             loaded_holds=args.loaded_holds,
             idle_s=args.idle_s,
             scattered=args.scattered,
+            engine_api=EngineApi(args.engine_api),
         )
     except ValueError as exc:
         print(f"kvsidecar bench: {exc}", file=sys.stderr)

@@ -130,5 +130,9 @@ class ShuttingDownError(KvSidecarError):
     """The sidecar is draining and accepts no new work (maps to UNAVAILABLE)."""
 
 
+class UnimplementedError(KvSidecarError):
+    """The sidecar does not serve the method called (an older version); clients only."""
+
+
 class ListenError(KvSidecarError):
     """A listener could not bind (address in use, bad address, socket path taken). Startup only."""

@@ -222,6 +222,17 @@ class EngineCollector(Collector):
             "Events of an ended registration, never delivered to the next one.",
             s.events_discarded,
         )
+        yield _labelled(
+            "kvsidecar_session_commands",
+            "Commands received on engine Session streams, by kind (read, read_batch, notify).",
+            "kind",
+            s.sessions.commands,
+        )
+        yield _gauge(
+            "kvsidecar_session_commands_in_flight",
+            "Session commands accepted and not yet answered (at most 256 per stream).",
+            s.sessions.in_flight,
+        )
         yield _gauge(
             "kvsidecar_registered_bytes",
             "Engine memory registered with the backend.",

@@ -4,6 +4,10 @@ async with AsyncSidecarClient("/run/kvsidecar/engine.sock") as sc:
     await sc.register_engine(engine_id="prefill-0", tp_rank=0, tp_size=2, views=v, memories=m)
     async for event in sc.watch():
         ...
+
+``watch()`` opens the sidecar's Session stream (Watch on a sidecar without it): while it is open,
+``read``, ``read_batch``, ``hold``, ``release``, ``consumed`` and ``heartbeat`` travel on that
+stream as commands instead of unary calls (``kvsidecar.client.session``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import grpc
 
 from kvsidecar.client import requests
 from kvsidecar.client.requests import BlockIdGroups, ReadSpec
-from kvsidecar.errors import KvSidecarError
+from kvsidecar.client.session import AsyncSession
+from kvsidecar.errors import KvSidecarError, UnimplementedError
 from kvsidecar.memory.types import MemorySpec
 from kvsidecar.plan import View
 from kvsidecar.types import Event, PlanInfo, ReadPosted, Registered, SidecarStatus
@@ -27,12 +32,21 @@ from kvsidecar.wire import engine as wire
 class AsyncSidecarClient:
     """asyncio client; same methods as ``SidecarClient``, awaitable. Use ``async with``."""
 
-    def __init__(self, target: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, target: str, *, timeout_s: float = 10.0, session: bool = True) -> None:
+        """``session``: let ``watch()`` open a Session stream that carries the per-request calls
+        (False: ``watch()`` opens Watch and every call stays unary)."""
         self._channel = grpc.aio.insecure_channel(
             requests.target_for(target), options=requests.OPTIONS
         )
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._timeout_s = timeout_s
+        self._use_session = session
+        self._session: AsyncSession | None = None
+
+    @property
+    def session_open(self) -> bool:
+        """Per-request calls travel on an open Session stream now."""
+        return self._session is not None and not self._session.closed
 
     async def __aenter__(self) -> AsyncSidecarClient:
         return self
@@ -43,7 +57,16 @@ class AsyncSidecarClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.aclose()
         await self._channel.close()
+
+    async def _command(self, method: Any, field: str, request: Any) -> Any:
+        """``request`` on the open Session stream as a ``field`` command, else as a unary call."""
+        session = self._session
+        if session is None or session.closed:
+            return await self._call(method, request)
+        return getattr(await session.command(**{field: request}), field)
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:
@@ -121,14 +144,14 @@ class AsyncSidecarClient:
                 token=token,
             )
         )
-        return wire.read_posted_from_proto(await self._call(self._stub.Read, request))
+        return wire.read_posted_from_proto(await self._command(self._stub.Read, "read", request))
 
     async def read_batch(
         self, reads: Sequence[ReadSpec]
     ) -> tuple[ReadPosted | KvSidecarError, ...]:
         """See ``SidecarClient.read_batch``."""
         return requests.read_results(
-            await self._call(self._stub.ReadBatch, requests.read_batch(reads))
+            await self._command(self._stub.ReadBatch, "read_batch", requests.read_batch(reads))
         )
 
     async def hold(
@@ -143,10 +166,10 @@ class AsyncSidecarClient:
         default). Returns the hold's token (``token``, or one the sidecar generated) for the
         consumers' transfer parameters; engines with TP > 1 pass one token to every rank."""
         request = requests.hold(request_id, block_ids, lease_s, token)
-        return str((await self._call(self._stub.Notify, request)).token)
+        return str((await self._command(self._stub.Notify, "notify", request)).token)
 
     async def release(self, request_id: str) -> None:
-        await self._call(self._stub.Notify, requests.release(request_id))
+        await self._command(self._stub.Notify, "notify", requests.release(request_id))
 
     async def consumed(
         self,
@@ -160,13 +183,13 @@ class AsyncSidecarClient:
         """Tell every producer rank of the plan that this rank will not read. Returns the
         notifications sent."""
         request = requests.consumed(remote_engine_id, remote_request_id, endpoints, endpoint, token)
-        return int((await self._call(self._stub.Notify, request)).notifications_sent)
+        return int((await self._command(self._stub.Notify, "notify", request)).notifications_sent)
 
     async def heartbeat(self, remote_engine_id: str, holds: Mapping[str, str]) -> int:
         """Extend the producer leases of ``holds`` (remote request id -> hold token) on every
         rank of the plan. Returns the notifications sent."""
         request = requests.heartbeat(remote_engine_id, holds)
-        return int((await self._call(self._stub.Notify, request)).notifications_sent)
+        return int((await self._command(self._stub.Notify, "notify", request)).notifications_sent)
 
     async def status(self, max_events: int = 0, *, drain: bool = False) -> SidecarStatus:
         """State and counters; with ``drain`` (engines that poll instead of watching) also takes
@@ -175,7 +198,26 @@ class AsyncSidecarClient:
         return wire.status_from_proto(await self._call(self._stub.Status, request))
 
     async def watch(self) -> AsyncIterator[Event]:
-        """Async stream of events; see ``SidecarClient.watch``."""
+        """Async stream of events; see ``SidecarClient.watch``. Opens a Session stream (per-request
+        calls travel on it while it is open), or Watch on a sidecar without Session."""
+        if self._use_session:
+            session = AsyncSession(
+                self._stub.Session(wait_for_ready=True), timeout_s=self._timeout_s
+            )
+            try:
+                await session.open()
+            except UnimplementedError:
+                pass  # an older sidecar: Watch, and unary calls
+            else:
+                self._session = session
+                try:
+                    async for event in session.events():
+                        yield event
+                finally:
+                    if self._session is session:
+                        self._session = None
+                    await session.aclose()
+                return
         call = self._stub.Watch(engine_pb2.WatchRequest(), wait_for_ready=True)
         try:
             async for pb in call:

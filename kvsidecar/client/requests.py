@@ -62,6 +62,7 @@ _CODES: dict[grpc.StatusCode, type[errors.KvSidecarError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
     grpc.StatusCode.UNAVAILABLE: errors.PeerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
+    grpc.StatusCode.UNIMPLEMENTED: errors.UnimplementedError,
 }
 _BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -70,6 +71,11 @@ def error_from_code(code: grpc.StatusCode, details: str) -> errors.KvSidecarErro
     """The kvsidecar error type of a status code (KvSidecarError for codes without one)."""
     cls = _CODES.get(code, errors.KvSidecarError)
     return cls(f"{code.name}: {details}")
+
+
+def error_from_number(code: int, details: str) -> errors.KvSidecarError:
+    """``error_from_code`` for a status code carried as a number (a Session reply, a batch)."""
+    return error_from_code(_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN), details)
 
 
 def error_from_rpc(exc: grpc.RpcError) -> errors.KvSidecarError:
@@ -88,7 +94,7 @@ def read_results(
         if r.code == 0:
             out.append(read_posted_from_proto(r.posted))
         else:
-            out.append(error_from_code(_BY_NUMBER.get(r.code, grpc.StatusCode.UNKNOWN), r.message))
+            out.append(error_from_number(r.code, r.message))
     return tuple(out)
 
 

@@ -27,7 +27,7 @@ from kvsidecar.engine.peers import PeerRegistry
 from kvsidecar.engine.poller import Poller
 from kvsidecar.engine.producer import Producer
 from kvsidecar.engine.registrar import Registrar
-from kvsidecar.engine.stats import EngineStats
+from kvsidecar.engine.stats import EngineStats, SessionCounters
 from kvsidecar.engine.transfers import TransferManager
 from kvsidecar.errors import (
     NotFoundError,
@@ -90,6 +90,7 @@ class EngineCore:
             guard=guard,
             on_registered=on_registered,
         )
+        self.sessions = SessionCounters()  # updated by the EngineService's Session streams
         self.draining = False
         # This sidecar's advertised PeerService address: the server sets it once PeerService is
         # bound, before any RPC is served.
@@ -204,6 +205,7 @@ class EngineCore:
             consumer=self.consumer.stats(),
             producer=self.producer.stats(),
             peers=self.peers.stats(),
+            sessions=self.sessions.snapshot(),
             events_dropped=self.events.dropped,
             events_queued=self.events.queued,
             events_discarded=self.events.discarded,

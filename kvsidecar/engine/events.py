@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsidecar.errors import WatchBusyError
@@ -21,11 +22,14 @@ MAX_QUEUED_EVENTS = 65536  # per queue (drain buffer, Watch stream); the oldest 
 
 @dataclass(slots=True)
 class WatchBinding:
-    """The registration (epoch) a Watch stream belongs to; ``None`` until the first
-    RegisterEngine. ``evicted``: a newer registration ended the stream (not an engine death)."""
+    """The registration (epoch) a Watch or Session stream belongs to; ``None`` until the first
+    RegisterEngine. ``evicted``: a newer registration ended the stream (not an engine death).
+    ``wake``: called after each item is queued for the stream (a Session waits on its replies and
+    its events at once)."""
 
     epoch: int | None
     evicted: bool = False
+    wake: Callable[[], None] | None = None
 
 
 class EventHub:
@@ -84,6 +88,8 @@ class EventHub:
         sub = self._subscriber
         if sub is not None and sub[1].epoch in (None, self._epoch):
             self._put(sub[0], event)
+            if sub[1].wake is not None:
+                sub[1].wake()
         else:
             if len(self._buffer) == self._buffer.maxlen:
                 self.dropped += 1
@@ -95,8 +101,11 @@ class EventHub:
         count = len(self._buffer) if max_events <= 0 else min(max_events, len(self._buffer))
         return tuple(self._buffer.popleft()[1] for _ in range(count))
 
-    def subscribe(self, epoch: int | None) -> tuple[asyncio.Queue[Event | None], WatchBinding]:
-        """Open the Watch stream for registration ``epoch``; its buffered events come first.
+    def subscribe(
+        self, epoch: int | None, *, wake: Callable[[], None] | None = None
+    ) -> tuple[asyncio.Queue[Event | None], WatchBinding]:
+        """Open the Watch (or Session) stream for registration ``epoch``; its buffered events come
+        first. ``wake`` is called whenever an item is queued for it afterwards.
 
         A ``None`` item in the queue ends the stream (evicted). WatchBusyError if a stream of the
         same registration is open; a stream of an older registration is evicted instead.
@@ -113,7 +122,7 @@ class EventHub:
             else:
                 self.discarded += 1
         self._buffer.clear()
-        binding = WatchBinding(epoch)
+        binding = WatchBinding(epoch, wake=wake)
         self._subscriber = (queue, binding)
         return queue, binding
 
@@ -140,6 +149,8 @@ class EventHub:
         binding.evicted = True
         self._put(queue, None)
         self._subscriber = None
+        if binding.wake is not None:
+            binding.wake()
 
     def unsubscribe(self, queue: asyncio.Queue[Event | None]) -> None:
         """Close the Watch stream; events it did not deliver go back to the drain buffer."""

@@ -102,6 +102,34 @@ class PhaseHistograms:
         return {p: h.snapshot() for p, h in self._h.items()}
 
 
+class CommandKind(enum.Enum):
+    """What an engine sends on its Session stream."""
+
+    READ = "read"
+    READ_BATCH = "read_batch"
+    NOTIFY = "notify"
+
+
+class SessionCounters:
+    """Commands received on Session streams (by kind) and those accepted and not yet answered
+    (running, or their reply not yet handed to the stream)."""
+
+    def __init__(self) -> None:
+        self.commands = {k: 0 for k in CommandKind}
+        self.in_flight = 0
+
+    def snapshot(self) -> SessionStats:
+        return SessionStats(
+            commands={k.value: v for k, v in self.commands.items()}, in_flight=self.in_flight
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionStats:
+    commands: Mapping[str, int]
+    in_flight: int
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransferStats:
     """Reads this sidecar posted (consumer side). ``reads_failed`` is keyed by failure reason."""
@@ -161,6 +189,7 @@ class EngineStats:
     consumer: ConsumerStats
     producer: ProducerStats
     peers: PeerStats
+    sessions: SessionStats
     events_dropped: int  # events evicted from a full queue (the engine neither read nor polled)
     events_queued: int  # events waiting for the engine
     events_discarded: int  # events of an ended registration, never shown to the next one

@@ -8,7 +8,6 @@ default" (a lease, a deadline) become ``None`` here and are resolved by the engi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +35,7 @@ from kvsidecar.limits import (
     check_id,
     check_max,
 )
+from kvsidecar.rpc.session import Session, liveness
 from kvsidecar.rpc.status import errors_to_status, status_for, status_message
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire.engine import (
@@ -110,7 +110,10 @@ def _read_command(request: engine_pb2.ReadRequest) -> ReadCommand:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    """RegisterEngine, Handshake, Plan, Read, ReadBatch, Notify, Status and Watch."""
+    """RegisterEngine, Handshake, Plan, Read, ReadBatch, Notify, Status, Watch and Session.
+
+    ``read_one``, ``read_batch`` and ``notify`` are Read, ReadBatch and Notify raising
+    ``KvSidecarError`` (the unary handlers map it to a status, a Session to its reply)."""
 
     def __init__(self, core: EngineCore) -> None:
         self._core = core
@@ -137,7 +140,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         peer = await self._core.handshakes.peer(request.remote_engine_id, Endpoints())
         return plan_to_proto(peer.plan, self._core.require_local().epoch, peer.epoch)
 
-    async def _read_one(self, request: engine_pb2.ReadRequest) -> engine_pb2.ReadResponse:
+    async def read_one(self, request: engine_pb2.ReadRequest) -> engine_pb2.ReadResponse:
         """Parse and post one read; counts a rejection (by status code) before re-raising."""
         try:
             t0 = time.perf_counter()
@@ -149,13 +152,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise
         return read_posted_to_proto(posted)
 
-    @errors_to_status
-    async def Read(self, request: engine_pb2.ReadRequest, context: Any) -> engine_pb2.ReadResponse:
-        return await self._read_one(request)
-
-    @errors_to_status
-    async def ReadBatch(
-        self, request: engine_pb2.ReadBatchRequest, context: Any
+    async def read_batch(
+        self, request: engine_pb2.ReadBatchRequest
     ) -> engine_pb2.ReadBatchResponse:
         if len(request.reads) > MAX_BATCH:
             raise InvalidArgumentError(
@@ -170,7 +168,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def _batch_entry(self, i: int, read: engine_pb2.ReadRequest) -> engine_pb2.ReadResult:
         try:
-            posted = await self._read_one(read)
+            posted = await self.read_one(read)
         except KvSidecarError as exc:
             return engine_pb2.ReadResult(
                 request_id=read.request_id,
@@ -179,10 +177,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             )
         return engine_pb2.ReadResult(request_id=read.request_id, posted=posted)
 
-    @errors_to_status
-    async def Notify(
-        self, request: engine_pb2.NotifyRequest, context: Any
-    ) -> engine_pb2.NotifyResponse:
+    async def notify(self, request: engine_pb2.NotifyRequest) -> engine_pb2.NotifyResponse:
         kind = request.WhichOneof("kind")
         if kind == "hold":
             h = request.hold
@@ -225,6 +220,22 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         raise InvalidArgumentError("Notify needs one of hold, release, consumed, heartbeat")
 
     @errors_to_status
+    async def Read(self, request: engine_pb2.ReadRequest, context: Any) -> engine_pb2.ReadResponse:
+        return await self.read_one(request)
+
+    @errors_to_status
+    async def ReadBatch(
+        self, request: engine_pb2.ReadBatchRequest, context: Any
+    ) -> engine_pb2.ReadBatchResponse:
+        return await self.read_batch(request)
+
+    @errors_to_status
+    async def Notify(
+        self, request: engine_pb2.NotifyRequest, context: Any
+    ) -> engine_pb2.NotifyResponse:
+        return await self.notify(request)
+
+    @errors_to_status
     async def Status(
         self, request: engine_pb2.StatusRequest, context: Any
     ) -> engine_pb2.StatusResponse:
@@ -234,30 +245,23 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Watch(
         self, request: engine_pb2.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[engine_pb2.Event]:
-        local = self._core.local
-        try:
-            queue, binding = self._core.events.subscribe(local.epoch if local else None)
-        except KvSidecarError as exc:
-            await context.abort(status_for(exc), status_message(exc))
-            return
-        log.info("engine Watch stream opened (epoch %s)", binding.epoch)
         phases = self._core.transfers.phases
-        clean = False
         try:
-            while True:
-                event = await queue.get()
-                if event is None:  # a newer registration ended this stream
-                    log.info("Watch stream of epoch %s ended by a new registration", binding.epoch)
-                    return
-                phases.observe(ReadPhase.REPORT, max(0.0, time.time() - event.timestamp))
-                yield event_to_proto(event)
-        except asyncio.CancelledError:
-            clean = self._core.draining  # shutdown closes streams; that is not an engine death
-            raise
-        finally:
-            self._core.events.unsubscribe(queue)
-            if not clean and not binding.evicted:
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(
-                        self._core.registrar.engine_gone("Watch stream closed", binding.epoch)
-                    )
+            async with liveness(self._core, "Watch") as (queue, _):
+                while (event := await queue.get()) is not None:  # None: a newer registration
+                    phases.observe(ReadPhase.REPORT, max(0.0, time.time() - event.timestamp))
+                    yield event_to_proto(event)
+        except KvSidecarError as exc:  # another stream holds the lock
+            await context.abort(status_for(exc), status_message(exc))
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[engine_pb2.SessionCommand],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[engine_pb2.SessionMessage]:
+        session = Session(self._core, self, request_iterator, context)
+        try:
+            async for message in session.run():
+                yield message
+        except KvSidecarError as exc:  # another stream holds the lock
+            await context.abort(status_for(exc), status_message(exc))

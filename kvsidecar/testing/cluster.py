@@ -84,6 +84,7 @@ class LocalCluster:
     sidecar_args: tuple[str, ...] = ()
     tls: bool = True  # PeerService with mutual TLS from a throwaway CA (else --peer-insecure)
     decode_shape: toy.ModelShape | None = None  # the decode engine's, if its layout differs
+    session: bool = True  # engines use Session streams (else Watch and unary calls)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     certificates: PeerCertificates | None = None
     prefill: list[Rank] = field(default_factory=list)
@@ -154,7 +155,9 @@ class LocalCluster:
                 await asyncio.sleep(0.02)
             rank.addresses = json.loads(ready.read_text())
         for rank in self.ranks:
-            rank.client = AsyncSidecarClient(rank.addresses["engine_socket"], timeout_s=30)
+            rank.client = AsyncSidecarClient(
+                rank.addresses["engine_socket"], timeout_s=30, session=self.session
+            )
             await self._register(rank)
         for rank in self.ranks:
             await self.wait_watching(rank, deadline - time.monotonic())

@@ -44,6 +44,7 @@ from kvsidecar.tools.bench_report import (
     BenchReport,
     ConfirmCost,
     ControlPlane,
+    EngineApi,
     Loaded,
     Percentiles,
     Row,
@@ -145,6 +146,7 @@ def _cluster(cfg: BenchConfig, kib: int, pool: int, workdir: Path, *args: str) -
         seed=cfg.seed,
         shm_dir=cfg.shm_dir,
         sidecar_args=args,
+        session=cfg.engine_api is EngineApi.SESSION,
     )
 
 

@@ -3,11 +3,19 @@ the table ``kvsidecar bench`` prints (``--json`` prints the same values)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 KIB = 1024
+
+
+class EngineApi(enum.Enum):
+    """How the bench's engines call their sidecars."""
+
+    SESSION = "session"  #: one Session stream per engine (the Python client's default)
+    UNARY = "unary"  #: a unary call per Read, ReadBatch and Notify; events on Watch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,7 +31,8 @@ class BenchConfig:
     reads per ReadBatch whose acceptance is timed; ``loaded_holds``: other holds active during the
     loaded latency pass; ``idle_s``: idle-CPU window
     (s); ``workdir``: logs and sockets (a temporary directory, removed after, when None);
-    ``shm_dir``: where the KV files live; ``timeout_s``: bound of every single wait (s).
+    ``shm_dir``: where the KV files live; ``timeout_s``: bound of every single wait (s);
+    ``engine_api``: Session streams or unary calls between the engines and their sidecars.
     """
 
     block_kib: tuple[int, ...] = (64, 1024)
@@ -41,6 +50,7 @@ class BenchConfig:
     shm_dir: Path = Path("/dev/shm")
     timeout_s: float = 30.0
     seed: int = 1
+    engine_api: EngineApi = EngineApi.SESSION
 
     def __post_init__(self) -> None:
         for name in ("block_kib", "blocks_per_request"):
@@ -224,6 +234,7 @@ class BenchReport:
         config = asdict(self.config)
         config["workdir"] = str(self.config.workdir) if self.config.workdir else None
         config["shm_dir"] = str(self.config.shm_dir)
+        config["engine_api"] = self.config.engine_api.value
         rows = []
         for r in self.rows:
             row = asdict(r)
@@ -258,7 +269,8 @@ def format_table(report: BenchReport) -> str:
     c = report.config
     out = [
         f"kvsidecar bench: TP {c.tp}->{c.tp}, {c.requests} requests per measurement, best of "
-        f"{c.repeats} (median), {report.cpus} CPUs; GB/s = 1e9 B/s",
+        f"{c.repeats} (median), {report.cpus} CPUs, engine API {c.engine_api.value}; "
+        "GB/s = 1e9 B/s",
         f"{'block':>8} {'request':>9} {'pattern':<10} {'memcpy':>14} {'raw NIXL':>14} "
         f"{'sidecar':>14} {'batch':>14} {'sc/NIXL':>7} {'sc/memcpy':>9} {'batch/NIXL':>10}",
     ]

@@ -21,6 +21,108 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class SessionCommand(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    READ_FIELD_NUMBER: _builtins.int
+    READ_BATCH_FIELD_NUMBER: _builtins.int
+    NOTIFY_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the engine and echoed in the reply (unique among the session's unanswered commands)."""
+    @_builtins.property
+    def read(self) -> Global___ReadRequest: ...
+    @_builtins.property
+    def read_batch(self) -> Global___ReadBatchRequest: ...
+    @_builtins.property
+    def notify(self) -> Global___NotifyRequest: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        read: Global___ReadRequest | None = ...,
+        read_batch: Global___ReadBatchRequest | None = ...,
+        notify: Global___NotifyRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "notify", b"notify", "read", b"read", "read_batch", b"read_batch"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "id", b"id", "notify", b"notify", "read", b"read", "read_batch", b"read_batch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["read", "read_batch", "notify"]  # noqa: Y015
+    _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
+
+Global___SessionCommand: _TypeAlias = SessionCommand  # noqa: Y015
+
+@_typing.final
+class SessionReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    READ_FIELD_NUMBER: _builtins.int
+    READ_BATCH_FIELD_NUMBER: _builtins.int
+    NOTIFY_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The command's id."""
+    code: _builtins.int
+    """gRPC status code of the command (0 = OK; then the result matching the command is set)."""
+    message: _builtins.str
+    """The status message when code is not 0."""
+    @_builtins.property
+    def read(self) -> Global___ReadResponse: ...
+    @_builtins.property
+    def read_batch(self) -> Global___ReadBatchResponse: ...
+    @_builtins.property
+    def notify(self) -> Global___NotifyResponse: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        read: Global___ReadResponse | None = ...,
+        read_batch: Global___ReadBatchResponse | None = ...,
+        notify: Global___NotifyResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["notify", b"notify", "read", b"read", "read_batch", b"read_batch", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "id", b"id", "message", b"message", "notify", b"notify", "read", b"read", "read_batch", b"read_batch", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["read", "read_batch", "notify"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___SessionReply: _TypeAlias = SessionReply  # noqa: Y015
+
+@_typing.final
+class SessionMessage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLY_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def reply(self) -> Global___SessionReply: ...
+    @_builtins.property
+    def event(self) -> Global___Event: ...
+    def __init__(
+        self,
+        *,
+        reply: Global___SessionReply | None = ...,
+        event: Global___Event | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "kind", b"kind", "reply", b"reply"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "kind", b"kind", "reply", b"reply"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["reply", "event"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___SessionMessage: _TypeAlias = SessionMessage  # noqa: Y015
+
+@_typing.final
 class RegisterEngineRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

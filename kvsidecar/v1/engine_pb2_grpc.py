@@ -79,6 +79,11 @@ class EngineServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.WatchRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.Event.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvsidecar.v1.EngineService/Session',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.SessionCommand.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.SessionMessage.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -156,6 +161,23 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches
+        and Notifies as SessionCommands, the sidecar answers each with a SessionReply carrying the
+        command's id and streams the engine's events between them. Saves a call per command (a
+        message on an open stream costs a fraction of a unary call). Opening it takes the liveness lock
+        exactly as Watch does (one Watch or Session at a time; when it drops, the registration is
+        released; a newer RegisterEngine ends it with OK). Commands start in the order sent and run
+        concurrently, so replies may come out of order. At most 256 commands run at once per session:
+        past that the sidecar stops reading the stream until one finishes, and gRPC flow control
+        pushes back on the engine. A command's failure is its reply's code and message (the status the
+        unary RPC would end with) and never ends the session; an undecodable message ends it with
+        INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +220,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.WatchRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_engine__pb2.Event.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.SessionCommand.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.SessionMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -421,6 +448,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/Watch',
             kvsidecar_dot_v1_dot_engine__pb2.WatchRequest.SerializeToString,
             kvsidecar_dot_v1_dot_engine__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvsidecar.v1.EngineService/Session',
+            kvsidecar_dot_v1_dot_engine__pb2.SessionCommand.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.SessionMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,19 @@ class EngineServiceStub:
     registration it was opened for is released. One stream at a time (ALREADY_EXISTS otherwise);
     a newer RegisterEngine ends it with OK, which does not count as the engine going away.
     """
+    Session: _grpc.StreamStreamMultiCallable[_engine_pb2.SessionCommand, _engine_pb2.SessionMessage]
+    """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches
+    and Notifies as SessionCommands, the sidecar answers each with a SessionReply carrying the
+    command's id and streams the engine's events between them. Saves a call per command (a
+    message on an open stream costs a fraction of a unary call). Opening it takes the liveness lock
+    exactly as Watch does (one Watch or Session at a time; when it drops, the registration is
+    released; a newer RegisterEngine ends it with OK). Commands start in the order sent and run
+    concurrently, so replies may come out of order. At most 256 commands run at once per session:
+    past that the sidecar stops reading the stream until one finishes, and gRPC flow control
+    pushes back on the engine. A command's failure is its reply's code and message (the status the
+    unary RPC would end with) and never ends the session; an undecodable message ends it with
+    INVALID_ARGUMENT.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -110,6 +123,19 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """Stream of events. Holding it open is the engine's liveness lock: when it drops, the
     registration it was opened for is released. One stream at a time (ALREADY_EXISTS otherwise);
     a newer RegisterEngine ends it with OK, which does not count as the engine going away.
+    """
+    Session: _aio.StreamStreamMultiCallable[_engine_pb2.SessionCommand, _engine_pb2.SessionMessage]  # type: ignore[assignment]
+    """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches
+    and Notifies as SessionCommands, the sidecar answers each with a SessionReply carrying the
+    command's id and streams the engine's events between them. Saves a call per command (a
+    message on an open stream costs a fraction of a unary call). Opening it takes the liveness lock
+    exactly as Watch does (one Watch or Session at a time; when it drops, the registration is
+    released; a newer RegisterEngine ends it with OK). Commands start in the order sent and run
+    concurrently, so replies may come out of order. At most 256 commands run at once per session:
+    past that the sidecar stops reading the stream until one finishes, and gRPC flow control
+    pushes back on the engine. A command's failure is its reply's code and message (the status the
+    unary RPC would end with) and never ends the session; an undecodable message ends it with
+    INVALID_ARGUMENT.
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -197,6 +223,25 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         """Stream of events. Holding it open is the engine's liveness lock: when it drops, the
         registration it was opened for is released. One stream at a time (ALREADY_EXISTS otherwise);
         a newer RegisterEngine ends it with OK, which does not count as the engine going away.
+        """
+
+    @_abc_1.abstractmethod
+    def Session(
+        self,
+        request_iterator: _MaybeAsyncIterator[_engine_pb2.SessionCommand],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_engine_pb2.SessionMessage], _abc.AsyncIterator[_engine_pb2.SessionMessage]]:
+        """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches
+        and Notifies as SessionCommands, the sidecar answers each with a SessionReply carrying the
+        command's id and streams the engine's events between them. Saves a call per command (a
+        message on an open stream costs a fraction of a unary call). Opening it takes the liveness lock
+        exactly as Watch does (one Watch or Session at a time; when it drops, the registration is
+        released; a newer RegisterEngine ends it with OK). Commands start in the order sent and run
+        concurrently, so replies may come out of order. At most 256 commands run at once per session:
+        past that the sidecar stops reading the stream until one finishes, and gRPC flow control
+        pushes back on the engine. A command's failure is its reply's code and message (the status the
+        unary RPC would end with) and never ends the session; an undecodable message ends it with
+        INVALID_ARGUMENT.
         """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
