@@ -1,4 +1,4 @@
-"""The ``kvsidecar`` command: ``serve``, ``status``, ``demo``, ``bench``, ``version``.
+"""The ``kvsidecar`` command: ``serve``, ``status``, ``drain``, ``demo``, ``bench``, ``version``.
 
 Exit codes: 0 success, 1 runtime failure (e.g. a listener could not bind, forced shutdown), 2 invalid
 configuration or usage.
@@ -65,6 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument("--timeout-s", type=float, default=5.0, help="call timeout (s)")
+
+    drain = sub.add_parser(
+        "drain", help="drain a running sidecar without stopping it (rolling upgrades)"
+    )
+    drain.add_argument(
+        "--socket", required=True, help="the sidecar's engine socket path (or unix:PATH, host:port)"
+    )
+    drain.add_argument(
+        "--grace-s", type=float, default=0.0, help="longest wait (s; 0 = its grace_period_s)"
+    )
+    drain.add_argument("--resume", action="store_true", help="end a drain instead")
+    drain.add_argument("--json", action="store_true", help="print JSON")
 
     demo = sub.add_parser("demo", help="run a local prefill/decode setup and verify every byte")
     demo.add_argument("--prefill-tp", type=_positive_int, default=2)
@@ -201,6 +213,37 @@ def _status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _drain(args: argparse.Namespace) -> int:
+    """Exit 0 once drained (or resumed), 1 when work was left at the grace period or on error."""
+    from kvsidecar.client import SidecarClient
+    from kvsidecar.errors import KvSidecarError
+
+    try:
+        with SidecarClient(args.socket, timeout_s=10.0) as client:
+            d = client.drain(args.grace_s, resume=args.resume)
+    except KvSidecarError as exc:
+        print(f"kvsidecar: cannot drain {args.socket}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "drained": d.drained,
+                    "draining": d.draining,
+                    "reads_in_flight": d.reads_in_flight,
+                    "holds_active": d.holds_active,
+                }
+            )
+        )
+    elif args.resume:
+        print("resumed: accepting new work")
+    elif d.drained:
+        print("drained: no read in flight, no hold active (still serving; stop it or --resume)")
+    else:
+        print(f"grace period over: {d.reads_in_flight} reads in flight, {d.holds_active} holds")
+    return EXIT_OK if d.drained or args.resume else EXIT_FAILURE
+
+
 def _demo(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -297,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "drain":
+        return _drain(args)
     if args.command == "demo":
         return _demo(args)
     if args.command == "bench":

@@ -74,6 +74,11 @@ class Readiness:
         self._draining = True
         await self.publish()
 
+    async def stop_draining(self) -> None:
+        """A drain ended without stopping: readiness follows the conditions again."""
+        self._draining = False
+        await self.publish()
+
     async def publish(self) -> None:
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -30,6 +30,7 @@ MAX_REQUEST_IDS = 4096  # request ids in one heartbeat
 MAX_NOTIFICATIONS = 4096  # notifications in one PeerService.Notify call
 MAX_DEADLINE_S = 3600.0  # Read.deadline_s
 MAX_LEASE_S = 86400.0  # Hold.lease_s (as --lease-s)
+MAX_GRACE_S = 3600.0  # DrainRequest.grace_s (as --grace-period-s)
 MAX_STATUS_EVENTS = 65536  # Status.max_events
 MAX_AGENT_METADATA = 64 << 20  # bytes of a peer's NIXL agent metadata
 
@@ -39,6 +40,7 @@ __all__ = [
     "MAX_COMPAT_EXTRA",
     "MAX_DEADLINE_S",
     "MAX_GLOBAL_UNITS",
+    "MAX_GRACE_S",
     "MAX_GROUPS",
     "MAX_IDS_PER_GROUP",
     "MAX_ID_CHARS",

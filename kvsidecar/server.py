@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from kvsidecar.drain import DrainControl
 from kvsidecar.engine.backend import TransferBackend
 from kvsidecar.engine.core import EngineCore
 from kvsidecar.engine.model import CoreConfig
@@ -175,7 +176,14 @@ class Sidecar:
         self._engine_server, self._peer_server = engine, peer
         assert self.core is not None
         engine.add_generic_rpc_handlers(
-            (service_handler(EngineServicer(self.core), _service(engine_pb2, "EngineService")),)
+            (
+                service_handler(
+                    EngineServicer(
+                        self.core, DrainControl(self.core, self.readiness, grace_s=s.grace_period_s)
+                    ),
+                    _service(engine_pb2, "EngineService"),
+                ),
+            )
         )
         peer.add_generic_rpc_handlers(
             (service_handler(PeerServicer(self.core), _service(peer_pb2, "PeerService")),)
@@ -282,6 +290,8 @@ class Sidecar:
         if self.core is not None:
             await self.core.drain(grace_s)
         await self.readiness.shutdown()
+        if self.core is not None:
+            self.core.stopping = True  # the streams closed from here on are not engine deaths
         await self._close_listeners(min(grace_s, 1.0))
         log.info("listeners closed; releasing transfers, peers, memory and the NIXL agent")
         try:

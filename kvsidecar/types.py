@@ -188,3 +188,14 @@ class SidecarStatus:
     events_queued: int = 0  #: events waiting for the engine (Watch queue or drain buffer)
     reads_handshaking: int = 0  #: reads waiting for a handshake (part of reads_in_flight)
     peer_endpoint: str = ""  #: this sidecar's advertised PeerService address
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Drained:
+    """The answer of a Drain call: ``drained`` when nothing was in flight or held on return;
+    what was left otherwise; ``draining`` whether the sidecar refuses new work now."""
+
+    drained: bool
+    reads_in_flight: int
+    holds_active: int
+    draining: bool

@@ -18,6 +18,7 @@ from kvsidecar.client.tensors import (
     state_view_from_tensors,
 )
 from kvsidecar.types import (
+    Drained,
     Event,
     FailReason,
     PeerInfo,
@@ -35,6 +36,7 @@ from kvsidecar.types import (
 __all__ = [
     "AsyncSidecarClient",
     "BlockIdGroups",
+    "Drained",
     "Event",
     "FailReason",
     "PeerInfo",

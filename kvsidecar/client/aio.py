@@ -24,7 +24,7 @@ from kvsidecar.client.session import AsyncSession
 from kvsidecar.errors import KvSidecarError, UnimplementedError
 from kvsidecar.memory.types import MemorySpec
 from kvsidecar.plan import View
-from kvsidecar.types import Event, PlanInfo, ReadPosted, Registered, SidecarStatus
+from kvsidecar.types import Drained, Event, PlanInfo, ReadPosted, Registered, SidecarStatus
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire import engine as wire
 
@@ -190,6 +190,19 @@ class AsyncSidecarClient:
         rank of the plan. Returns the notifications sent."""
         request = requests.heartbeat(remote_engine_id, holds)
         return int((await self._command(self._stub.Notify, "notify", request)).notifications_sent)
+
+    async def drain(self, grace_s: float = 0.0, *, resume: bool = False) -> Drained:
+        """Drain the sidecar without stopping it (0 = its grace_period_s); returns once nothing is
+        in flight or held, or when ``grace_s`` has passed. ``resume`` ends a drain. The call's
+        timeout is extended by ``grace_s``."""
+        request = engine_pb2.DrainRequest(grace_s=grace_s, resume=resume)
+        try:
+            response = await self._stub.Drain(
+                request, timeout=self._timeout_s + (grace_s or 3600.0), wait_for_ready=True
+            )
+        except grpc.RpcError as exc:
+            raise requests.error_from_rpc(exc) from None
+        return wire.drained_from_proto(response)
 
     async def status(self, max_events: int = 0, *, drain: bool = False) -> SidecarStatus:
         """State and counters; with ``drain`` (engines that poll instead of watching) also takes

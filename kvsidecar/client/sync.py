@@ -22,7 +22,7 @@ from kvsidecar.client.requests import BlockIdGroups, ReadSpec
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory.types import MemorySpec
 from kvsidecar.plan import View
-from kvsidecar.types import Event, PlanInfo, ReadPosted, Registered, SidecarStatus
+from kvsidecar.types import Drained, Event, PlanInfo, ReadPosted, Registered, SidecarStatus
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire import engine as wire
 
@@ -165,6 +165,19 @@ class SidecarClient:
         rank of the plan. Returns the notifications sent."""
         request = requests.heartbeat(remote_engine_id, holds)
         return int(self._call(self._stub.Notify, request).notifications_sent)
+
+    def drain(self, grace_s: float = 0.0, *, resume: bool = False) -> Drained:
+        """Drain the sidecar without stopping it (0 = its grace_period_s); returns once nothing is
+        in flight or held, or when ``grace_s`` has passed. ``resume`` ends a drain. The call's
+        timeout is extended by ``grace_s``."""
+        request = engine_pb2.DrainRequest(grace_s=grace_s, resume=resume)
+        try:
+            response = self._stub.Drain(
+                request, timeout=self._timeout_s + (grace_s or 3600.0), wait_for_ready=True
+            )
+        except grpc.RpcError as exc:
+            raise requests.error_from_rpc(exc) from None
+        return wire.drained_from_proto(response)
 
     def status(self, max_events: int = 0, *, drain: bool = False) -> SidecarStatus:
         """State and counters; with ``drain`` (engines that poll instead of watching) also takes

@@ -91,7 +91,8 @@ class EngineCore:
             on_registered=on_registered,
         )
         self.sessions = SessionCounters()  # updated by the EngineService's Session streams
-        self.draining = False
+        self.draining = False  # refusing new reads, holds and registrations (drain or stop)
+        self.stopping = False  # the sidecar is closing its listeners: dropped streams are not deaths
         # This sidecar's advertised PeerService address: the server sets it once PeerService is
         # bound, before any RPC is served.
         self.peer_endpoint = ""
@@ -121,9 +122,14 @@ class EngineCore:
             )
         return not busy()
 
+    def resume(self) -> None:
+        """End a drain: new reads, holds and registrations are accepted again."""
+        if not self.stopping:
+            self.draining = False
+
     async def aclose(self) -> None:
         """Fail what is left, release peers, memory and the backend; stop the poller."""
-        self.draining = True
+        self.draining = self.stopping = True
         await self.consumer.aclose()
         await self.registrar.shutdown()
         await self._poller.aclose()

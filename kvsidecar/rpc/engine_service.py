@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -21,6 +21,7 @@ from kvsidecar.engine.model import Endpoints, ReadCommand
 from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import InvalidArgumentError, KvSidecarError
 from kvsidecar.limits import (
+    MAX_GRACE_S,
     MAX_GROUPS,
     MAX_ID_CHARS,
     MAX_IDS_PER_GROUP,
@@ -37,8 +38,10 @@ from kvsidecar.limits import (
 )
 from kvsidecar.rpc.session import Session, liveness
 from kvsidecar.rpc.status import errors_to_status, status_for, status_message
+from kvsidecar.types import Drained
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire.engine import (
+    drained_to_proto,
     event_to_proto,
     plan_to_proto,
     read_posted_to_proto,
@@ -109,14 +112,23 @@ def _read_command(request: engine_pb2.ReadRequest) -> ReadCommand:
     )
 
 
+class Drainer(Protocol):
+    """What serves Drain: the server, which owns readiness and the grace period."""
+
+    async def drain(self, grace_s: float | None) -> Drained: ...
+
+    async def resume(self) -> Drained: ...
+
+
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    """RegisterEngine, Handshake, Plan, Read, ReadBatch, Notify, Status, Watch and Session.
+    """RegisterEngine, Handshake, Plan, Read, ReadBatch, Notify, Status, Watch, Session and Drain.
 
     ``read_one``, ``read_batch`` and ``notify`` are Read, ReadBatch and Notify raising
     ``KvSidecarError`` (the unary handlers map it to a status, a Session to its reply)."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, drainer: Drainer) -> None:
         self._core = core
+        self._drainer = drainer
 
     @errors_to_status
     async def RegisterEngine(
@@ -234,6 +246,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.NotifyRequest, context: Any
     ) -> engine_pb2.NotifyResponse:
         return await self.notify(request)
+
+    @errors_to_status
+    async def Drain(
+        self, request: engine_pb2.DrainRequest, context: Any
+    ) -> engine_pb2.DrainResponse:
+        check_duration("grace_s", request.grace_s, MAX_GRACE_S)
+        if request.resume:
+            return drained_to_proto(await self._drainer.resume())
+        return drained_to_proto(await self._drainer.drain(request.grace_s or None))
 
     @errors_to_status
     async def Status(

@@ -67,7 +67,7 @@ async def liveness(
     try:
         yield queue, binding
     except asyncio.CancelledError:
-        clean = core.draining  # shutdown closes streams; that is not an engine death
+        clean = core.stopping  # shutdown closes streams; that is not an engine death
         raise
     finally:
         core.events.unsubscribe(queue)

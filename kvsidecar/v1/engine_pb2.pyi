@@ -21,6 +21,63 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class DrainRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRACE_S_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
+    grace_s: _builtins.float
+    """Longest wait for reads and holds to finish, in seconds (0 = the sidecar's grace_period_s; at
+    most 3600).
+    """
+    resume: _builtins.bool
+    """End a drain instead of starting one (returns at once)."""
+    def __init__(
+        self,
+        *,
+        grace_s: _builtins.float = ...,
+        resume: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_s", b"grace_s", "resume", b"resume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainRequest: _TypeAlias = DrainRequest  # noqa: Y015
+
+@_typing.final
+class DrainResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DRAINED_FIELD_NUMBER: _builtins.int
+    READS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    HOLDS_ACTIVE_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    drained: _builtins.bool
+    """Nothing was left in flight or held when the call returned."""
+    reads_in_flight: _builtins.int
+    """Still in flight / active when the call returned (0 when drained)."""
+    holds_active: _builtins.int
+    draining: _builtins.bool
+    """Whether the sidecar refuses new work now (false after resume)."""
+    def __init__(
+        self,
+        *,
+        drained: _builtins.bool = ...,
+        reads_in_flight: _builtins.int = ...,
+        holds_active: _builtins.int = ...,
+        draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "draining", b"draining", "holds_active", b"holds_active", "reads_in_flight", b"reads_in_flight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainResponse: _TypeAlias = DrainResponse  # noqa: Y015
+
+@_typing.final
 class SessionCommand(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -84,6 +84,11 @@ class EngineServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.SessionCommand.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.SessionMessage.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/Drain',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -178,6 +183,18 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Drain without exiting (a rolling upgrade: drain, then stop the process): readiness goes false
+        first; new Reads, ReadBatches, HOLDs and registrations are refused with UNAVAILABLE; reads in
+        flight finish; held blocks stay readable by consumers (PeerService keeps serving) until their
+        holds complete. Returns once nothing is in flight or held, or when grace_s has passed. The
+        engine's registration and stream stay. SIGTERM drains the same way (with grace_period_s),
+        then exits. resume ends a drain: new work is accepted and readiness follows the engine again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -225,6 +242,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.SessionCommand.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_engine__pb2.SessionMessage.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.DrainRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +497,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/Session',
             kvsidecar_dot_v1_dot_engine__pb2.SessionCommand.SerializeToString,
             kvsidecar_dot_v1_dot_engine__pb2.SessionMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/Drain',
+            kvsidecar_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

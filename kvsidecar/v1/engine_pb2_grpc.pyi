@@ -82,6 +82,14 @@ class EngineServiceStub:
     unary RPC would end with) and never ends the session; an undecodable message ends it with
     INVALID_ARGUMENT.
     """
+    Drain: _grpc.UnaryUnaryMultiCallable[_engine_pb2.DrainRequest, _engine_pb2.DrainResponse]
+    """Drain without exiting (a rolling upgrade: drain, then stop the process): readiness goes false
+    first; new Reads, ReadBatches, HOLDs and registrations are refused with UNAVAILABLE; reads in
+    flight finish; held blocks stay readable by consumers (PeerService keeps serving) until their
+    holds complete. Returns once nothing is in flight or held, or when grace_s has passed. The
+    engine's registration and stream stay. SIGTERM drains the same way (with grace_period_s),
+    then exits. resume ends a drain: new work is accepted and readiness follows the engine again.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -136,6 +144,14 @@ class EngineServiceAsyncStub(EngineServiceStub):
     pushes back on the engine. A command's failure is its reply's code and message (the status the
     unary RPC would end with) and never ends the session; an undecodable message ends it with
     INVALID_ARGUMENT.
+    """
+    Drain: _aio.UnaryUnaryMultiCallable[_engine_pb2.DrainRequest, _engine_pb2.DrainResponse]  # type: ignore[assignment]
+    """Drain without exiting (a rolling upgrade: drain, then stop the process): readiness goes false
+    first; new Reads, ReadBatches, HOLDs and registrations are refused with UNAVAILABLE; reads in
+    flight finish; held blocks stay readable by consumers (PeerService keeps serving) until their
+    holds complete. Returns once nothing is in flight or held, or when grace_s has passed. The
+    engine's registration and stream stay. SIGTERM drains the same way (with grace_period_s),
+    then exits. resume ends a drain: new work is accepted and readiness follows the engine again.
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -242,6 +258,20 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         pushes back on the engine. A command's failure is its reply's code and message (the status the
         unary RPC would end with) and never ends the session; an undecodable message ends it with
         INVALID_ARGUMENT.
+        """
+
+    @_abc_1.abstractmethod
+    def Drain(
+        self,
+        request: _engine_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.DrainResponse, _abc.Awaitable[_engine_pb2.DrainResponse]]:
+        """Drain without exiting (a rolling upgrade: drain, then stop the process): readiness goes false
+        first; new Reads, ReadBatches, HOLDs and registrations are refused with UNAVAILABLE; reads in
+        flight finish; held blocks stay readable by consumers (PeerService keeps serving) until their
+        holds complete. Returns once nothing is in flight or held, or when grace_s has passed. The
+        engine's registration and stream stay. SIGTERM drains the same way (with grace_period_s),
+        then exits. resume ends a drain: new work is accepted and readiness follows the engine again.
         """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvsidecar.plan import PeerPlan
 from kvsidecar.types import (
+    Drained,
     Event,
     FailReason,
     PeerInfo,
@@ -25,6 +26,8 @@ from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.geometry import block_ids_to_proto
 
 __all__ = [
+    "drained_from_proto",
+    "drained_to_proto",
     "event_from_proto",
     "event_to_proto",
     "plan_info_from_proto",
@@ -248,4 +251,22 @@ def status_from_proto(pb: engine_pb2.StatusResponse) -> SidecarStatus:
         events_queued=pb.events_queued,
         reads_handshaking=pb.reads_handshaking,
         peer_endpoint=pb.peer_endpoint,
+    )
+
+
+def drained_to_proto(d: Drained) -> engine_pb2.DrainResponse:
+    return engine_pb2.DrainResponse(
+        drained=d.drained,
+        reads_in_flight=d.reads_in_flight,
+        holds_active=d.holds_active,
+        draining=d.draining,
+    )
+
+
+def drained_from_proto(pb: engine_pb2.DrainResponse) -> Drained:
+    return Drained(
+        drained=pb.drained,
+        reads_in_flight=pb.reads_in_flight,
+        holds_active=pb.holds_active,
+        draining=pb.draining,
     )
