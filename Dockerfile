@@ -7,7 +7,7 @@ COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY kvsidecar ./kvsidecar
 ARG EXTRAS=""
-RUN pip install --no-cache-dir ".${EXTRAS}"
+RUN pip install --no-cache-dir "./${EXTRAS}"
 USER 65532:65532
 EXPOSE 7100 9464
 ENTRYPOINT ["kvsidecar"]

@@ -11,7 +11,7 @@ VLLM_VENV    := .venv-vllm
 VLLM_VERSION := 0.32.0
 VLLM_STAMP   := $(VLLM_VENV)/.stamp-vllm-$(VLLM_VERSION)
 
-.PHONY: setup setup-vllm test-vllm demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend clean
+.PHONY: setup tools setup-vllm test-vllm demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,24 @@ $(STAMP): pyproject.toml
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install -q torch==2.13.0; fi
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# promtool (Debian's prometheus package) checks /metrics and the alert rules in tests/deploy. When
+# it is missing and we are root, the one binary is taken out of the package into the venv (apt-get
+# download: no Prometheus server, user or service is installed). Without it those tests skip, or
+# fail under KVSIDECAR_REQUIRE_TOOLS=1 (.ci/run). hadolint and kubernetes-validate come with '.[dev]'.
+PROMTOOL := $(BIN)/promtool
+
+tools: setup
+	@if [ -x $(PROMTOOL) ] || command -v promtool >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "tools: promtool from Debian's prometheus package"; \
+	  tmp=$$(mktemp -d); chown _apt "$$tmp" 2>/dev/null || true; \
+	  if apt-get update -qq && (cd "$$tmp" && apt-get download -qq prometheus) \
+	    && dpkg-deb --fsys-tarfile "$$tmp"/prometheus_*.deb | tar -x -C "$$tmp" ./usr/bin/promtool \
+	    && install -m 0755 "$$tmp/usr/bin/promtool" $(PROMTOOL); then $(PROMTOOL) --version | head -1; \
+	  else echo "tools: could not install promtool: its tests skip (fail in CI)"; fi; \
+	  rm -rf "$$tmp"; \
+	else echo "tools: promtool not installed and not root: its tests skip (apt-get install prometheus)"; fi
 
 setup-vllm: $(VLLM_STAMP)
 
@@ -42,7 +60,7 @@ test-vllm:
 
 test:
 	@start=$$(date +%s); \
-	$(MAKE) --no-print-directory setup lint typecheck proto-check pytest; rc=$$?; \
+	$(MAKE) --no-print-directory setup tools lint typecheck proto-check pytest; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start ))s including setup (rc=$$rc)"; exit $$rc
 
 lint: setup
