@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml
 # download: no Prometheus server, user or service is installed). Without it those tests skip, or
 # fail under KVSIDECAR_REQUIRE_TOOLS=1 (.ci/run). hadolint and kubernetes-validate come with '.[dev]'.
 PROMTOOL := $(BIN)/promtool
+ETCD     := $(BIN)/etcd
 
 tools: setup
 	@if [ -x $(PROMTOOL) ] || command -v promtool >/dev/null 2>&1; then :; \
@@ -40,6 +41,17 @@ tools: setup
 	  else echo "tools: could not install promtool: its tests skip (fail in CI)"; fi; \
 	  rm -rf "$$tmp"; \
 	else echo "tools: promtool not installed and not root: its tests skip (apt-get install prometheus)"; fi
+	@# etcd (Debian's etcd-server package) for the discovery tests, the same way: the one binary.
+	@if [ -x $(ETCD) ] || command -v etcd >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "tools: etcd from Debian's etcd-server package"; \
+	  tmp=$$(mktemp -d); chown _apt "$$tmp" 2>/dev/null || true; \
+	  if apt-get update -qq && (cd "$$tmp" && apt-get download -qq etcd-server) \
+	    && dpkg-deb --fsys-tarfile "$$tmp"/etcd-server_*.deb | tar -x -C "$$tmp" ./usr/bin/etcd \
+	    && install -m 0755 "$$tmp/usr/bin/etcd" $(ETCD); then $(ETCD) --version | head -1; \
+	  else echo "tools: could not install etcd: its tests skip (fail in CI)"; fi; \
+	  rm -rf "$$tmp"; \
+	else echo "tools: etcd not installed and not root: its tests skip (apt-get install etcd-server)"; fi
 
 setup-vllm: $(VLLM_STAMP)
 

@@ -1,4 +1,5 @@
-"""The ``kvsidecar`` command: ``serve``, ``status``, ``drain``, ``demo``, ``bench``, ``version``.
+"""The ``kvsidecar`` command: ``serve``, ``config``, ``status``, ``peers``, ``drain``, ``demo``, ``bench``,
+``version``.
 
 Exit codes: 0 success, 1 runtime failure (e.g. a listener could not bind, forced shutdown), 2 invalid
 configuration or usage.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -36,7 +36,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + name.replace("_", "-")
         help_text = f"{field.description} (env KVSIDECAR_{name.upper()})"
-        if name == "shm_roots":
+        if name in ("shm_roots", "etcd_endpoints"):
             parser.add_argument(flag, dest=name, action="append", default=None, help=help_text)
         elif field.annotation is bool:
             parser.add_argument(
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="run the sidecar daemon")
     _add_settings_flags(serve)
+    config = sub.add_parser("config", help="print the effective settings and their sources")
+    _add_settings_flags(config)
+    config.add_argument("--json", action="store_true", help="print JSON")
     sub.add_parser("version", help="print the version")
 
     status = sub.add_parser("status", help="show a running sidecar's state")
@@ -65,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument("--timeout-s", type=float, default=5.0, help="call timeout (s)")
+
+    peers = sub.add_parser(
+        "peers", help="engines in fleet discovery, with the sidecar's peer state for each"
+    )
+    peers.add_argument(
+        "--socket", required=True, help="the sidecar's engine socket path (or unix:PATH, host:port)"
+    )
+    peers.add_argument("--json", action="store_true", help="print JSON")
 
     drain = sub.add_parser(
         "drain", help="drain a running sidecar without stopping it (rolling upgrades)"
@@ -160,29 +171,30 @@ def _demo_presets() -> tuple[str, ...]:
     return ("gqa", "mla", "mamba")
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _settings_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags of ``serve`` or ``config``."""
+    from kvsidecar.settings import Settings
 
-
-def _serve(args: argparse.Namespace) -> int:
-    from kvsidecar.errors import ConfigError, ListenError
-    from kvsidecar.settings import Settings, load_settings
-
-    cli: dict[str, Any] = {
+    return {
         name: getattr(args, name)
         for name in Settings.model_fields
         if name not in _ENV_ONLY and getattr(args, name, None) is not None
     }
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvsidecar import logs
+    from kvsidecar.errors import ConfigError, ListenError
+    from kvsidecar.settings import load_settings
+
     try:
-        settings = load_settings(cli, config_file=args.config, environ=os.environ)
+        settings = load_settings(_settings_flags(args), config_file=args.config, environ=os.environ)
     except ConfigError as exc:
         print(f"kvsidecar: invalid setting {exc}", file=sys.stderr)
         return EXIT_USAGE
-    _configure_logging(settings.log_level.value)
+    logs.configure(settings.log_level, settings.log_format)
+    # UCX and NIXL read their levels once, as their libraries load (the server imports NIXL).
+    os.environ.update(logs.native_log_env(settings.log_level, os.environ))
 
     import uvloop
 
@@ -198,50 +210,21 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
 
-def _status(args: argparse.Namespace) -> int:
-    from kvsidecar.client import SidecarClient
-    from kvsidecar.errors import KvSidecarError
-    from kvsidecar.tools.status_view import render, status_dict
+def _config(args: argparse.Namespace) -> int:
+    """Print the settings ``serve`` would run with (same flags, environment and file) and where
+    each value came from."""
+    from kvsidecar.errors import ConfigError
+    from kvsidecar.settings import describe, load_with_sources
 
     try:
-        with SidecarClient(args.socket, timeout_s=args.timeout_s) as client:
-            status = client.status()
-    except KvSidecarError as exc:
-        print(f"kvsidecar: cannot read status from {args.socket}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    print(json.dumps(status_dict(status), indent=2) if args.json else render(status))
-    return EXIT_OK
-
-
-def _drain(args: argparse.Namespace) -> int:
-    """Exit 0 once drained (or resumed), 1 when work was left at the grace period or on error."""
-    from kvsidecar.client import SidecarClient
-    from kvsidecar.errors import KvSidecarError
-
-    try:
-        with SidecarClient(args.socket, timeout_s=10.0) as client:
-            d = client.drain(args.grace_s, resume=args.resume)
-    except KvSidecarError as exc:
-        print(f"kvsidecar: cannot drain {args.socket}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "drained": d.drained,
-                    "draining": d.draining,
-                    "reads_in_flight": d.reads_in_flight,
-                    "holds_active": d.holds_active,
-                }
-            )
+        settings, sources = load_with_sources(
+            _settings_flags(args), config_file=args.config, environ=os.environ
         )
-    elif args.resume:
-        print("resumed: accepting new work")
-    elif d.drained:
-        print("drained: no read in flight, no hold active (still serving; stop it or --resume)")
-    else:
-        print(f"grace period over: {d.reads_in_flight} reads in flight, {d.holds_active} holds")
-    return EXIT_OK if d.drained or args.resume else EXIT_FAILURE
+    except ConfigError as exc:
+        print(f"kvsidecar: invalid setting {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(describe(settings, sources, as_json=args.json))
+    return EXIT_OK
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -338,10 +321,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     if args.command == "serve":
         return _serve(args)
-    if args.command == "status":
-        return _status(args)
-    if args.command == "drain":
-        return _drain(args)
+    if args.command == "config":
+        return _config(args)
+    if args.command in ("status", "peers", "drain"):
+        from kvsidecar.tools import operator_cli
+
+        return operator_cli.run(args)
     if args.command == "demo":
         return _demo(args)
     if args.command == "bench":

@@ -10,7 +10,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from kvsidecar.errors import ListenError
+from kvsidecar.peer_tls import ServerCredentials
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,3 +76,24 @@ def prepare_socket_path(path: Path) -> None:
     finally:
         probe.close()
     raise ListenError(f"engine_socket={str(path)!r} is in use by another process")
+
+
+def bind_server(
+    server: grpc.aio.Server,
+    address: str,
+    setting: str,
+    value: str,
+    tls: ServerCredentials | None = None,
+) -> int:
+    """Add ``address`` to ``server`` (TLS when ``tls``); the bound port. ListenError naming the
+    setting when it cannot bind."""
+    try:
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.credentials)
+    except RuntimeError as exc:
+        raise ListenError(f"{setting}={value!r}: cannot bind ({exc})") from None
+    if port == 0 and not address.startswith("unix:"):
+        raise ListenError(f"{setting}={value!r}: cannot bind (address in use?)")
+    return port

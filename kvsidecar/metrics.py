@@ -32,7 +32,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvsidecar import __version__
+from kvsidecar.discovery.base import DiscoveryStats
 from kvsidecar.engine.stats import POST_BUCKETS, EngineStats, HistogramSnapshot, ReadPhase
+from kvsidecar.types import DiscoveryState
 
 StatsSource = Callable[[], EngineStats]
 _le = cast(Callable[[float], str], floatToGoString)  # the client's own `le` label format
@@ -222,6 +224,22 @@ class EngineCollector(Collector):
             "Events of an ended registration, never delivered to the next one.",
             s.events_discarded,
         )
+        for side, a, doc in (
+            ("handshakes", s.handshake_admission, "Handshakes this sidecar runs"),
+            ("peer_handshakes", s.serve_admission, "GetAgent calls served to other sidecars"),
+        ):
+            yield _gauge(f"kvsidecar_{side}_running", f"{doc}, running now.", a.active)
+            yield _gauge(f"kvsidecar_{side}_queued", f"{doc}, waiting for a slot now.", a.queued)
+            yield _gauge(
+                f"kvsidecar_{side}_running_peak",
+                f"{doc}: the most ever running at once (limit {a.limit}).",
+                a.peak,
+            )
+            yield _counter(
+                f"kvsidecar_{side}_refused",
+                f"{doc} refused because too many were queued.",
+                a.refused,
+            )
         yield _labelled(
             "kvsidecar_session_commands",
             "Commands received on engine Session streams, by kind (read, read_batch, notify).",
@@ -237,6 +255,43 @@ class EngineCollector(Collector):
             "kvsidecar_registered_bytes",
             "Engine memory registered with the backend.",
             s.registered_bytes,
+        )
+
+
+class DiscoveryCollector(Collector):
+    """Fleet discovery's state and counters (none until the server attaches a source)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], DiscoveryStats] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        d = self.source()
+        state = GaugeMetricFamily(
+            "kvsidecar_discovery_state",
+            "1 for the current fleet-discovery state (static, connecting, ok, degraded).",
+            labels=["state"],
+        )
+        for s in DiscoveryState:
+            state.add_metric([s.value], 1 if s is d.state else 0)
+        yield state
+        yield _gauge("kvsidecar_discovery_engines", "Remote engines in discovery.", d.engines)
+        yield _gauge(
+            "kvsidecar_discovery_published", "1 while this engine's record is in etcd.", d.published
+        )
+        yield _counter(
+            "kvsidecar_discovery_invalidations",
+            "Peers invalidated because their discovery record changed epoch or went away.",
+            d.invalidations,
+        )
+        yield _counter(
+            "kvsidecar_discovery_errors", "Failed attempts to reach or use etcd.", d.errors
+        )
+        yield _counter(
+            "kvsidecar_discovery_bad_records",
+            "Keys under the discovery prefix that were no valid engine record (skipped).",
+            d.bad_records,
         )
 
 
@@ -270,6 +325,12 @@ class Metrics:
         )
         self._engine = EngineCollector()
         r.register(self._engine)
+        self._discovery = DiscoveryCollector()
+        r.register(self._discovery)
+
+    def attach_discovery(self, source: Callable[[], DiscoveryStats] | None) -> None:
+        """Read discovery metrics from ``source`` from now on (``None``: export none)."""
+        self._discovery.source = source
 
     def attach(self, source: StatsSource | None) -> None:
         """Read engine metrics from ``source`` from now on (``None``: export none)."""

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import cast
@@ -25,19 +26,20 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from kvsidecar.discovery import Discovery, StaticDiscovery, describe, record_of
 from kvsidecar.drain import DrainControl
 from kvsidecar.engine.backend import TransferBackend
 from kvsidecar.engine.core import EngineCore
 from kvsidecar.engine.model import CoreConfig
 from kvsidecar.errors import ConfigError, ListenError
 from kvsidecar.health import ENGINE_SERVICE, PEER_SERVICE, Condition, HttpEndpoint, Readiness
-from kvsidecar.listen import BoundAddresses, is_loopback, prepare_socket_path
+from kvsidecar.listen import BoundAddresses, bind_server, is_loopback, prepare_socket_path
 from kvsidecar.metrics import Metrics
-from kvsidecar.peer_tls import PeerTlsFiles, ServerCredentials
+from kvsidecar.peer_tls import PeerTlsFiles
 from kvsidecar.rpc.engine_service import EngineServicer
 from kvsidecar.rpc.handlers import service_handler
 from kvsidecar.rpc.peer_service import PeerServicer
-from kvsidecar.settings import Settings, check_peer_tls, parse_host_port
+from kvsidecar.settings import DiscoveryKind, Settings, check_peer_tls, parse_host_port
 from kvsidecar.systemd import SystemdNotifier
 from kvsidecar.v1 import engine_pb2, peer_pb2
 
@@ -68,6 +70,34 @@ def _tls_files(s: Settings) -> PeerTlsFiles | None:
     )
 
 
+def _discovery(s: Settings, core: Callable[[], EngineCore | None]) -> Discovery:
+    """The configured discovery, telling ``core()`` (once it exists) of remote engine ranks that
+    changed and, with ``discovery_prewarm``, of engines to pre-warm."""
+    if s.discovery is DiscoveryKind.STATIC:
+        return StaticDiscovery()
+
+    async def on_change(engine_id: str, tp_rank: int, epoch: int | None) -> bool:
+        c = core()
+        return c is not None and await c.remote_changed(engine_id, tp_rank, epoch)
+
+    def on_appear(engine_id: str) -> None:
+        c = core()
+        if c is not None and not c.draining:
+            c.handshakes.prewarm(engine_id, s.prewarm_jitter_s)
+
+    from kvsidecar.discovery.etcd import EtcdConfig, EtcdDiscovery
+    from kvsidecar.discovery.etcd_client import EtcdTls
+
+    tls = None
+    if s.etcd_tls_ca is not None:
+        tls = EtcdTls(ca=s.etcd_tls_ca, cert=s.etcd_tls_cert, key=s.etcd_tls_key)
+    config = EtcdConfig(
+        endpoints=s.etcd_endpoints, prefix=s.etcd_prefix, lease_ttl_s=s.etcd_lease_ttl_s, tls=tls
+    )
+    prewarm = on_appear if s.discovery_prewarm else None
+    return EtcdDiscovery(config, on_change=on_change, on_appear=prewarm)
+
+
 def _service(module: ModuleType, name: str) -> ServiceDescriptor:
     return cast(ServiceDescriptor, module.DESCRIPTOR.services_by_name[name])
 
@@ -85,6 +115,7 @@ class Sidecar:
         self._settings = settings
         self._backend = backend
         self.core: EngineCore | None = None
+        self.discovery: Discovery = StaticDiscovery()
         self.metrics = metrics if metrics is not None else Metrics()
         self.readiness = Readiness(
             (Condition.ENGINE_REGISTERED, Condition.BACKEND_READY), self._on_ready_change
@@ -107,6 +138,7 @@ class Sidecar:
         try:
             await self._start_core(s)
             addresses = await self._start_listeners(s)
+            await self.discovery.start()  # once the advertised peer endpoint is known
         except BaseException:
             await self._close_listeners(0)
             await self._close_core()
@@ -150,17 +182,29 @@ class Sidecar:
             confirm_reads=s.confirm_reads,
             tls=self._tls.current if self._tls is not None else None,
             max_queued_events=s.max_queued_events,
+            handshake_concurrency=s.handshake_concurrency,
+            serve_handshake_concurrency=s.serve_handshake_concurrency,
         )
 
         async def on_registered(held: bool) -> None:
             await self.readiness.set(Condition.ENGINE_REGISTERED, held)
+            if self.core is not None:
+                self.discovery.publish(record_of(self.core) if held else None)
 
-        self.core = EngineCore(backend=self._backend, config=config, on_registered=on_registered)
+        self.discovery = _discovery(s, lambda: self.core)
+        self.metrics.attach_discovery(self.discovery.stats)
+        self.core = EngineCore(
+            backend=self._backend,
+            config=config,
+            on_registered=on_registered,
+            discovered=self.discovery.endpoints,
+        )
         self.metrics.attach(self.core.stats)
         await self.core.start()
         await self.readiness.set(Condition.BACKEND_READY, True)
 
     async def _close_core(self) -> None:
+        await self.discovery.aclose()  # revokes the lease: this engine's record goes at once
         if self.core is not None:
             await self.core.aclose()
             self.core = None
@@ -175,11 +219,14 @@ class Sidecar:
         peer = grpc.aio.server(options=_GRPC_OPTIONS)
         self._engine_server, self._peer_server = engine, peer
         assert self.core is not None
+        core = self.core
         engine.add_generic_rpc_handlers(
             (
                 service_handler(
                     EngineServicer(
-                        self.core, DrainControl(self.core, self.readiness, grace_s=s.grace_period_s)
+                        self.core,
+                        DrainControl(self.core, self.readiness, grace_s=s.grace_period_s),
+                        lambda: describe(self.discovery, core.peers.summaries()),
                     ),
                     _service(engine_pb2, "EngineService"),
                 ),
@@ -201,7 +248,7 @@ class Sidecar:
         )
 
         prepare_socket_path(s.engine_socket)
-        self._bind(engine, f"unix:{s.engine_socket}", "engine_socket", str(s.engine_socket))
+        bind_server(engine, f"unix:{s.engine_socket}", "engine_socket", str(s.engine_socket))
         self._socket_path = s.engine_socket
         os.chmod(s.engine_socket, 0o600)
         engine_tcp: str | None = None
@@ -212,11 +259,11 @@ class Sidecar:
                     f"engine_listen={s.engine_listen!r} is not a loopback address "
                     "(set allow_remote_engine to expose EngineService)"
                 )
-            port = self._bind(engine, s.engine_listen, "engine_listen", s.engine_listen)
+            port = bind_server(engine, s.engine_listen, "engine_listen", s.engine_listen)
             engine_tcp = f"{host}:{port}"
         peer_host, _ = parse_host_port(s.peer_listen)
         server_tls = self._tls.server if self._tls is not None else None
-        peer_port = self._bind(peer, s.peer_listen, "peer_listen", s.peer_listen, server_tls)
+        peer_port = bind_server(peer, s.peer_listen, "peer_listen", s.peer_listen, server_tls)
         peer_address = s.peer_advertise or f"{peer_host}:{peer_port}"
         self.core.peer_endpoint = peer_address  # before serving: every answer carries it
 
@@ -235,25 +282,6 @@ class Sidecar:
             peer=peer_address,
             metrics=f"{bound_host}:{bound_port}",
         )
-
-    @staticmethod
-    def _bind(
-        server: grpc.aio.Server,
-        address: str,
-        setting: str,
-        value: str,
-        tls: ServerCredentials | None = None,
-    ) -> int:
-        try:
-            if tls is None:
-                port = server.add_insecure_port(address)
-            else:
-                port = server.add_secure_port(address, tls.credentials)
-        except RuntimeError as exc:
-            raise ListenError(f"{setting}={value!r}: cannot bind ({exc})") from None
-        if port == 0 and not address.startswith("unix:"):
-            raise ListenError(f"{setting}={value!r}: cannot bind (address in use?)")
-        return port
 
     async def reload_tls(self) -> bool:
         """Re-read the TLS files (SIGHUP): new connections, both ways, use them. A file that does

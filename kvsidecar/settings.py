@@ -8,6 +8,7 @@ everything inward receives plain values.
 from __future__ import annotations
 
 import enum
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -17,12 +18,14 @@ from typing import Annotated, Any
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
 
 from kvsidecar.errors import ConfigError
+from kvsidecar.logs import LogFormat, LogLevel
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,11 +35,18 @@ else:  # pragma: no cover - exercised on 3.10 only
 ENV_PREFIX = "KVSIDECAR_"
 
 
-class LogLevel(str, enum.Enum):
-    DEBUG = "debug"
-    INFO = "info"
-    WARNING = "warning"
-    ERROR = "error"
+class DiscoveryKind(enum.Enum):
+    STATIC = "static"
+    ETCD = "etcd"
+
+
+class Source(str, enum.Enum):
+    """Where an effective setting came from (``kvsidecar config``)."""
+
+    FLAG = "flag"
+    ENV = "env"
+    FILE = "file"
+    DEFAULT = "default"
 
 
 def default_engine_socket() -> Path:
@@ -124,7 +134,14 @@ class Settings(BaseSettings):
     metrics_listen: str = Field(
         default="127.0.0.1:9464", description="HTTP address for /metrics, /healthz, /readyz."
     )
-    log_level: LogLevel = Field(default=LogLevel.INFO, description="Log level.")
+    log_level: LogLevel = Field(
+        default=LogLevel.INFO,
+        description="Log level (also sets UCX_LOG_LEVEL and NIXL_LOG_LEVEL unless they are set).",
+    )
+    log_format: LogFormat = Field(
+        default=LogFormat.TEXT,
+        description="Log format: text lines, or json (one object per line).",
+    )
     grace_period_s: float = Field(
         default=10.0, ge=0, le=3600, description="Drain time for in-flight work on SIGTERM (s)."
     )
@@ -166,6 +183,33 @@ class Settings(BaseSettings):
         default=None,
         description="Write a JSON file with the bound addresses once serving (for orchestration).",
     )
+    discovery: DiscoveryKind = Field(
+        default=DiscoveryKind.STATIC, description="Fleet discovery: static or etcd."
+    )
+    etcd_endpoints: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(), description="etcd members, host:port (comma-separated in env)."
+    )
+    etcd_prefix: str = Field(
+        default="/kvsidecar", min_length=1, max_length=256, description="Key prefix in etcd."
+    )
+    etcd_lease_ttl_s: int = Field(
+        default=10, ge=2, le=3600, description="TTL of this sidecar's etcd record lease (s)."
+    )
+    etcd_tls_ca: Path | None = Field(default=None, description="PEM CA of etcd (enables TLS).")
+    etcd_tls_cert: Path | None = Field(default=None, description="PEM client cert for etcd.")
+    etcd_tls_key: Path | None = Field(default=None, description="PEM key of etcd_tls_cert.")
+    discovery_prewarm: bool = Field(
+        default=False, description="Handshake with pairing engines as discovery sees them."
+    )
+    prewarm_jitter_s: float = Field(
+        default=2.0, ge=0, le=300, description="Longest random delay before a pre-warm (s)."
+    )
+    handshake_concurrency: int = Field(
+        default=16, ge=1, le=4096, description="Handshakes run at once (the rest queue)."
+    )
+    serve_handshake_concurrency: int = Field(
+        default=16, ge=1, le=4096, description="GetAgent calls served at once (the rest queue)."
+    )
 
     @field_validator("engine_listen", "peer_advertise")
     @classmethod
@@ -178,11 +222,18 @@ class Settings(BaseSettings):
         parse_host_port(value)
         return value
 
-    @field_validator("shm_roots", mode="before")
+    @field_validator("shm_roots", "etcd_endpoints", mode="before")
     @classmethod
     def _split_roots(cls, value: Any) -> Any:
         if isinstance(value, str):
             return tuple(p for p in value.split(",") if p)
+        return value
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _etcd_endpoints(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for endpoint in value:
+            parse_host_port(endpoint)
         return value
 
     @field_validator("shm_roots")
@@ -232,6 +283,14 @@ def load_settings(
     process environment itself; ``environ`` is used to find the config file and to hide env keys the
     CLI overrides).
     """
+    merged, _ = _merge(cli, config_file=config_file, environ=environ)
+    return _validate(merged)
+
+
+def _merge(
+    cli: Mapping[str, Any], *, config_file: Path | None, environ: Mapping[str, str]
+) -> tuple[dict[str, Any], frozenset[str]]:
+    """The init kwargs of ``Settings`` (the file's keys under the CLI's) and the file keys kept."""
     if config_file is None and environ.get(ENV_PREFIX + "CONFIG"):
         config_file = Path(environ[ENV_PREFIX + "CONFIG"])
     merged: dict[str, Any] = _read_toml(config_file) if config_file is not None else {}
@@ -242,7 +301,12 @@ def load_settings(
     for key in list(merged):
         if ENV_PREFIX + key.upper() in environ:
             del merged[key]
+    from_file = frozenset(merged)
     merged.update({k: v for k, v in cli.items() if v is not None})
+    return merged, from_file
+
+
+def _validate(merged: dict[str, Any]) -> Settings:
     try:
         settings = Settings(**merged)
     except ValidationError as exc:
@@ -251,10 +315,58 @@ def load_settings(
         value = err.get("input")
         raise ConfigError(field, f"invalid value {value!r}: {err['msg']}") from None
     check_peer_tls(settings)
+    check_discovery(settings)
     return settings
 
 
+def load_with_sources(
+    cli: Mapping[str, Any], *, config_file: Path | None, environ: Mapping[str, str]
+) -> tuple[Settings, dict[str, Source]]:
+    """``load_settings`` plus where each setting's value came from, by the same rules: a flag the
+    CLI set; else a file key the environment did not override; else whatever pydantic-settings'
+    own environment source finds (the environment ``Settings`` reads); else the default."""
+    merged, from_file = _merge(cli, config_file=config_file, environ=environ)
+    settings = _validate(merged)
+    found = EnvSettingsSource(Settings)()  # field names, or the alias that matched
+    sources: dict[str, Source] = {}
+    for name, field in Settings.model_fields.items():
+        aliases = field.validation_alias
+        names = {name, *(aliases.choices if isinstance(aliases, AliasChoices) else ())}
+        if cli.get(name) is not None:
+            sources[name] = Source.FLAG
+        elif name in from_file:
+            sources[name] = Source.FILE
+        elif any(isinstance(n, str) and n in found for n in names):
+            sources[name] = Source.ENV
+        else:
+            sources[name] = Source.DEFAULT
+    return settings, sources
+
+
+def describe(settings: Settings, sources: Mapping[str, Source], *, as_json: bool) -> str:
+    """``kvsidecar config``'s output: ``name = value  (source)`` per setting (``unset`` for none),
+    or ``{"name": {"value": ..., "source": ...}}``. Values are JSON (paths as strings, enums as
+    their values, tuples as lists); secret fields (pydantic ``SecretStr``) are masked."""
+    values = settings.model_dump(mode="json")
+    table = {n: {"value": values[n], "source": sources[n].value} for n in Settings.model_fields}
+    if as_json:
+        return json.dumps(table, indent=2)
+    width = max(map(len, table))
+    show = {n: "unset" if e["value"] is None else json.dumps(e["value"]) for n, e in table.items()}
+    return "\n".join(f"{n:<{width}} = {show[n]}  ({e['source']})" for n, e in table.items())
+
+
 TLS_FILES = ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")
+
+
+def check_discovery(settings: Settings) -> None:
+    """etcd discovery needs endpoints; a client certificate comes with its key and a CA."""
+    if settings.discovery is DiscoveryKind.ETCD and not settings.etcd_endpoints:
+        raise ConfigError("etcd_endpoints", "is required with discovery=etcd")
+    if (settings.etcd_tls_cert is None) != (settings.etcd_tls_key is None):
+        raise ConfigError("etcd_tls_cert", "and etcd_tls_key go together")
+    if settings.etcd_tls_cert is not None and settings.etcd_tls_ca is None:
+        raise ConfigError("etcd_tls_ca", "is required with etcd_tls_cert")
 
 
 def check_peer_tls(settings: Settings) -> None:

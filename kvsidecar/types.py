@@ -166,6 +166,18 @@ class PeerInfo:
     last_error: str
 
 
+class EngineRole(enum.Enum):
+    """What an engine does with KV caches (RegisterEngine's ``role``; discovery publishes it)."""
+
+    BOTH = "both"  #: produces and consumes (the default)
+    PRODUCER = "producer"  #: prefill
+    CONSUMER = "consumer"  #: decode
+
+    def pairs_with(self, other: EngineRole) -> bool:
+        """Whether engines of these two roles move KV caches between them."""
+        return EngineRole.BOTH in (self, other) or self is not other
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SidecarStatus:
     """A sidecar's state and counters (the Status RPC); ``events`` only when drained."""
@@ -199,3 +211,43 @@ class Drained:
     reads_in_flight: int
     holds_active: int
     draining: bool
+
+
+class DiscoveryState(enum.Enum):
+    """Fleet discovery as a sidecar sees it."""
+
+    STATIC = "static"  #: no discovery backend (endpoints from requests only)
+    CONNECTING = "connecting"  #: first contact with etcd under way
+    OK = "ok"  #: record published, remote engines watched
+    DEGRADED = "degraded"  #: etcd unreachable: requests' endpoints still work; retrying
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiscoveredEngine:
+    """An engine fleet discovery knows, joined with this sidecar's peer for it.
+
+    ``endpoints``: PeerService address per rank ("" for a rank without a record); ``epoch``: the
+    newest among its ranks' records; ``peer_state``: this sidecar's peer (``None``: not connected);
+    ``last_error``: of the last handshake or transfer with it."""
+
+    engine_id: str
+    role: EngineRole
+    tp_size: int
+    epoch: int
+    endpoints: tuple[str, ...]
+    model_fingerprint: str
+    peer_state: PeerState | None
+    last_error: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiscoveryInfo:
+    """The Peers RPC: discovery's state and every engine it knows."""
+
+    state: DiscoveryState
+    etcd_endpoint: str
+    published: bool
+    errors: int
+    invalidations: int
+    last_error: str
+    engines: tuple[DiscoveredEngine, ...]

@@ -149,6 +149,15 @@ def test_integrations_use_only_the_client_side() -> None:
     assert importers == ["kvsidecar/integrations/vllm/connector.py"], importers
 
 
+def test_discovery_sits_between_the_server_and_the_engine() -> None:
+    """DESIGN §3: server -> discovery -> engine; discovery never imports rpc/, the server,
+    metrics, settings, tools/ or testing/."""
+    _check_layer(
+        "discovery",
+        {"discovery", "engine", "wire", "v1", "types", "plan", "memory", "errors", "limits"},
+    )
+
+
 def test_rpc_and_testing_stay_in_their_lanes() -> None:
     _check_layer(
         "rpc", {"rpc", "engine", "wire", "v1", "types", "plan", "memory", "errors", "limits"}

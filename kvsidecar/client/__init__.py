@@ -18,7 +18,11 @@ from kvsidecar.client.tensors import (
     state_view_from_tensors,
 )
 from kvsidecar.types import (
+    DiscoveredEngine,
+    DiscoveryInfo,
+    DiscoveryState,
     Drained,
+    EngineRole,
     Event,
     FailReason,
     PeerInfo,
@@ -36,7 +40,11 @@ from kvsidecar.types import (
 __all__ = [
     "AsyncSidecarClient",
     "BlockIdGroups",
+    "DiscoveredEngine",
+    "DiscoveryInfo",
+    "DiscoveryState",
     "Drained",
+    "EngineRole",
     "Event",
     "FailReason",
     "PeerInfo",

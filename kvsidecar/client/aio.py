@@ -24,7 +24,16 @@ from kvsidecar.client.session import AsyncSession
 from kvsidecar.errors import KvSidecarError, UnimplementedError
 from kvsidecar.memory.types import MemorySpec
 from kvsidecar.plan import View
-from kvsidecar.types import Drained, Event, PlanInfo, ReadPosted, Registered, SidecarStatus
+from kvsidecar.types import (
+    DiscoveryInfo,
+    Drained,
+    EngineRole,
+    Event,
+    PlanInfo,
+    ReadPosted,
+    Registered,
+    SidecarStatus,
+)
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire import engine as wire
 
@@ -88,6 +97,7 @@ class AsyncSidecarClient:
         extra: Mapping[str, str] | None = None,
         num_groups: int = 1,
         takeover: bool = False,
+        role: EngineRole = EngineRole.BOTH,
     ) -> Registered:
         """Register the engine's memory and geometry. ``takeover`` replaces a registration whose
         Watch stream is still open (otherwise refused: FailedPreconditionError)."""
@@ -103,6 +113,7 @@ class AsyncSidecarClient:
             extra=extra,
             num_groups=num_groups,
             takeover=takeover,
+            role=role,
         )
         return wire.registered_from_proto(await self._call(self._stub.RegisterEngine, request))
 
@@ -190,6 +201,12 @@ class AsyncSidecarClient:
         rank of the plan. Returns the notifications sent."""
         request = requests.heartbeat(remote_engine_id, holds)
         return int((await self._command(self._stub.Notify, "notify", request)).notifications_sent)
+
+    async def peers(self) -> DiscoveryInfo:
+        """Fleet discovery's state and the engines it knows, with this sidecar's peer state."""
+        return wire.discovery_from_proto(
+            await self._call(self._stub.Peers, engine_pb2.PeersRequest())
+        )
 
     async def drain(self, grace_s: float = 0.0, *, resume: bool = False) -> Drained:
         """Drain the sidecar without stopping it (0 = its grace_period_s); returns once nothing is

@@ -15,9 +15,9 @@ from kvsidecar import errors
 from kvsidecar.memory.types import MemorySpec
 from kvsidecar.plan import View
 from kvsidecar.plan.compat import CompatItems
-from kvsidecar.types import ReadPosted
+from kvsidecar.types import EngineRole, ReadPosted
 from kvsidecar.v1 import engine_pb2
-from kvsidecar.wire.engine import read_posted_from_proto
+from kvsidecar.wire.engine import read_posted_from_proto, role_to_proto
 from kvsidecar.wire.geometry import (
     block_ids_to_proto,
     compat_to_proto,
@@ -111,6 +111,7 @@ def register(
     extra: Mapping[str, str] | None = None,
     num_groups: int = 1,
     takeover: bool = False,
+    role: EngineRole = EngineRole.BOTH,
 ) -> engine_pb2.RegisterEngineRequest:
     compat = CompatItems(model=model, dtype=dtype, extra=tuple(sorted((extra or {}).items())))
     return engine_pb2.RegisterEngineRequest(
@@ -123,6 +124,7 @@ def register(
         num_groups=num_groups,
         compat=compat_to_proto(compat),
         takeover=takeover,
+        role=role_to_proto(role),
     )
 
 

@@ -22,7 +22,16 @@ from kvsidecar.client.requests import BlockIdGroups, ReadSpec
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory.types import MemorySpec
 from kvsidecar.plan import View
-from kvsidecar.types import Drained, Event, PlanInfo, ReadPosted, Registered, SidecarStatus
+from kvsidecar.types import (
+    DiscoveryInfo,
+    Drained,
+    EngineRole,
+    Event,
+    PlanInfo,
+    ReadPosted,
+    Registered,
+    SidecarStatus,
+)
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire import engine as wire
 
@@ -66,6 +75,7 @@ class SidecarClient:
         extra: Mapping[str, str] | None = None,
         num_groups: int = 1,
         takeover: bool = False,
+        role: EngineRole = EngineRole.BOTH,
     ) -> Registered:
         """Register the engine's memory and geometry. ``takeover`` replaces a registration whose
         Watch stream is still open (otherwise refused: FailedPreconditionError)."""
@@ -81,6 +91,7 @@ class SidecarClient:
             extra=extra,
             num_groups=num_groups,
             takeover=takeover,
+            role=role,
         )
         return wire.registered_from_proto(self._call(self._stub.RegisterEngine, request))
 
@@ -165,6 +176,10 @@ class SidecarClient:
         rank of the plan. Returns the notifications sent."""
         request = requests.heartbeat(remote_engine_id, holds)
         return int(self._call(self._stub.Notify, request).notifications_sent)
+
+    def peers(self) -> DiscoveryInfo:
+        """Fleet discovery's state and the engines it knows, with this sidecar's peer state."""
+        return wire.discovery_from_proto(self._call(self._stub.Peers, engine_pb2.PeersRequest()))
 
     def drain(self, grace_s: float = 0.0, *, resume: bool = False) -> Drained:
         """Drain the sidecar without stopping it (0 = its grace_period_s); returns once nothing is

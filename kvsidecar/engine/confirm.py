@@ -76,7 +76,14 @@ class Confirmer:
         try:
             epoch, outcomes = await self._call(peer, endpoint, [i.notification for i in items])
         except KvSidecarError as exc:
-            self._log.warning("notifying %r at %s failed: %s", peer.engine_id, endpoint, exc)
+            self._log.warning(
+                "notifying %r at %s failed: %s",
+                peer.engine_id,
+                endpoint,
+                exc,
+                peer=peer.engine_id,
+                endpoint=endpoint,
+            )
             for i in items:
                 if i.request_id:
                     self._transfers.resolve(i.request_id, i.rank, None, str(exc))

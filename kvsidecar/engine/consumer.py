@@ -20,6 +20,7 @@ from kvsidecar.engine.handshakes import Handshakes
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Endpoints, ReadCommand
 from kvsidecar.engine.peers import Peer, PeerRegistry
+from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.stats import ConsumerStats, ReadPhase
 from kvsidecar.engine.transfers import TransferManager
 from kvsidecar.errors import (
@@ -36,7 +37,7 @@ from kvsidecar.types import FailReason, ReadPosted
 from kvsidecar.wire.peer import NotificationKind, PeerNotification
 
 T = TypeVar("T")
-log = logging.getLogger(__name__)
+log = RateLimited(logging.getLogger(__name__))  # a bug may repeat per read or poll
 
 
 async def shielded(coro: Coroutine[Any, Any, T]) -> T:
@@ -96,11 +97,11 @@ class Consumer:
         peer = self._peers.peer(cmd.remote_engine_id)
         if peer is None:
             validate_request_ids(local.geometry, cmd.local_ids, cmd.remote_ids, None)
-            e = cmd.endpoints
-            if not (e.ranks or e.any_rank or self._peers.known_endpoints(cmd.remote_engine_id)):
+            e = self._handshakes.endpoints_for(cmd.remote_engine_id, cmd.endpoints)
+            if not (e.given or self._peers.known_endpoints(cmd.remote_engine_id)):
                 raise NotFoundError(
                     f"remote_engine_id={cmd.remote_engine_id!r} is unknown: pass "
-                    "remote_endpoints or remote_endpoint"
+                    "remote_endpoints or remote_endpoint (or find it through discovery)"
                 )
             if self._peers.pending(cmd.remote_engine_id) is None:
                 self._peers.check_backoff(cmd.remote_engine_id)
@@ -156,7 +157,7 @@ class Consumer:
             fail(rid, FailReason.SHUTDOWN, "the sidecar stopped before the handshake finished")
             raise
         except Exception as exc:  # a bug must still end the read, and be seen
-            log.exception("handshake for read %r failed unexpectedly", rid)
+            log.exception("handshake for read %r failed unexpectedly", rid, request_id=rid)
             fail(rid, FailReason.HANDSHAKE, f"the handshake with {remote!r} failed: {exc!r}")
             return
         if not self._transfers.waiting(rid):
@@ -175,7 +176,7 @@ class Consumer:
         except KvSidecarError as exc:
             fail(rid, FailReason.TRANSFER_ERROR, f"posting the READs failed: {exc}")
         except Exception as exc:
-            log.exception("posting read %r failed unexpectedly", rid)
+            log.exception("posting read %r failed unexpectedly", rid, request_id=rid)
             fail(rid, FailReason.TRANSFER_ERROR, f"posting the READs failed: {exc!r}")
 
     async def aclose(self) -> None:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from kvsidecar.engine.admission import Admission
 from kvsidecar.engine.backend import TransferBackend
 from kvsidecar.engine.confirm import Confirmer
 from kvsidecar.engine.consumer import Consumer, shielded
@@ -21,7 +22,7 @@ from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.guard import PeerGuard
 from kvsidecar.engine.handshakes import Handshakes
 from kvsidecar.engine.local import LocalEngine, Registration
-from kvsidecar.engine.model import CoreConfig, ReadCommand
+from kvsidecar.engine.model import CoreConfig, Endpoints, ReadCommand
 from kvsidecar.engine.peer_link import PeerLink
 from kvsidecar.engine.peers import PeerRegistry
 from kvsidecar.engine.poller import Poller
@@ -48,7 +49,10 @@ class EngineCore:
         backend: TransferBackend,
         config: CoreConfig,
         on_registered: Callable[[bool], Awaitable[None]],
+        discovered: Callable[[str], Endpoints] | None = None,
     ) -> None:
+        """``discovered``: how fleet discovery reaches an engine, for requests that carry no
+        endpoints (requests' endpoints always win)."""
         self._backend = backend
         self._config = config
         self._on_registered = on_registered
@@ -70,7 +74,14 @@ class EngineCore:
             peers=self.peers,
             confirmer=self._confirmer,
         )
-        self.handshakes = Handshakes(peers=self.peers, guard=guard)
+        self.handshakes = Handshakes(
+            peers=self.peers,
+            guard=guard,
+            discovered=discovered,
+            concurrency=config.handshake_concurrency,
+        )
+        # GetAgent calls served to other sidecars: bounded so a fleet starting at once queues.
+        self.serving = Admission(config.serve_handshake_concurrency, what="handshakes served")
         self.consumer = Consumer(
             peers=self.peers,
             handshakes=self.handshakes,
@@ -92,7 +103,9 @@ class EngineCore:
         )
         self.sessions = SessionCounters()  # updated by the EngineService's Session streams
         self.draining = False  # refusing new reads, holds and registrations (drain or stop)
-        self.stopping = False  # the sidecar is closing its listeners: dropped streams are not deaths
+        self.stopping = (
+            False  # the sidecar is closing its listeners: dropped streams are not deaths
+        )
         # This sidecar's advertised PeerService address: the server sets it once PeerService is
         # bound, before any RPC is served.
         self.peer_endpoint = ""
@@ -130,6 +143,7 @@ class EngineCore:
     async def aclose(self) -> None:
         """Fail what is left, release peers, memory and the backend; stop the poller."""
         self.draining = self.stopping = True
+        await self.handshakes.aclose()
         await self.consumer.aclose()
         await self.registrar.shutdown()
         await self._poller.aclose()
@@ -196,11 +210,27 @@ class EngineCore:
             )
         return local.epoch, self.producer.on_peer(notes, local.epoch)
 
+    async def remote_changed(self, engine_id: str, tp_rank: int, epoch: int | None) -> bool:
+        """Discovery saw rank ``tp_rank`` of ``engine_id`` re-register (``epoch``) or go away
+        (``None``): a peer whose plan still points at that rank's old incarnation is invalidated
+        now (its reads in flight fail STALE with this reason; the next Read handshakes again).
+        True if a peer was invalidated."""
+        peer = self.peers.peer(engine_id)
+        link = peer.links.get(tp_rank) if peer is not None else None
+        if peer is None or link is None or link.epoch == epoch:
+            return False
+        change = f"re-registered (epoch {link.epoch} -> {epoch})" if epoch else "went away"
+        await self._guard.invalidate(
+            peer, f"discovery: remote engine {engine_id!r} rank {tp_rank} {change}"
+        )
+        return True
+
     async def agent_info(self, engine_id: str, tp_rank: int) -> AgentInfo:
         """What a remote sidecar needs to read from this engine (GetAgent)."""
         local = self.require_local()
         local.check_serves(engine_id, tp_rank)
-        metadata = await self._backend.local_metadata()
+        async with self.serving.slot():
+            metadata = await self._backend.local_metadata()
         return local.agent_info(metadata=metadata, agent_name=self._backend.agent_name)
 
     # --- introspection --------------------------------------------------------------------------
@@ -212,6 +242,8 @@ class EngineCore:
             producer=self.producer.stats(),
             peers=self.peers.stats(),
             sessions=self.sessions.snapshot(),
+            handshake_admission=self.handshakes.admission.stats(),
+            serve_admission=self.serving.stats(),
             events_dropped=self.events.dropped,
             events_queued=self.events.queued,
             events_discarded=self.events.discarded,

@@ -8,9 +8,13 @@ shielded backend phase, see ``engine.handshake``). The outcome goes to the ``Pee
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
 import time
+from collections.abc import Callable
 
 from kvsidecar.engine import handshake
+from kvsidecar.engine.admission import Admission
 from kvsidecar.engine.guard import PeerGuard
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Endpoints
@@ -24,13 +28,25 @@ from kvsidecar.errors import (
 )
 from kvsidecar.limits import check_id
 
+log = logging.getLogger(__name__)
+
 
 class Handshakes:
     """Runs handshakes for the bound local registration."""
 
-    def __init__(self, *, peers: PeerRegistry, guard: PeerGuard) -> None:
+    def __init__(
+        self,
+        *,
+        peers: PeerRegistry,
+        guard: PeerGuard,
+        discovered: Callable[[str], Endpoints] | None = None,
+        concurrency: int = 16,
+    ) -> None:
         self._peers = peers
         self._guard = guard
+        self._discovered = discovered
+        self.admission = Admission(concurrency, what="handshakes")
+        self._prewarms: set[asyncio.Task[None]] = set()
 
     def _local(self) -> LocalEngine:
         local = self._peers.local
@@ -38,10 +54,42 @@ class Handshakes:
             raise NotRegisteredError("no engine is registered with this sidecar (RegisterEngine)")
         return local
 
+    def prewarm(self, engine_id: str, jitter_s: float) -> None:
+        """Handshake with ``engine_id`` in the background (discovery saw it appear) after a random
+        delay of up to ``jitter_s`` s, so that a fleet does not start all at once; admission
+        control bounds the rest. Failures are only logged: the next Read handshakes again."""
+        if self._peers.local is None or self._peers.peer(engine_id) is not None:
+            return
+
+        async def run() -> None:
+            await asyncio.sleep(random.uniform(0, jitter_s))
+            try:
+                await self.peer(engine_id, Endpoints())
+            except KvSidecarError as exc:
+                log.debug("pre-warm handshake with %r failed: %s", engine_id, exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._prewarms.add(task)
+        task.add_done_callback(self._prewarms.discard)
+
+    async def aclose(self) -> None:
+        """Cancel pre-warms still waiting or running."""
+        for task in tuple(self._prewarms):
+            task.cancel()
+        await asyncio.gather(*self._prewarms, return_exceptions=True)
+
+    def endpoints_for(self, remote_engine_id: str, given: Endpoints) -> Endpoints:
+        """``given`` when the request carries endpoints (they win), else discovery's (if any)."""
+        if given.given or self._discovered is None:
+            return given
+        return self._discovered(remote_engine_id)
+
     async def peer(self, remote_engine_id: str, endpoints: Endpoints) -> Peer:
-        """The ready peer, handshaking first if needed; concurrent callers share one handshake."""
+        """The ready peer, handshaking first if needed; concurrent callers share one handshake.
+        Without ``endpoints``, discovery's (if any), then the last handshake's are used."""
         check_id("remote_engine_id", remote_engine_id)
         local = self._local()
+        endpoints = self.endpoints_for(remote_engine_id, endpoints)
         peer = self._peers.peer(remote_engine_id)
         if peer is None:
             task = self._peers.pending(remote_engine_id)
@@ -65,6 +113,12 @@ class Handshakes:
         return peer
 
     async def _handshake(self, local: LocalEngine, engine_id: str, endpoints: Endpoints) -> Peer:
+        async with self.admission.slot():  # at most N at once per sidecar, the rest queue
+            return await self._handshake_now(local, engine_id, endpoints)
+
+    async def _handshake_now(
+        self, local: LocalEngine, engine_id: str, endpoints: Endpoints
+    ) -> Peer:
         started = time.perf_counter()
         try:
             fetched = await handshake.fetch(self._peers, local, engine_id, endpoints)

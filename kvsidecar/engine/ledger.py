@@ -163,7 +163,7 @@ class ProducerLedger:
         self._closed = _Recent(max_closed)  # ended holds: late notifications are stale at once
         self._deadlines = DeadlineHeap(self._current)  # of every hold and early entry
         self._n = _Counts()
-        self._log = RateLimited(logger)
+        self._log = RateLimited(logger)  # for _warn: peers trigger those at will
 
     # --- engine calls ---------------------------------------------------------------------------
 
@@ -200,7 +200,7 @@ class ProducerLedger:
         early = self._early.pop(request_id, None)
         if early is not None and early.token != token:
             self._n.wrong_token += len(early.consumers)
-            self._log.warning("request %r: early notifications named another token", request_id)
+            self._warn(request_id, "early notifications named another token")
         elif early is not None:
             self._n.early_matched += 1
             entry.consumers = early.consumers
@@ -263,13 +263,11 @@ class ProducerLedger:
         early = entry is None
         if entry is not None and entry.token != token:
             self._n.wrong_token += 1
-            self._log.warning(
-                "request %r: notification from %s with a wrong token", request_id, consumer
-            )
+            self._warn(request_id, "notification from %s with a wrong token", consumer)
             return NotificationOutcome.WRONG_TOKEN, None
         if entry is None and require_hold:
             self._n.unknown += 1
-            self._log.warning("request %r: notification from %s for no hold", request_id, consumer)
+            self._warn(request_id, "notification from %s for no hold", consumer)
             return NotificationOutcome.UNKNOWN, None
         if entry is None:
             entry = self._early.get(request_id)
@@ -290,7 +288,7 @@ class ProducerLedger:
         if entry.expected and expected_consumers != entry.expected:
             self._n.expected_mismatch += 1
             why = f"expected_consumers={expected_consumers} from {consumer}, was {entry.expected}"
-            logger.warning("request %r: %s; keeping the largest", request_id, why)
+            self._warn(request_id, "%s; keeping the largest", why)
         entry.expected = max(entry.expected, expected_consumers)
         entry.consumers.add(consumer)
         if early:
@@ -344,7 +342,7 @@ class ProducerLedger:
                 self._closed.add(request_id)
                 self._n.leases_expired += 1
                 out.append(entry.done(request_id, expired=True))
-                logger.warning("request %r: lease expired (%s)", request_id, out[-1])
+                self._warn(request_id, "lease expired (%s)", out[-1])
             else:
                 self._stale_early(request_id, self._early.pop(request_id), "no HOLD within TTL")
         return tuple(out)
@@ -374,12 +372,15 @@ class ProducerLedger:
         entry = self._holds.get(request_id) or self._early.get(request_id)
         return entry is not None and entry.deadline == deadline
 
+    def _warn(self, request_id: str, msg: str, *args: object) -> None:
+        self._log.warning("request %r: " + msg, request_id, *args, request_id=request_id)
+
     def _stale_one(self, request_id: str, why: str) -> tuple[NotificationOutcome, None]:
         self._n.stale_notifications += 1
-        self._log.warning("stale notification for request %r: %s", request_id, why)
+        self._warn(request_id, "stale notification: %s", why)
         return NotificationOutcome.STALE, None
 
     def _stale_early(self, request_id: str, entry: _Entry, why: str) -> None:
         self._n.stale_notifications += len(entry.consumers)
         why = f"{len(entry.consumers)} early notification(s) dropped: {why}"
-        self._log.warning("stale notification(s) for request %r: %s", request_id, why)
+        self._warn(request_id, "stale notification(s): %s", why)

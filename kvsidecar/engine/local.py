@@ -20,9 +20,25 @@ from kvsidecar.errors import GeometryError, MemoryImportError, NotFoundError
 from kvsidecar.memory import ImportedMemory, MemorySpec, import_memory
 from kvsidecar.plan import EngineGeometry
 from kvsidecar.plan.compat import PROTOCOL_VERSION, CompatItems, span_signature
+from kvsidecar.types import EngineRole
 from kvsidecar.wire.peer import AgentInfo, EngineDirectory
 
 log = logging.getLogger(__name__)
+
+
+def model_fingerprint(compat: CompatItems, geometry: EngineGeometry) -> str:
+    """Hex sha256 (first 32 digits) over the protocol version, compat items, view names and span
+    keys with their global units: what engines of one model share whatever their TP size and block
+    size (unit bytes scale with tokens per block, so they are left out)."""
+    h = hashlib.sha256()
+    h.update(f"protocol={PROTOCOL_VERSION}\n".encode())
+    for key, value in compat.items():
+        h.update(f"{key}={value}\n".encode())
+    for item in sorted(
+        f"{v.name}/{s.key}:{s.global_units}" for v in geometry.views for s in v.spans
+    ):
+        h.update(f"span={item}\n".encode())
+    return h.hexdigest()[:32]
 
 
 def compat_digest(compat: CompatItems, geometry: EngineGeometry) -> str:
@@ -47,6 +63,7 @@ class Registration:
     peer_endpoints: tuple[str, ...]
     compat: CompatItems
     takeover: bool = False  # replace a registration whose engine is still live
+    role: EngineRole = EngineRole.BOTH
 
     @property
     def engine_id(self) -> str:
@@ -91,6 +108,7 @@ class LocalEngine:
         self.registration = registration
         self.epoch = epoch
         self.digest = compat_digest(registration.compat, registration.geometry)
+        self.fingerprint = model_fingerprint(registration.compat, registration.geometry)
         self._imported = imported
         by_id = {mid: mem for mid, mem, _ in imported}
         self.view_bases: dict[str, tuple[int, int]] = {

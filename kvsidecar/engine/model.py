@@ -29,7 +29,8 @@ class CoreConfig:
     ``handshake_timeout_s``: bound on one call to a remote sidecar (all seconds).
     ``confirm_reads``: RECV_DONE only after the producer confirmed. ``tls``: ``None`` only when
     PeerService is explicitly configured insecure. ``max_queued_events``: events kept per queue
-    for an engine that does not read them (oldest dropped past it)."""
+    for an engine that does not read them (oldest dropped past it). ``handshake_concurrency``
+    and ``serve_handshake_concurrency``: admission control, per sidecar and per target."""
 
     lease_s: float
     read_deadline_s: float
@@ -38,6 +39,8 @@ class CoreConfig:
     confirm_reads: bool = True
     tls: PeerTls | None = None
     max_queued_events: int = 65536  # per event queue (Watch stream, Status buffer)
+    handshake_concurrency: int = 16  # handshakes this sidecar runs at once
+    serve_handshake_concurrency: int = 16  # GetAgent calls it serves to other sidecars at once
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from kvsidecar.engine.backend import DlistHandle, RemoteAgent, TransferBackend
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.peer_link import PeerLink
+from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.stats import DURATION_BUCKETS, Histogram, PeerStats
 from kvsidecar.errors import KvSidecarError, PeerUnavailableError
 from kvsidecar.plan import EngineGeometry, PeerPlan, RankPlan
@@ -91,6 +92,7 @@ class PeerRegistry:
         self._orphans: set[asyncio.Task[Peer]] = set()  # backend phases of abandoned handshakes
         self._handshakes = {"ok": 0, "error": 0}
         self._handshake_duration = Histogram(DURATION_BUCKETS)
+        self._log = RateLimited(log)  # a broken peer may fail every request's handshake
 
     def bind(self, local: LocalEngine | None) -> None:
         """Plan against ``local`` from now on. ``None`` first (no new handshakes start), then
@@ -173,13 +175,13 @@ class PeerRegistry:
         """A handshake got a definitive answer (bad input, unknown engine, incompatible): counted,
         no backoff (retrying would get the same answer at once)."""
         self._handshakes["error"] += 1
-        log.warning("handshake with %r refused: %s", engine_id, exc)
+        self._log.warning("handshake with %r refused: %s", engine_id, exc, peer=engine_id)
 
     def failed(self, engine_id: str, exc: KvSidecarError) -> None:
         """A handshake failed on the way (timeout, unreachable): counted, exponential backoff."""
         self._handshakes["error"] += 1
         self._back_off(engine_id, str(exc))
-        log.warning("handshake with %r failed: %s", engine_id, exc)
+        self._log.warning("handshake with %r failed: %s", engine_id, exc, peer=engine_id)
 
     def _back_off(self, engine_id: str, reason: str) -> None:
         known = self._known.setdefault(engine_id, _Known())
@@ -203,7 +205,8 @@ class PeerRegistry:
         await self.release(peer)
         for endpoint in peer.endpoints:
             await self.link.forget(endpoint)
-        log.warning("remote engine %r quarantined: %s", engine_id, reason)
+        msg = "remote engine %r quarantined: %s" if backoff else "remote engine %r invalidated: %s"
+        self._log.warning(msg, engine_id, reason, peer=engine_id)
 
     async def abandon_pending(self) -> None:
         """Cancel handshakes in progress and release what their backend phase built.

@@ -20,10 +20,11 @@ from kvsidecar.engine.confirm import Confirmer
 from kvsidecar.engine.guard import PeerGuard
 from kvsidecar.engine.peers import PeerRegistry
 from kvsidecar.engine.producer import Producer
+from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.transfers import TransferManager
 from kvsidecar.errors import KvSidecarError
 
-log = logging.getLogger(__name__)
+log = RateLimited(logging.getLogger(__name__))  # a bug may repeat per read or poll
 
 _BUSY_S, _HOLDS_S, _IDLE_S = 0.001, 0.01, 0.05
 

@@ -111,6 +111,8 @@ class Producer:
                     n.consumer_engine_id,
                     n.consumer_rank,
                     outcome.name,
+                    request_id=n.remote_request_id,
+                    peer=n.consumer_engine_id,
                 )
         return out
 

@@ -76,7 +76,12 @@ class Registrar:
                         f"engine {old.geometry.engine_id!r} (epoch {old.epoch}) is registered and "
                         "its Watch stream is open; set takeover to replace a live engine"
                     )
-                log.warning("engine %r taken over by a new registration", old.geometry.engine_id)
+                engine_id = old.geometry.engine_id
+                log.warning(
+                    "engine %r taken over by a new registration",
+                    engine_id,
+                    extra={"engine_id": engine_id},
+                )
             local = await LocalEngine.open(
                 registration,
                 epoch=self._epoch + 1,
@@ -102,6 +107,7 @@ class Registrar:
             local.epoch,
             len(g.views),
             local.registered_bytes,
+            extra={"engine_id": g.engine_id},
         )
         return local
 
@@ -111,10 +117,12 @@ class Registrar:
         async with self._lock:
             if self._local is None or (epoch is not None and epoch != self._local.epoch):
                 return
+            engine_id = self._local.geometry.engine_id
             log.warning(
                 "engine %r gone (%s): releasing its reads, holds and memory",
-                self._local.geometry.engine_id,
+                engine_id,
                 why,
+                extra={"engine_id": engine_id},
             )
             await self._drop(FailReason.ENGINE_GONE, why)
         await self._on_registered(False)
@@ -135,7 +143,8 @@ class Registrar:
             await self._transfers.fail_all(reason, why)
             dropped = self._producer.drop_all()
             if dropped:
-                log.info("dropped %d holds (%s)", dropped, why)
+                engine_id = local.geometry.engine_id if local is not None else None
+                log.info("dropped %d holds (%s)", dropped, why, extra={"engine_id": engine_id})
             await self._peers.release_all()
             if local is not None:
                 await local.aclose(self._backend)

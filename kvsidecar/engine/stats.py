@@ -12,6 +12,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvsidecar.engine.admission import AdmissionStats
 from kvsidecar.types import PeerState
 
 # Read durations span 100 µs (small local reads) to tens of seconds (deadline-bound reads).
@@ -190,6 +191,8 @@ class EngineStats:
     producer: ProducerStats
     peers: PeerStats
     sessions: SessionStats
+    handshake_admission: AdmissionStats  # handshakes this sidecar runs
+    serve_admission: AdmissionStats  # GetAgent calls it serves to other sidecars
     events_dropped: int  # events evicted from a full queue (the engine neither read nor polled)
     events_queued: int  # events waiting for the engine
     events_discarded: int  # events of an ended registration, never shown to the next one

@@ -23,6 +23,7 @@ from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers import Peer
+from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads import (
     REMEMBERED_IDS,
     InFlightRead,
@@ -46,7 +47,7 @@ from kvsidecar.plan import request_ids
 from kvsidecar.types import FailReason, ReadPosted, RecvDone, RecvFailed
 from kvsidecar.wire.peer import NotificationKind, Outcome
 
-log = logging.getLogger(__name__)
+log = RateLimited(logging.getLogger(__name__))  # per-request lines: rate-limited
 
 
 class ReadReport:
@@ -87,7 +88,7 @@ class ReadReport:
         unposted read wrote nothing, so those blocks do not hold the data either)."""
         label = reason.name.lower()
         self.failed[label] = self.failed.get(label, 0) + 1
-        log.warning("read %r failed: %s", cmd.request_id, message)
+        log.warning("read %r failed: %s", cmd.request_id, message, request_id=cmd.request_id)
         self._events.emit(
             RecvFailed(
                 request_id=cmd.request_id,
@@ -102,9 +103,9 @@ class ReadReport:
         self.done += 1
         self.bytes += read.bytes
         self.read_duration.observe(duration)
-        self._events.emit(
-            RecvDone(request_id=read.cmd.request_id, bytes=read.bytes, duration_s=duration)
-        )
+        rid = read.cmd.request_id
+        self._events.emit(RecvDone(request_id=rid, bytes=read.bytes, duration_s=duration))
+        log.debug("read %r done: %d bytes in %.6f s", rid, read.bytes, duration, request_id=rid)
 
 
 async def _post_reads(

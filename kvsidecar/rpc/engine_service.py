@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
@@ -38,14 +38,16 @@ from kvsidecar.limits import (
 )
 from kvsidecar.rpc.session import Session, liveness
 from kvsidecar.rpc.status import errors_to_status, status_for, status_message
-from kvsidecar.types import Drained
+from kvsidecar.types import DiscoveryInfo, Drained
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire.engine import (
+    discovery_to_proto,
     drained_to_proto,
     event_to_proto,
     plan_to_proto,
     read_posted_to_proto,
     registered_to_proto,
+    role_from_proto,
     status_to_proto,
 )
 from kvsidecar.wire.geometry import (
@@ -89,6 +91,7 @@ def _registration(request: engine_pb2.RegisterEngineRequest) -> Registration:
         peer_endpoints=tuple(request.peer_endpoints),
         compat=compat_from_proto(request.compat),
         takeover=request.takeover,
+        role=role_from_proto(request.role),
     )
     if registration.peer_endpoints and len(registration.peer_endpoints) != geometry.tp_size:
         raise InvalidArgumentError(
@@ -121,14 +124,19 @@ class Drainer(Protocol):
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    """RegisterEngine, Handshake, Plan, Read, ReadBatch, Notify, Status, Watch, Session and Drain.
+    """Every EngineService method: RegisterEngine, Handshake, Plan, Read, ReadBatch, Notify,
+    Status, Watch, Session, Drain and Peers.
 
     ``read_one``, ``read_batch`` and ``notify`` are Read, ReadBatch and Notify raising
     ``KvSidecarError`` (the unary handlers map it to a status, a Session to its reply)."""
 
-    def __init__(self, core: EngineCore, drainer: Drainer) -> None:
+    def __init__(
+        self, core: EngineCore, drainer: Drainer, discovery: Callable[[], DiscoveryInfo]
+    ) -> None:
+        """``discovery``: fleet discovery's state and engines now (the Peers RPC)."""
         self._core = core
         self._drainer = drainer
+        self._discovery = discovery
 
     @errors_to_status
     async def RegisterEngine(
@@ -246,6 +254,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.NotifyRequest, context: Any
     ) -> engine_pb2.NotifyResponse:
         return await self.notify(request)
+
+    @errors_to_status
+    async def Peers(
+        self, request: engine_pb2.PeersRequest, context: Any
+    ) -> engine_pb2.PeersResponse:
+        return discovery_to_proto(self._discovery())
 
     @errors_to_status
     async def Drain(

@@ -62,7 +62,10 @@ async def liveness(
     until the block exits (WatchBusyError if another stream holds it)."""
     local = core.local
     queue, binding = core.events.subscribe(local.epoch if local else None, wake=wake)
-    log.info("engine %s stream opened (epoch %s)", stream, binding.epoch)
+    engine_id = local.geometry.engine_id if local else None
+    log.info(
+        "engine %s stream opened (epoch %s)", stream, binding.epoch, extra={"engine_id": engine_id}
+    )
     clean = False
     try:
         yield queue, binding

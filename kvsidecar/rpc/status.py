@@ -16,8 +16,9 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from kvsidecar import errors
+from kvsidecar.engine.ratelog import RateLimited
 
-log = logging.getLogger(__name__)
+log = RateLimited(logging.getLogger(__name__))  # a bug may fail every call
 
 # Most specific first: the first matching base wins.
 _TABLE: tuple[tuple[type[errors.KvSidecarError], grpc.StatusCode], ...] = (

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvsidecar.client import (
     AsyncSidecarClient,
+    EngineRole,
     Event,
     PlanInfo,
     RecvDone,
@@ -176,6 +177,7 @@ class LocalCluster:
             model=f"toy-{self.shape.kind.value}",
             dtype=f"{self.shape.dtype_bytes}B",
             num_groups=self.shape.num_groups,
+            role=EngineRole.PRODUCER if rank.engine_id == PREFILL else EngineRole.CONSUMER,
         )
         rank.watcher = asyncio.get_running_loop().create_task(self._watch(rank))
 

@@ -1,11 +1,13 @@
-"""Human-readable and JSON views of a sidecar's Status (for ``kvsidecar status``)."""
+"""Human-readable and JSON views of a sidecar's Status and Peers (``kvsidecar status``,
+``kvsidecar peers``)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
-from kvsidecar.types import SidecarStatus
+from kvsidecar.types import DiscoveryInfo, SidecarStatus
 
 
 def status_dict(status: SidecarStatus) -> dict[str, Any]:
@@ -14,6 +16,56 @@ def status_dict(status: SidecarStatus) -> dict[str, Any]:
     out.pop("events")
     out["counters"] = dict(sorted(status.counters.items()))
     return out
+
+
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
+    """Left-aligned columns; the last one is not padded."""
+    rows = [header, *rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    return [
+        "  "
+        + "  ".join([*(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)), r[-1]]).rstrip()
+        for r in rows
+    ]
+
+
+def peers_dict(info: DiscoveryInfo) -> dict[str, Any]:
+    """Discovery's state and engines as plain JSON-able values."""
+    out = dataclasses.asdict(info)
+    out["state"] = info.state.value
+    for engine, e in zip(out["engines"], info.engines, strict=True):
+        engine["role"] = e.role.value
+        engine["peer_state"] = e.peer_state.value if e.peer_state is not None else None
+    return out
+
+
+def render_peers(info: DiscoveryInfo) -> str:
+    """A readable table of the engines in discovery, with this sidecar's peer state for each."""
+    lines = [
+        f"discovery {info.state.value}"
+        + (f" via etcd {info.etcd_endpoint}" if info.etcd_endpoint else "")
+        + f"  record {'published' if info.published else 'not published'}"
+        + f"  invalidations {info.invalidations}  errors {info.errors}",
+    ]
+    if info.last_error:
+        lines.append(f"last error  {info.last_error}")
+    if not info.engines:
+        lines.append("  (no engines)")
+        return "\n".join(lines)
+    rows = [
+        (
+            e.engine_id,
+            e.role.value,
+            str(e.tp_size),
+            str(e.epoch),
+            str(e.peer_state) if e.peer_state is not None else "-",
+            ",".join(x or "?" for x in e.endpoints),
+            e.last_error,
+        )
+        for e in info.engines
+    ]
+    header = ("ENGINE", "ROLE", "TP", "EPOCH", "STATE", "ENDPOINTS", "LAST ERROR")
+    return "\n".join([*lines, *_table(header, rows)])
 
 
 def render(status: SidecarStatus) -> str:
@@ -42,7 +94,7 @@ def render(status: SidecarStatus) -> str:
     lines.append("peers")
     if status.peers:
         header = ("ENGINE", "STATE", "TP", "EPOCH", "RANKS", "LAST ERROR")
-        rows = [header] + [
+        rows = [
             (
                 p.engine_id,
                 str(p.state),
@@ -53,10 +105,7 @@ def render(status: SidecarStatus) -> str:
             )
             for p in status.peers
         ]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
-        for row in rows:
-            cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
-            lines.append("  " + "  ".join([*cells, row[-1]]).rstrip())
+        lines += _table(header, rows)
     else:
         lines.append("  (none)")
     lines.append("counters")

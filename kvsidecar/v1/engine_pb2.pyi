@@ -20,6 +20,138 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _EngineRole:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EngineRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineRole.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ENGINE_ROLE_UNSPECIFIED: _EngineRole.ValueType  # 0
+    """produces and consumes"""
+    ENGINE_ROLE_PRODUCER: _EngineRole.ValueType  # 1
+    """prefill"""
+    ENGINE_ROLE_CONSUMER: _EngineRole.ValueType  # 2
+    """decode"""
+    ENGINE_ROLE_BOTH: _EngineRole.ValueType  # 3
+
+class EngineRole(_EngineRole, metaclass=_EngineRoleEnumTypeWrapper): ...
+
+ENGINE_ROLE_UNSPECIFIED: EngineRole.ValueType  # 0
+"""produces and consumes"""
+ENGINE_ROLE_PRODUCER: EngineRole.ValueType  # 1
+"""prefill"""
+ENGINE_ROLE_CONSUMER: EngineRole.ValueType  # 2
+"""decode"""
+ENGINE_ROLE_BOTH: EngineRole.ValueType  # 3
+Global___EngineRole: _TypeAlias = EngineRole  # noqa: Y015
+
+@_typing.final
+class PeersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeersRequest: _TypeAlias = PeersRequest  # noqa: Y015
+
+@_typing.final
+class DiscoveredEngine(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    TP_SIZE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
+    PEER_STATE_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    role: Global___EngineRole.ValueType
+    tp_size: _builtins.int
+    epoch: _builtins.int
+    """The newest epoch among its ranks' records."""
+    peer_state: _builtins.str
+    """This sidecar's peer for it: "ready", "handshaking", "quarantined"; "" when not connected."""
+    last_error: _builtins.str
+    """Of the last failed handshake or transfer with it."""
+    model_fingerprint: _builtins.str
+    """Model and KV layout, independent of TP size and block size."""
+    @_builtins.property
+    def endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """PeerService address per rank, in rank order ("" for a rank without a record)."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        role: Global___EngineRole.ValueType = ...,
+        tp_size: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+        endpoints: _abc.Iterable[_builtins.str] | None = ...,
+        peer_state: _builtins.str = ...,
+        last_error: _builtins.str = ...,
+        model_fingerprint: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "engine_id", b"engine_id", "epoch", b"epoch", "last_error", b"last_error", "model_fingerprint", b"model_fingerprint", "peer_state", b"peer_state", "role", b"role", "tp_size", b"tp_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DiscoveredEngine: _TypeAlias = DiscoveredEngine  # noqa: Y015
+
+@_typing.final
+class PeersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DISCOVERY_STATE_FIELD_NUMBER: _builtins.int
+    ETCD_ENDPOINT_FIELD_NUMBER: _builtins.int
+    PUBLISHED_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    INVALIDATIONS_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    discovery_state: _builtins.str
+    """"static" (no discovery), "connecting", "ok" or "degraded" (etcd unreachable: endpoints in
+    requests still work).
+    """
+    etcd_endpoint: _builtins.str
+    """The etcd member in use."""
+    published: _builtins.bool
+    """This sidecar's own record is in etcd."""
+    errors: _builtins.int
+    """Failed attempts to reach or use etcd."""
+    last_error: _builtins.str
+    invalidations: _builtins.int
+    """Peers invalidated because a record changed epoch or went away."""
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___DiscoveredEngine]: ...
+    def __init__(
+        self,
+        *,
+        discovery_state: _builtins.str = ...,
+        etcd_endpoint: _builtins.str = ...,
+        published: _builtins.bool = ...,
+        errors: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+        invalidations: _builtins.int = ...,
+        engines: _abc.Iterable[Global___DiscoveredEngine] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["discovery_state", b"discovery_state", "engines", b"engines", "errors", b"errors", "etcd_endpoint", b"etcd_endpoint", "invalidations", b"invalidations", "last_error", b"last_error", "published", b"published"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeersResponse: _TypeAlias = PeersResponse  # noqa: Y015
+
 @_typing.final
 class DrainRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -192,6 +324,7 @@ class RegisterEngineRequest(_message.Message):
     COMPAT_FIELD_NUMBER: _builtins.int
     NUM_GROUPS_FIELD_NUMBER: _builtins.int
     TAKEOVER_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Engine identity, the same on every rank of the engine.
     Non-empty, at most 1024 characters.
@@ -208,6 +341,10 @@ class RegisterEngineRequest(_message.Message):
     RegisterEngine is refused with FAILED_PRECONDITION: a second process that can reach the socket
     must not silently take over a live engine's identity. A restarted engine (whose old stream
     dropped) needs no flag.
+    """
+    role: Global___EngineRole.ValueType
+    """What the engine does with KV caches; fleet discovery publishes it (and pre-warms handshakes
+    only between engines that pair). Unspecified = both.
     """
     @_builtins.property
     def views(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.View]:
@@ -237,10 +374,11 @@ class RegisterEngineRequest(_message.Message):
         compat: _geometry_pb2.Compat | None = ...,
         num_groups: _builtins.int = ...,
         takeover: _builtins.bool = ...,
+        role: Global___EngineRole.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "engine_id", b"engine_id", "memories", b"memories", "num_groups", b"num_groups", "peer_endpoints", b"peer_endpoints", "takeover", b"takeover", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "engine_id", b"engine_id", "memories", b"memories", "num_groups", b"num_groups", "peer_endpoints", b"peer_endpoints", "role", b"role", "takeover", b"takeover", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

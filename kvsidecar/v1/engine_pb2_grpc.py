@@ -89,6 +89,11 @@ class EngineServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Peers = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/Peers',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.PeersRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.PeersResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -195,6 +200,14 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Peers(self, request, context):
+        """Fleet discovery: its state and every engine it knows (etcd records), each with this sidecar's
+        peer state and last error (`kvsidecar peers`). State "static" and no engines without it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +260,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.DrainRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_engine__pb2.DrainResponse.SerializeToString,
+            ),
+            'Peers': grpc.unary_unary_rpc_method_handler(
+                    servicer.Peers,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.PeersRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.PeersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -524,6 +542,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/Drain',
             kvsidecar_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
             kvsidecar_dot_v1_dot_engine__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Peers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/Peers',
+            kvsidecar_dot_v1_dot_engine__pb2.PeersRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.PeersResponse.FromString,
             options,
             channel_credentials,
             insecure,

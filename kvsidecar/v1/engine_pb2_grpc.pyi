@@ -90,6 +90,10 @@ class EngineServiceStub:
     engine's registration and stream stay. SIGTERM drains the same way (with grace_period_s),
     then exits. resume ends a drain: new work is accepted and readiness follows the engine again.
     """
+    Peers: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PeersRequest, _engine_pb2.PeersResponse]
+    """Fleet discovery: its state and every engine it knows (etcd records), each with this sidecar's
+    peer state and last error (`kvsidecar peers`). State "static" and no engines without it.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -152,6 +156,10 @@ class EngineServiceAsyncStub(EngineServiceStub):
     holds complete. Returns once nothing is in flight or held, or when grace_s has passed. The
     engine's registration and stream stay. SIGTERM drains the same way (with grace_period_s),
     then exits. resume ends a drain: new work is accepted and readiness follows the engine again.
+    """
+    Peers: _aio.UnaryUnaryMultiCallable[_engine_pb2.PeersRequest, _engine_pb2.PeersResponse]  # type: ignore[assignment]
+    """Fleet discovery: its state and every engine it knows (etcd records), each with this sidecar's
+    peer state and last error (`kvsidecar peers`). State "static" and no engines without it.
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -272,6 +280,16 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         holds complete. Returns once nothing is in flight or held, or when grace_s has passed. The
         engine's registration and stream stay. SIGTERM drains the same way (with grace_period_s),
         then exits. resume ends a drain: new work is accepted and readiness follows the engine again.
+        """
+
+    @_abc_1.abstractmethod
+    def Peers(
+        self,
+        request: _engine_pb2.PeersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.PeersResponse, _abc.Awaitable[_engine_pb2.PeersResponse]]:
+        """Fleet discovery: its state and every engine it knows (etcd records), each with this sidecar's
+        peer state and last error (`kvsidecar peers`). State "static" and no engines without it.
         """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

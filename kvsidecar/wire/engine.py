@@ -6,9 +6,14 @@ agree by construction (a round-trip test checks it).
 
 from __future__ import annotations
 
+from kvsidecar.errors import InvalidArgumentError
 from kvsidecar.plan import PeerPlan
 from kvsidecar.types import (
+    DiscoveredEngine,
+    DiscoveryInfo,
+    DiscoveryState,
     Drained,
+    EngineRole,
     Event,
     FailReason,
     PeerInfo,
@@ -26,6 +31,8 @@ from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.geometry import block_ids_to_proto
 
 __all__ = [
+    "discovery_from_proto",
+    "discovery_to_proto",
     "drained_from_proto",
     "drained_to_proto",
     "event_from_proto",
@@ -36,6 +43,8 @@ __all__ = [
     "read_posted_to_proto",
     "registered_from_proto",
     "registered_to_proto",
+    "role_from_proto",
+    "role_to_proto",
     "status_from_proto",
     "status_to_proto",
 ]
@@ -269,4 +278,77 @@ def drained_from_proto(pb: engine_pb2.DrainResponse) -> Drained:
         reads_in_flight=pb.reads_in_flight,
         holds_active=pb.holds_active,
         draining=pb.draining,
+    )
+
+
+_ROLES: dict[int, EngineRole] = {
+    engine_pb2.ENGINE_ROLE_UNSPECIFIED: EngineRole.BOTH,
+    engine_pb2.ENGINE_ROLE_BOTH: EngineRole.BOTH,
+    engine_pb2.ENGINE_ROLE_PRODUCER: EngineRole.PRODUCER,
+    engine_pb2.ENGINE_ROLE_CONSUMER: EngineRole.CONSUMER,
+}
+_ROLE_NUMBERS = {
+    EngineRole.BOTH: engine_pb2.ENGINE_ROLE_BOTH,
+    EngineRole.PRODUCER: engine_pb2.ENGINE_ROLE_PRODUCER,
+    EngineRole.CONSUMER: engine_pb2.ENGINE_ROLE_CONSUMER,
+}
+
+
+def role_from_proto(value: int) -> EngineRole:
+    """RegisterEngineRequest.role (an unknown number is INVALID_ARGUMENT)."""
+    role = _ROLES.get(int(value))
+    if role is None:
+        raise InvalidArgumentError(f"role={value} is not an EngineRole")
+    return role
+
+
+def role_to_proto(role: EngineRole) -> engine_pb2.EngineRole.ValueType:
+    return _ROLE_NUMBERS[role]
+
+
+def discovery_to_proto(info: DiscoveryInfo) -> engine_pb2.PeersResponse:
+    return engine_pb2.PeersResponse(
+        discovery_state=info.state.value,
+        etcd_endpoint=info.etcd_endpoint,
+        published=info.published,
+        errors=info.errors,
+        last_error=info.last_error,
+        invalidations=info.invalidations,
+        engines=[
+            engine_pb2.DiscoveredEngine(
+                engine_id=e.engine_id,
+                role=role_to_proto(e.role),
+                tp_size=e.tp_size,
+                epoch=e.epoch,
+                endpoints=list(e.endpoints),
+                peer_state=e.peer_state.value if e.peer_state is not None else "",
+                last_error=e.last_error,
+                model_fingerprint=e.model_fingerprint,
+            )
+            for e in info.engines
+        ],
+    )
+
+
+def discovery_from_proto(pb: engine_pb2.PeersResponse) -> DiscoveryInfo:
+    return DiscoveryInfo(
+        state=DiscoveryState(pb.discovery_state),
+        etcd_endpoint=pb.etcd_endpoint,
+        published=pb.published,
+        errors=pb.errors,
+        invalidations=pb.invalidations,
+        last_error=pb.last_error,
+        engines=tuple(
+            DiscoveredEngine(
+                engine_id=e.engine_id,
+                role=role_from_proto(e.role),
+                tp_size=e.tp_size,
+                epoch=e.epoch,
+                endpoints=tuple(e.endpoints),
+                model_fingerprint=e.model_fingerprint,
+                peer_state=PeerState(e.peer_state) if e.peer_state else None,
+                last_error=e.last_error,
+            )
+            for e in pb.engines
+        ),
     )
