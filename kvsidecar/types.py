@@ -173,9 +173,9 @@ class EngineRole(enum.Enum):
     PRODUCER = "producer"  #: prefill
     CONSUMER = "consumer"  #: decode
 
-    def pairs_with(self, other: EngineRole) -> bool:
-        """Whether engines of these two roles move KV caches between them."""
-        return EngineRole.BOTH in (self, other) or self is not other
+    def reads_from(self, other: EngineRole) -> bool:
+        """Whether an engine of this role reads KV caches from one of ``other``'s."""
+        return self is not EngineRole.PRODUCER and other is not EngineRole.CONSUMER
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

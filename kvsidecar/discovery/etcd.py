@@ -64,7 +64,7 @@ class EtcdDiscovery:
         on_change: OnChange,
         on_appear: Callable[[str], None] | None = None,
     ) -> None:
-        """``on_appear``: told of each engine that pairs with this one (role and model
+        """``on_appear``: told of each engine this one reads from (by role, with the same model
         fingerprint) as it appears, or as this engine registers (pre-warm handshakes)."""
         self._config = config
         self._on_change = on_change
@@ -108,14 +108,14 @@ class EtcdDiscovery:
                 self._appeared(engine_id)
 
     def _appeared(self, engine_id: str) -> None:
-        """Pre-warm ``engine_id`` if it pairs with the registered engine."""
+        """Pre-warm ``engine_id`` if the registered engine reads from it."""
         mine = self._record
         if self._on_appear is None or mine is None or engine_id == mine.engine_id:
             return
         theirs = next((r for (eid, _), r in self._cache.items() if eid == engine_id), None)
         if (
             theirs is not None
-            and mine.role.pairs_with(theirs.role)
+            and mine.role.reads_from(theirs.role)
             and mine.model_fingerprint == theirs.model_fingerprint
         ):
             self._on_appear(engine_id)

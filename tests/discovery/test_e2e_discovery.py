@@ -138,3 +138,24 @@ async def test_read_by_engine_id_restart_seen_at_once_and_etcd_outage(
                 timeout_s=30,
             )
             assert info.errors >= 1
+
+
+async def test_prewarm_handshakes_with_producers_as_they_appear(
+    local_cluster: ClusterFactory, etcd: EtcdServer
+) -> None:
+    """With discovery_prewarm the consumer handshakes with the producer as soon as discovery
+    shows it (no Read yet); the producer, which reads from nobody, does not handshake back."""
+    args = (*_args(etcd), "--discovery-prewarm", "--prewarm-jitter-s", "0.2")
+    async with local_cluster(SHAPE, 1, 1, sidecar_args=args) as cluster:
+        producer, consumer = cluster.prefill[0], cluster.decode[0]
+        info = await _peers_until(
+            consumer,
+            lambda i: any(
+                e.engine_id == PREFILL and e.peer_state is PeerState.READY for e in i.engines
+            ),
+        )
+        assert info.state is DiscoveryState.OK
+        assert producer.client is not None
+        assert not (await producer.client.status()).peers
+        pids, dids = request_ids(SHAPE, [3], [5])
+        await _read_by_id(cluster, "warm", pids, dids)
