@@ -201,7 +201,14 @@ def test_no_module_over_400_lines_and_no_class_over_250() -> None:
 
 
 def test_settings_read_only_at_the_edge() -> None:
-    edge = {PACKAGE / "cli.py", PACKAGE / "server.py", PACKAGE / "settings.py"}
+    # bench_handshakes composes many Sidecars in one process (a fleet of real NIXL agents that
+    # would not fit as processes), so it builds their Settings as the CLI does.
+    edge = {
+        PACKAGE / "cli.py",
+        PACKAGE / "server.py",
+        PACKAGE / "settings.py",
+        PACKAGE / "tools" / "bench_handshakes.py",
+    }
     for path in _sources():
         if path in edge:
             continue

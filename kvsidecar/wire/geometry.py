@@ -7,6 +7,8 @@ whether a geometry fits its memory or another engine is the daemon's business.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -98,6 +100,13 @@ def view_from_proto(pb: geometry_pb2.View) -> View:
     )
 
 
+# Parsed views, shared between geometries whose views are byte-identical: a fleet of engines of one
+# model and TP size sends the same views from every rank, and a sidecar that knows 1,000 remote
+# engines then keeps one copy (View/Span objects are frozen; about 64 KB per copy for 160 views).
+_SHARED_VIEW_SETS = 64
+_VIEWS: collections.OrderedDict[bytes, tuple[View, ...]] = collections.OrderedDict()
+
+
 def geometry_from_proto(
     *,
     engine_id: str,
@@ -110,6 +119,19 @@ def geometry_from_proto(
     (views, spans, TP). Sizes past ``kvsidecar.limits`` are refused (InvalidArgumentError) before
     anything is built."""
     check_geometry_bounds(engine_id, tp_size, num_groups, views)
+    key = hashlib.blake2b(
+        b"".join(pb.SerializeToString(deterministic=True) for pb in views), digest_size=16
+    ).digest()
+    shared = _VIEWS.get(key)
+    if shared is not None:
+        _VIEWS.move_to_end(key)
+        return EngineGeometry(
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            num_groups=num_groups or 1,
+            views=shared,
+        )
     problems: list[str] = []
     parsed: list[View] = []
     for i, pb in enumerate(views):
@@ -121,13 +143,17 @@ def geometry_from_proto(
             problems.append(f"views[{i}] ({pb.name!r}): {exc}")
     if problems:
         raise GeometryError(problems)
-    return EngineGeometry(
+    geometry = EngineGeometry(
         engine_id=engine_id,
         tp_rank=tp_rank,
         tp_size=tp_size,
         num_groups=num_groups or 1,
         views=tuple(parsed),
     )
+    _VIEWS[key] = geometry.views  # only views that made a valid geometry are shared
+    if len(_VIEWS) > _SHARED_VIEW_SETS:
+        _VIEWS.popitem(last=False)
+    return geometry
 
 
 def check_geometry_bounds(

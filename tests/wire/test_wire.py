@@ -198,6 +198,23 @@ def test_bad_geometry_memory_and_ids_name_the_field() -> None:
         )
 
 
+def test_identical_views_are_parsed_once_and_shared() -> None:
+    """A sidecar that knows many engines of one model keeps one copy of their views; a geometry
+    that fails validation shares nothing, and a different one gets its own."""
+    views = [view_to_proto(v) for v in VIEWS]
+    a = geometry_from_proto(engine_id="a", tp_rank=0, tp_size=2, num_groups=0, views=views)
+    b = geometry_from_proto(engine_id="b", tp_rank=1, tp_size=2, num_groups=0, views=views)
+    assert a.views is b.views
+    assert (a.engine_id, b.engine_id, b.tp_rank) == ("a", "b", 1)
+    with pytest.raises(GeometryError):  # TP checks still run on shared views
+        geometry_from_proto(engine_id="c", tp_rank=2, tp_size=2, num_groups=0, views=views)
+    other = view_to_proto(VIEWS[0])
+    other.name = "layers.other"
+    c = geometry_from_proto(engine_id="c", tp_rank=0, tp_size=2, num_groups=0, views=[other])
+    assert c.views is not a.views
+    assert c.views[0].name == "layers.other"
+
+
 def test_agent_info_and_directory_round_trip() -> None:
     geometry = EngineGeometry(engine_id="p", tp_rank=1, tp_size=2, views=VIEWS)
     info = AgentInfo(
