@@ -71,8 +71,7 @@ def _tls_files(s: Settings) -> PeerTlsFiles | None:
 
 
 def _discovery(s: Settings, core: Callable[[], EngineCore | None]) -> Discovery:
-    """The configured discovery, telling ``core()`` (once it exists) of remote engine ranks that
-    changed and, with ``discovery_prewarm``, of engines to pre-warm."""
+    """The configured discovery; it tells ``core()`` of remote changes and engines to pre-warm."""
     if s.discovery is DiscoveryKind.STATIC:
         return StaticDiscovery()
 
@@ -356,7 +355,6 @@ class Sidecar:
 async def run(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT; drain with the grace period; a second signal forces. Exit code."""
     sidecar = Sidecar(settings)
-    await sidecar.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     force = asyncio.Event()
@@ -380,6 +378,8 @@ async def run(settings: Settings) -> int:
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     try:
+        # Handlers first: an orchestrator may signal the moment the ready file appears.
+        await sidecar.start()
         await stop.wait()
         started = time.monotonic()
         graceful = asyncio.ensure_future(sidecar.stop(settings.grace_period_s))

@@ -263,3 +263,29 @@ def test_status_command_shows_a_running_sidecar(tmp_path: Path) -> None:
         if memory is not None:
             memory.close()
             memory.unlink()
+
+
+def test_sigterm_right_after_the_ready_file_is_a_clean_shutdown(tmp_path: Path) -> None:
+    """An orchestrator may signal the moment the ready file appears: the signal handlers are
+    installed before anything is served, so that SIGTERM drains and exits 0 (it used to kill the
+    process with 143 when it fell between the ready file and the handlers)."""
+    script = (
+        "import os, signal, sys\n"
+        "from kvsidecar import cli, server\n"
+        "start = server.Sidecar.start\n"
+        "async def start_then_signal(self):\n"
+        "    addresses = await start(self)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # as soon as the ready file is there\n"
+        "    return addresses\n"
+        "server.Sidecar.start = start_then_signal\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [KVSIDECAR[0], "-c", script, "serve", *default_args(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "shutting down" in proc.stderr
