@@ -376,10 +376,10 @@ async def run(settings: Settings) -> int:
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
-    loop.add_signal_handler(signal.SIGHUP, on_hup)
     try:
-        # Handlers first: an orchestrator may signal the moment the ready file appears.
+        # TERM/INT before start (one may come with the ready file); HUP after (UCX's init takes it)
         await sidecar.start()
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
         await stop.wait()
         started = time.monotonic()
         graceful = asyncio.ensure_future(sidecar.stop(settings.grace_period_s))
