@@ -71,7 +71,7 @@ class EtcdDiscovery:
         self._on_appear = on_appear
         self._client = EtcdClient(config.endpoints, tls=config.tls, timeout_s=config.timeout_s)
         self._prefix = engines_prefix(config.prefix)
-        self._cache: dict[tuple[str, int], EngineRecord] = {}
+        self._cache: dict[str, dict[int, EngineRecord]] = {}  # engine id -> rank -> record
         self._record: EngineRecord | None = None
         self._published: bytes | None = None  # the key this sidecar's record is under now
         self._dirty = asyncio.Event()
@@ -104,7 +104,7 @@ class EtcdDiscovery:
         self._record = record
         self._dirty.set()
         if fresh:
-            for engine_id in sorted({eid for eid, _ in self._cache}):
+            for engine_id in sorted(self._cache):
                 self._appeared(engine_id)
 
     def _appeared(self, engine_id: str) -> None:
@@ -112,7 +112,7 @@ class EtcdDiscovery:
         mine = self._record
         if self._on_appear is None or mine is None or engine_id == mine.engine_id:
             return
-        theirs = next((r for (eid, _), r in self._cache.items() if eid == engine_id), None)
+        theirs = next(iter(self._cache.get(engine_id, {}).values()), None)
         if (
             theirs is not None
             and mine.role.reads_from(theirs.role)
@@ -121,16 +121,20 @@ class EtcdDiscovery:
             self._on_appear(engine_id)
 
     def endpoints(self, engine_id: str) -> Endpoints:
-        ranks = [r for (eid, _), r in sorted(self._cache.items()) if eid == engine_id]
+        ranks = self._cache.get(engine_id, {}).values()
         return endpoints_of(sorted(ranks, key=lambda r: (r.epoch, r.tp_rank)))
 
     def records(self) -> tuple[EngineRecord, ...]:
-        return tuple(record for _, record in sorted(self._cache.items()))
+        return tuple(
+            record
+            for _, ranks in sorted(self._cache.items())
+            for _, record in sorted(ranks.items())
+        )
 
     def stats(self) -> DiscoveryStats:
         return DiscoveryStats(
             state=self._state,
-            engines=len({eid for eid, _ in self._cache}),
+            engines=len(self._cache),
             published=self._published is not None,
             invalidations=self._invalidations,
             errors=self._errors,
@@ -223,11 +227,9 @@ class EtcdDiscovery:
         seen: set[tuple[str, int]] = set()
         for kv in kvs:
             seen.update(await self._apply(kv.key, kv.value))
-        for gone in [k for k in self._cache if k not in seen]:
-            await self._apply(self._key(*gone), None)
-
-    def _key(self, engine_id: str, tp_rank: int) -> bytes:
-        return record_key(self._config.prefix, engine_id, tp_rank)
+        gone = [(e, r) for e, ranks in self._cache.items() for r in ranks if (e, r) not in seen]
+        for where in gone:
+            await self._update(where, None)
 
     async def _apply(self, key: bytes, value: bytes | None) -> tuple[tuple[str, int], ...]:
         """Take one key's new value (``None``: deleted); the (engine, rank) it is, if valid."""
@@ -240,19 +242,26 @@ class EtcdDiscovery:
             self._bad += 1
             log.debug("skipping discovery key %r: %s", key, exc)
             return ()
-        old = self._cache.pop(where, None)
+        await self._update(where, record)
+        return (where,)
+
+    async def _update(self, where: tuple[str, int], record: EngineRecord | None) -> None:
+        """Cache ``record`` as rank ``where`` (``None``: gone) and report what that changes."""
+        ranks = self._cache.setdefault(where[0], {})
+        old = ranks.pop(where[1], None)
         if record is not None:
-            self._cache[where] = record
+            ranks[where[1]] = record
+        elif not ranks:
+            del self._cache[where[0]]
         mine = self._record
         if mine is not None and where[0] == mine.engine_id:
-            return (where,)
+            return
         if record is None and old is not None:
             await self._report(where, None)
         elif record is not None and (old is None or old.epoch != record.epoch):
             await self._report(where, record.epoch)
             if where[1] == 0:
                 self._appeared(where[0])
-        return (where,)
 
     async def _report(self, where: tuple[str, int], epoch: int | None) -> None:
         try:

@@ -309,10 +309,12 @@ async def transfer(
     hold: bool = True,
     token: str | None = None,
     timeout_s: float = 30.0,
+    by_engine_id: bool = False,
 ) -> TransferResult:
     """One request end to end; raises on any failure or byte mismatch. The producer holds the
     blocks under one token on every rank (as a TP engine does; ``token``: a new random one unless
-    given, e.g. for a request the caller held) and the consumer reads with it."""
+    given, e.g. for a request the caller held) and the consumer reads with it. ``by_engine_id``:
+    the Reads carry no endpoints (fleet discovery supplies them)."""
     sends = [r.expect(request_id) for r in cluster.prefill] if hold else []
     token = token or secrets.token_urlsafe(24)
     if hold:
@@ -331,7 +333,7 @@ async def transfer(
             remote_request_id=request_id,
             local_block_ids=decode_ids,
             remote_block_ids=prefill_ids,
-            endpoints=cluster.prefill_endpoints,
+            endpoints=() if by_engine_id else cluster.prefill_endpoints,
             token=token,
         )
     latencies = []

@@ -4,11 +4,20 @@ engine socket. Each returns the process exit code (0 success, 1 failure)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+from kvsidecar.client import SidecarClient
+from kvsidecar.errors import KvSidecarError
+from kvsidecar.tools.status_view import peers_dict, render, render_peers, status_dict
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
+
+T = TypeVar("T")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -17,31 +26,27 @@ def run(args: argparse.Namespace) -> int:
     return commands[args.command](args)
 
 
-def _status(args: argparse.Namespace) -> int:
-    from kvsidecar.client import SidecarClient
-    from kvsidecar.errors import KvSidecarError
-    from kvsidecar.tools.status_view import render, status_dict
-
+def _ask(args: argparse.Namespace, what: str, call: Callable[[SidecarClient], T]) -> T | None:
+    """``call`` on a client of ``args.socket``; ``None`` (the error printed) if it fails."""
     try:
-        with SidecarClient(args.socket, timeout_s=args.timeout_s) as client:
-            status = client.status()
+        with SidecarClient(args.socket, timeout_s=getattr(args, "timeout_s", 10.0)) as client:
+            return call(client)
     except KvSidecarError as exc:
-        print(f"kvsidecar: cannot read status from {args.socket}: {exc}", file=sys.stderr)
+        print(f"kvsidecar: cannot {what} {args.socket}: {exc}", file=sys.stderr)
+        return None
+
+
+def _status(args: argparse.Namespace) -> int:
+    status = _ask(args, "read status from", lambda c: c.status())
+    if status is None:
         return EXIT_FAILURE
     print(json.dumps(status_dict(status), indent=2) if args.json else render(status))
     return EXIT_OK
 
 
 def _peers(args: argparse.Namespace) -> int:
-    from kvsidecar.client import SidecarClient
-    from kvsidecar.errors import KvSidecarError
-    from kvsidecar.tools.status_view import peers_dict, render_peers
-
-    try:
-        with SidecarClient(args.socket, timeout_s=10.0) as client:
-            info = client.peers()
-    except KvSidecarError as exc:
-        print(f"kvsidecar: cannot list peers of {args.socket}: {exc}", file=sys.stderr)
+    info = _ask(args, "list peers of", lambda c: c.peers())
+    if info is None:
         return EXIT_FAILURE
     print(json.dumps(peers_dict(info), indent=2) if args.json else render_peers(info))
     return EXIT_OK
@@ -49,26 +54,11 @@ def _peers(args: argparse.Namespace) -> int:
 
 def _drain(args: argparse.Namespace) -> int:
     """Exit 0 once drained (or resumed), 1 when work was left at the grace period or on error."""
-    from kvsidecar.client import SidecarClient
-    from kvsidecar.errors import KvSidecarError
-
-    try:
-        with SidecarClient(args.socket, timeout_s=10.0) as client:
-            d = client.drain(args.grace_s, resume=args.resume)
-    except KvSidecarError as exc:
-        print(f"kvsidecar: cannot drain {args.socket}: {exc}", file=sys.stderr)
+    d = _ask(args, "drain", lambda c: c.drain(args.grace_s, resume=args.resume))
+    if d is None:
         return EXIT_FAILURE
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "drained": d.drained,
-                    "draining": d.draining,
-                    "reads_in_flight": d.reads_in_flight,
-                    "holds_active": d.holds_active,
-                }
-            )
-        )
+        print(json.dumps(dataclasses.asdict(d)))
     elif args.resume:
         print("resumed: accepting new work")
     elif d.drained:

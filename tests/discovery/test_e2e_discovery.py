@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import pytest
 
-from kvsidecar.client import DiscoveryInfo, DiscoveryState, EngineRole, PeerState, RecvDone
+from kvsidecar.client import DiscoveryInfo, DiscoveryState, EngineRole, PeerState
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import DECODE, PREFILL, LocalCluster, Rank, request_ids, transfer
+from kvsidecar.testing.cluster import DECODE, PREFILL, Rank, request_ids, transfer
 from tests.discovery.etcd_server import EtcdServer
 from tests.e2e.conftest import ClusterFactory
 from tests.e2e.test_e2e_lifecycle import _readyz
@@ -48,36 +48,6 @@ def _knows(engine_id: str, epoch: int = 0) -> Callable[[DiscoveryInfo], bool]:
     )
 
 
-async def _read_by_id(
-    cluster: LocalCluster, rid: str, pids: list[list[int]], dids: list[list[int]]
-) -> None:
-    """The consumer reads with no endpoints at all: discovery supplies them."""
-    producer, consumer = cluster.prefill[0], cluster.decode[0]
-    assert producer.client is not None
-    assert consumer.client is not None
-    token = await producer.client.hold(rid, block_ids=pids)
-    done = consumer.expect(f"{rid}@decode")
-    await consumer.client.read(
-        f"{rid}@decode",
-        remote_engine_id=PREFILL,
-        remote_request_id=rid,
-        local_block_ids=dids,
-        remote_block_ids=pids,
-        token=token,
-    )
-    event = await asyncio.wait_for(done, 15)
-    assert isinstance(event, RecvDone), event
-    assert toy.verify(
-        consumer.memory.array,
-        consumer.views,
-        tp_size=1,
-        rank=0,
-        seed=cluster.seed,
-        local_ids=dids,
-        remote_ids=pids,
-    )
-
-
 async def test_read_by_engine_id_restart_seen_at_once_and_etcd_outage(
     local_cluster: ClusterFactory, etcd: EtcdServer
 ) -> None:
@@ -96,7 +66,8 @@ async def test_read_by_engine_id_restart_seen_at_once_and_etcd_outage(
 
         # 1. By engine id only.
         pids, dids = request_ids(SHAPE, [1, 2, 3], [4, 5, 6])
-        await _read_by_id(cluster, "by-id", pids, dids)
+        done = await transfer(cluster, "by-id", pids, dids, by_engine_id=True)
+        assert done.bytes_verified == done.bytes_read > 0
         before = await _peers_until(
             consumer, lambda i: any(e.peer_state is PeerState.READY for e in i.engines)
         )
@@ -118,7 +89,8 @@ async def test_read_by_engine_id_restart_seen_at_once_and_etcd_outage(
         assert invalidated_s < 1.0
         assert next(e.epoch for e in after.engines if e.engine_id == PREFILL) > old_epoch
         pids, dids = request_ids(SHAPE, [7, 8], [9, 10])
-        await _read_by_id(cluster, "after-restart", pids, dids)
+        done = await transfer(cluster, "after-restart", pids, dids, by_engine_id=True)
+        assert done.bytes_verified == done.bytes_read > 0
 
         # 3. etcd goes away: endpoints in requests still work; discovery degraded, still ready.
         etcd.stop()
@@ -158,4 +130,5 @@ async def test_prewarm_handshakes_with_producers_as_they_appear(
         assert producer.client is not None
         assert not (await producer.client.status()).peers
         pids, dids = request_ids(SHAPE, [3], [5])
-        await _read_by_id(cluster, "warm", pids, dids)
+        done = await transfer(cluster, "warm", pids, dids, by_engine_id=True)
+        assert done.bytes_verified == done.bytes_read > 0

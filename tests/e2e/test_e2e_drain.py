@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvsidecar import errors
-from kvsidecar.client import RecvDone, SendDone
+from kvsidecar.client import SendDone
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import PREFILL, LocalCluster, Rank, request_ids, transfer
 from tests.e2e.conftest import ClusterFactory
@@ -31,36 +31,6 @@ async def _held(cluster: LocalCluster, rid: str, pids: list[list[int]]) -> str:
     token = secrets.token_urlsafe(16)
     await producer.client.hold(rid, block_ids=pids, token=token)
     return token
-
-
-async def _read_held(
-    cluster: LocalCluster, rid: str, pids: list[list[int]], dids: list[list[int]], token: str
-) -> RecvDone:
-    """The consumer reads a request the producer already holds; bytes verified."""
-    consumer = cluster.decode[0]
-    assert consumer.client is not None
-    done = consumer.expect(f"{rid}@decode")
-    await consumer.client.read(
-        f"{rid}@decode",
-        remote_engine_id=PREFILL,
-        remote_request_id=rid,
-        local_block_ids=dids,
-        remote_block_ids=pids,
-        endpoints=cluster.prefill_endpoints,
-        token=token,
-    )
-    event = await asyncio.wait_for(done, 15)
-    assert isinstance(event, RecvDone), event
-    assert toy.verify(
-        consumer.memory.array,
-        consumer.views,
-        tp_size=1,
-        rank=0,
-        seed=cluster.seed,
-        local_ids=dids,
-        remote_ids=pids,
-    )
-    return event
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -95,7 +65,8 @@ async def test_sigterm_keeps_held_blocks_readable_then_exits_0(
         await _not_ready(producer)
         with pytest.raises(errors.PeerUnavailableError, match="no new holds"):
             await producer.client.hold("refused", block_ids=pids)
-        await _read_held(cluster, "held", pids, dids, token)
+        done = await transfer(cluster, "held", pids, dids, hold=False, token=token)
+        assert done.bytes_verified == done.bytes_read > 0
         assert isinstance(await asyncio.wait_for(sent, 15), SendDone)
         rc = await asyncio.wait_for(asyncio.to_thread(producer.proc.wait), 20)
         assert rc == 0
@@ -118,7 +89,8 @@ async def test_drain_rpc_waits_for_holds_without_exiting_and_resume_undoes_it(
         assert not draining.done()  # waits for the held blocks to be read
         with pytest.raises(errors.PeerUnavailableError, match="no new holds"):
             await producer.client.hold("refused", block_ids=pids)
-        await _read_held(cluster, "held", pids, dids, token)
+        done = await transfer(cluster, "held", pids, dids, hold=False, token=token)
+        assert done.bytes_verified == done.bytes_read > 0
         drained = await asyncio.wait_for(draining, 15)
         assert drained.drained
         assert drained.draining
