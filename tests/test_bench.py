@@ -24,8 +24,7 @@ import numpy as np
 import pytest
 
 from kvsidecar.testing import toy
-from kvsidecar.tools.bench import _shape, run_bench
-from kvsidecar.tools.bench_report import (
+from kvsidecar.tools.bench.report import (
     BenchConfig,
     BenchReport,
     ConfirmCost,
@@ -36,7 +35,8 @@ from kvsidecar.tools.bench_report import (
     Throughput,
     format_table,
 )
-from kvsidecar.tools.bench_target import copy_runs
+from kvsidecar.tools.bench.run import _shape, run_bench
+from kvsidecar.tools.bench.target import copy_runs
 
 TINY = (
     *("--block-kib", "64", "--blocks-per-request", "4", "--requests", "5", "--repeats", "1"),
@@ -136,7 +136,7 @@ async def test_tiny_run_reports_three_methods_and_cleans_up(tmp_path: Path, shm_
 
 
 def _cli_has_bench() -> bool:
-    from kvsidecar.cli import build_parser
+    from kvsidecar.cli.main import build_parser
 
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):

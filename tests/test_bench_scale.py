@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.tools.bench_handshakes import format_table
+from benchmarks.bench_handshakes import format_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,7 @@ def _is_ms(value: Any) -> bool:
 def test_bench_handshakes_reports_both_modes(tmp_path: Path) -> None:
     doc = _run(
         tmp_path,
-        "kvsidecar.tools.bench_handshakes",
+        "benchmarks.bench_handshakes",
         *("--consumers", "3", "--limit", "1", "--rounds", "2", "--json"),
     )
     assert (doc["consumers"], doc["limit"], doc["rounds"]) == (3, 1, 2)
@@ -82,7 +82,7 @@ def test_bench_handshakes_reports_both_modes(tmp_path: Path) -> None:
 def test_bench_scale_reports_per_engine_costs_and_big_model_times(tmp_path: Path) -> None:
     doc = _run(
         tmp_path,
-        "kvsidecar.tools.bench_scale",
+        "benchmarks.bench_scale",
         *("--peers", "2", "--peer-layers", "2", "--layers", "3", "--blocks", "50", "--runs", "2"),
     )
     peers = doc["peers"]

@@ -1,41 +1,45 @@
-"""The engine core: what EngineService and PeerService do, on one event loop.
+"""The engine core: the one face of the engine, everything EngineService and PeerService do.
 
-Composes the components and owns what none of them does: the registered local engine (one epoch at
-a time) and its lifecycle. The consumer side (``Consumer``: handshakes, Reads, notifications sent)
-and the producer side (``Producer``: holds) share the peer registry, the in-flight reads, the
-``PeerGuard`` lock and the ``EventHub``; the ``Poller`` drives completions. Components never call
-back into the core.
+Composes the wings and owns what none of them does: the registered local engine (one epoch at a
+time, through the ``Registrar``) and its lifecycle. The consumer side (``reads/``: Reads, batches,
+confirmation, the ``PeerGuard``) and the producer side (``holds/``) share the peer registry
+(``peers/``), the ``EventHub`` and the transfer backend (``backend/``); the ``Poller`` drives
+completions. Callers outside ``engine/`` use this class and the engine's leaves (``model``,
+``stats``, ``reads.batch``) only; components never call back into the core.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from kvsidecar.engine.admission import Admission
-from kvsidecar.engine.backend import TransferBackend
-from kvsidecar.engine.confirm import Confirmer
-from kvsidecar.engine.consumer import Consumer, shielded
-from kvsidecar.engine.events import EventHub
-from kvsidecar.engine.guard import PeerGuard
-from kvsidecar.engine.handshakes import Handshakes
-from kvsidecar.engine.local import LocalEngine, Registration
-from kvsidecar.engine.model import CoreConfig, Endpoints, ReadCommand
-from kvsidecar.engine.peer_link import PeerLink
-from kvsidecar.engine.peers import PeerRegistry
-from kvsidecar.engine.poller import Poller
-from kvsidecar.engine.producer import Producer
-from kvsidecar.engine.registrar import Registrar
-from kvsidecar.engine.stats import EngineStats, SessionCounters
-from kvsidecar.engine.transfers import TransferManager
-from kvsidecar.errors import (
-    NotFoundError,
-    ShuttingDownError,
+from kvsidecar.engine.backend.contract import TransferBackend
+from kvsidecar.engine.local import LocalEngine
+from kvsidecar.engine.model import (
+    Consumed,
+    CoreConfig,
+    Endpoints,
+    Heartbeat,
+    Hold,
+    Notified,
+    NotifyCommand,
+    PeerTls,
+    Planned,
+    ReadCommand,
+    Registration,
+    Release,
 )
-from kvsidecar.types import ReadPosted, Registered, SidecarStatus
-from kvsidecar.wire.peer import AgentInfo, Outcome, PeerNotification
+from kvsidecar.engine.parts import Parts
+from kvsidecar.engine.peers.registry import PeerRegistry
+from kvsidecar.engine.reads.batch import ReadBatch, ReadOutcome
+from kvsidecar.engine.stats import CommandKind, EngineStats, ReadPhase, SessionCounters
+from kvsidecar.engine.tasks import shielded
+from kvsidecar.errors import NotFoundError, ShuttingDownError
+from kvsidecar.types import Event, PeerInfo, ReadPosted, Registered, SidecarStatus
+from kvsidecar.wire.peer import AgentInfo, EngineDirectory, Outcome, PeerNotification
 
 log = logging.getLogger(__name__)
 
@@ -55,53 +59,13 @@ class EngineCore:
         endpoints (requests' endpoints always win)."""
         self._backend = backend
         self._config = config
-        self._on_registered = on_registered
-        self.events = EventHub(max_buffered=config.max_queued_events)
-        link = PeerLink(timeout_s=config.handshake_timeout_s, tls=config.tls)
-        self.peers = PeerRegistry(backend=backend, link=link)
-        self.transfers = TransferManager(
-            backend=backend, events=self.events, confirm=config.confirm_reads
+        p = self._p = Parts.build(
+            backend=backend, config=config, on_registered=on_registered, discovered=discovered
         )
-        self.producer = Producer(lease_s=config.lease_s, events=self.events)
-        guard = PeerGuard(peers=self.peers, transfers=self.transfers)
-        self._guard = guard
-        self._confirmer = Confirmer(link=link, transfers=self.transfers, guard=guard)
-        self._poller = Poller(
-            backend=backend,
-            transfers=self.transfers,
-            producer=self.producer,
-            guard=guard,
-            peers=self.peers,
-            confirmer=self._confirmer,
-        )
-        self.handshakes = Handshakes(
-            peers=self.peers,
-            guard=guard,
-            discovered=discovered,
-            concurrency=config.handshake_concurrency,
-        )
-        # GetAgent calls served to other sidecars: bounded so a fleet starting at once queues.
-        self.serving = Admission(config.serve_handshake_concurrency, what="handshakes served")
-        self.consumer = Consumer(
-            peers=self.peers,
-            handshakes=self.handshakes,
-            transfers=self.transfers,
-            guard=guard,
-            confirmer=self._confirmer,
-            read_deadline_s=config.read_deadline_s,
-            on_posted=self._poller.wake,
-        )
-        self.registrar = Registrar(
-            backend=backend,
-            shm_roots=config.shm_roots,
-            peers=self.peers,
-            transfers=self.transfers,
-            producer=self.producer,
-            events=self.events,
-            guard=guard,
-            on_registered=on_registered,
-        )
-        self.sessions = SessionCounters()  # updated by the EngineService's Session streams
+        self._events, self._peers, self._reads, self._guard = p.events, p.peers, p.reads, p.guard
+        self._producer, self._consumer, self._registrar = p.producer, p.consumer, p.registrar
+        self._handshakes, self._poller, self._link = p.handshakes, p.poller, p.link
+        self._sessions = SessionCounters()
         self.draining = False  # refusing new reads, holds and registrations (drain or stop)
         self.stopping = (
             False  # the sidecar is closing its listeners: dropped streams are not deaths
@@ -110,30 +74,37 @@ class EngineCore:
         # bound, before any RPC is served.
         self.peer_endpoint = ""
 
+    @property
+    def peers(self) -> PeerRegistry:
+        """The peer registry, for introspection (tests): callers act through the core."""
+        return self._peers
+
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._poller.start()
 
+    @property
+    def idle(self) -> bool:
+        """No read in flight, no handle left to release and no hold active."""
+        return self._reads.idle and not self._producer.holds_active
+
+    def in_flight(self) -> tuple[int, int]:
+        """(reads accepted and not ended, holds active) now."""
+        return len(self._reads), self._producer.holds_active
+
     async def drain(self, grace_s: float) -> bool:
         """Refuse new work; wait up to ``grace_s`` for in-flight reads and holds. True if drained."""
         self.draining = True
         deadline = time.monotonic() + grace_s
-
-        def busy() -> bool:
-            return not self.transfers.idle or bool(self.producer.holds_active)
-
         while time.monotonic() < deadline:
-            if not busy():
+            if self.idle:
                 return True
             await asyncio.sleep(0.01)
-        if busy():
-            log.warning(
-                "grace period over with %d reads in flight and %d holds",
-                len(self.transfers),
-                self.producer.holds_active,
-            )
-        return not busy()
+        if not self.idle:
+            reads, holds = self.in_flight()
+            log.warning("grace period over with %d reads in flight and %d holds", reads, holds)
+        return self.idle
 
     def resume(self) -> None:
         """End a drain: new reads, holds and registrations are accepted again."""
@@ -143,21 +114,20 @@ class EngineCore:
     async def aclose(self) -> None:
         """Fail what is left, release peers, memory and the backend; stop the poller."""
         self.draining = self.stopping = True
-        await self.handshakes.aclose()
-        await self.consumer.aclose()
-        await self.registrar.shutdown()
-        await self._poller.aclose()
-        await self._confirmer.aclose()
-        await self.peers.link.aclose()
+        await self._p.aclose()
 
-    # --- registration ---------------------------------------------------------------------------
+    async def reload_tls(self, tls: PeerTls | None) -> None:
+        """Use new certificates for PeerService calls from now on."""
+        await self._link.reload(tls)
+
+    # --- the local engine -----------------------------------------------------------------------
 
     @property
     def local(self) -> LocalEngine | None:
-        return self.registrar.local
+        return self._registrar.local
 
     def require_local(self) -> LocalEngine:
-        return self.registrar.require()
+        return self._registrar.require()
 
     async def register(self, registration: Registration) -> Registered:
         """Import and register memory; replaces (and releases) any earlier registration.
@@ -166,7 +136,7 @@ class EngineCore:
         leave backend handles nobody owns."""
         if self.draining:
             raise ShuttingDownError("sidecar is shutting down")
-        local = await shielded(self.registrar.register(registration))
+        local = await shielded(self._registrar.register(registration))
         return Registered(
             agent_name=self._backend.agent_name,
             epoch=local.epoch,
@@ -175,29 +145,78 @@ class EngineCore:
             peer_endpoint=self.peer_endpoint,
         )
 
+    def stream(
+        self, name: str, wake: Callable[[], None] | None = None
+    ) -> contextlib.AbstractAsyncContextManager[asyncio.Queue[Event | None]]:
+        """The engine's event stream (Watch or Session ``name``), holding its liveness lock for
+        the block (see ``Registrar.stream``). WatchBusyError if another stream holds it."""
+        return self._registrar.stream(name, wake, stopping=lambda: self.stopping)
+
     # --- consumer side --------------------------------------------------------------------------
 
     async def read(self, cmd: ReadCommand) -> ReadPosted:
         if self.draining:
             raise ShuttingDownError("sidecar is shutting down; no new reads")
-        return await self.consumer.read(cmd)
+        return await self._consumer.read(cmd)
 
-    # --- producer side --------------------------------------------------------------------------
-
-    def hold(
-        self,
-        request_id: str,
-        lease_s: float | None,
-        block_ids: tuple[tuple[int, ...], ...],
-        token: str,
-    ) -> str:
-        """Start a hold; returns its token (``token``, or a new one when empty)."""
-        self.require_local()
+    async def read_batch(self, batch: ReadBatch) -> tuple[ReadOutcome, ...]:
+        """One outcome per read of ``batch``, in order (see ``Consumer.read_batch``)."""
         if self.draining:
-            raise ShuttingDownError("sidecar is shutting down; no new holds")
-        token = self.producer.hold(request_id, lease_s, block_ids, token)
-        self._poller.wake()
-        return token
+            refused = ShuttingDownError("sidecar is shutting down; no new reads")
+            return tuple(refused for _ in batch.reads)
+        return await self._consumer.read_batch(batch)
+
+    def rejected(self, code: str) -> None:
+        """Count a Read refused before posting, by its gRPC status name."""
+        self._consumer.rejected(code)
+
+    async def plan(self, remote_engine_id: str, endpoints: Endpoints) -> Planned:
+        """The plan toward ``remote_engine_id``, handshaking first if needed (Handshake, Plan)."""
+        peer = await self._handshakes.peer(remote_engine_id, endpoints)
+        return Planned(plan=peer.plan, epoch=self.require_local().epoch, remote_epoch=peer.epoch)
+
+    def prewarm(self, engine_id: str, jitter_s: float) -> None:
+        """Handshake with ``engine_id`` in the background (discovery saw it appear)."""
+        if not self.draining:
+            self._handshakes.prewarm(engine_id, jitter_s)
+
+    async def remote_changed(self, engine_id: str, tp_rank: int, epoch: int | None) -> bool:
+        """Discovery saw rank ``tp_rank`` of ``engine_id`` re-register (``epoch``) or go away
+        (``None``): a peer whose plan still points at that rank's old incarnation is invalidated
+        now (its reads in flight fail STALE with this reason; the next Read handshakes again).
+        True if a peer was invalidated."""
+        peer = self._peers.peer(engine_id)
+        link = peer.links.get(tp_rank) if peer is not None else None
+        if peer is None or link is None or link.epoch == epoch:
+            return False
+        change = f"re-registered (epoch {link.epoch} -> {epoch})" if epoch else "went away"
+        await self._guard.invalidate(
+            peer, f"discovery: remote engine {engine_id!r} rank {tp_rank} {change}"
+        )
+        return True
+
+    # --- Notify: both sides ---------------------------------------------------------------------
+
+    async def notify(self, cmd: NotifyCommand) -> Notified:
+        """HOLD and RELEASE (producer), CONSUMED and HEARTBEAT (consumer)."""
+        if isinstance(cmd, Hold):
+            self.require_local()
+            if self.draining:
+                raise ShuttingDownError("sidecar is shutting down; no new holds")
+            token = self._producer.hold(cmd)
+            self._poller.wake()
+            return Notified(token=token)
+        if isinstance(cmd, Release):
+            self._producer.release(cmd.request_id)
+            return Notified()
+        if isinstance(cmd, Consumed):
+            sent, refused = await self._consumer.consumed(cmd)
+        else:
+            assert isinstance(cmd, Heartbeat)
+            sent, refused = await self._consumer.heartbeat(cmd)
+        return Notified(sent=sent, refused=refused)
+
+    # --- producer side: what other sidecars ask -------------------------------------------------
 
     def peer_notify(
         self, engine_id: str, notes: Sequence[PeerNotification]
@@ -208,69 +227,50 @@ class EngineCore:
             raise NotFoundError(
                 f"this sidecar serves engine {local.geometry.engine_id!r}, not {engine_id!r}"
             )
-        return local.epoch, self.producer.on_peer(notes, local.epoch)
-
-    async def remote_changed(self, engine_id: str, tp_rank: int, epoch: int | None) -> bool:
-        """Discovery saw rank ``tp_rank`` of ``engine_id`` re-register (``epoch``) or go away
-        (``None``): a peer whose plan still points at that rank's old incarnation is invalidated
-        now (its reads in flight fail STALE with this reason; the next Read handshakes again).
-        True if a peer was invalidated."""
-        peer = self.peers.peer(engine_id)
-        link = peer.links.get(tp_rank) if peer is not None else None
-        if peer is None or link is None or link.epoch == epoch:
-            return False
-        change = f"re-registered (epoch {link.epoch} -> {epoch})" if epoch else "went away"
-        await self._guard.invalidate(
-            peer, f"discovery: remote engine {engine_id!r} rank {tp_rank} {change}"
-        )
-        return True
+        return local.epoch, self._producer.on_peer(notes, local.epoch)
 
     async def agent_info(self, engine_id: str, tp_rank: int) -> AgentInfo:
         """What a remote sidecar needs to read from this engine (GetAgent)."""
         local = self.require_local()
         local.check_serves(engine_id, tp_rank)
-        async with self.serving.slot():
+        async with self._p.serving.slot():
             metadata = await self._backend.local_metadata()
         return local.agent_info(metadata=metadata, agent_name=self._backend.agent_name)
 
+    def directory(self, engine_id: str) -> EngineDirectory:
+        """Every rank's PeerService endpoint of this engine (GetEngine)."""
+        return self.require_local().directory(engine_id)
+
     # --- introspection --------------------------------------------------------------------------
 
+    def observe(self, phase: ReadPhase, seconds: float) -> None:
+        """A Read phase measured outside the engine (decoding, reporting)."""
+        self._reads.phases.observe(phase, seconds)
+
+    def session_accepted(self) -> None:
+        """A Session stream accepted a command (it counts as in flight until answered)."""
+        self._sessions.in_flight += 1
+
+    def session_ran(self, kind: CommandKind) -> None:
+        self._sessions.commands[kind] += 1
+
+    def session_answered(self, count: int = 1) -> None:
+        """``count`` Session commands answered (or dropped with their stream)."""
+        self._sessions.in_flight -= count
+
+    def peer_summaries(self) -> tuple[PeerInfo, ...]:
+        return self._peers.summaries()
+
     def stats(self) -> EngineStats:
-        return EngineStats(
-            transfers=self.transfers.stats(),
-            consumer=self.consumer.stats(),
-            producer=self.producer.stats(),
-            peers=self.peers.stats(),
-            sessions=self.sessions.snapshot(),
-            handshake_admission=self.handshakes.admission.stats(),
-            serve_admission=self.serving.stats(),
-            events_dropped=self.events.dropped,
-            events_queued=self.events.queued,
-            events_discarded=self.events.discarded,
-            registered_bytes=local.registered_bytes if (local := self.local) is not None else 0,
-        )
+        return self._p.stats(self._sessions)
 
     def status(self, max_events: int, *, drain: bool = False) -> SidecarStatus:
         """State and counters; with ``drain``, also the queued events (up to ``max_events``)."""
-        local = self.local
-        g = local.geometry if local is not None else None
-        return SidecarStatus(
-            events=self.events.drain(max_events) if drain else (),
-            engine_id=g.engine_id if g is not None else "",
-            tp_rank=g.tp_rank if g is not None else 0,
-            tp_size=g.tp_size if g is not None else 0,
-            epoch=local.epoch if local is not None else 0,
-            ready=local is not None and not self.draining,
+        return self._p.status(
+            self._sessions,
+            max_events,
+            drain=drain,
             draining=self.draining,
-            peers=self.peers.summaries(),
-            reads_in_flight=len(self.transfers),
-            holds_active=self.producer.holds_active,
-            counters=self.stats().counters(),
             agent_name=self._backend.agent_name,
-            watch_connected=self.events.watching,
-            peer_tls=self._config.tls is not None,
-            confirm_reads=self._config.confirm_reads,
-            events_queued=self.events.queued,
-            reads_handshaking=self.transfers.stats().reads_handshaking,
             peer_endpoint=self.peer_endpoint,
         )

@@ -12,15 +12,14 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
-from kvsidecar.engine.backend import MemoryRegistration, TransferBackend
-from kvsidecar.errors import GeometryError, MemoryImportError, NotFoundError
-from kvsidecar.memory import ImportedMemory, MemorySpec, import_memory
+from kvsidecar.engine.backend.contract import MemoryRegistration, TransferBackend
+from kvsidecar.engine.model import Registration
+from kvsidecar.errors import GeometryError, MemoryImportError, NotFoundError, NotRegisteredError
+from kvsidecar.memory import ImportedMemory, import_memory
 from kvsidecar.plan import EngineGeometry
 from kvsidecar.plan.compat import PROTOCOL_VERSION, CompatItems, span_signature
-from kvsidecar.types import EngineRole
 from kvsidecar.wire.peer import AgentInfo, EngineDirectory
 
 log = logging.getLogger(__name__)
@@ -54,22 +53,6 @@ def compat_digest(compat: CompatItems, geometry: EngineGeometry) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Registration:
-    """A RegisterEngine call, parsed."""
-
-    geometry: EngineGeometry
-    memories: tuple[tuple[str, MemorySpec], ...]  # (engine-chosen id, spec)
-    peer_endpoints: tuple[str, ...]
-    compat: CompatItems
-    takeover: bool = False  # replace a registration whose engine is still live
-    role: EngineRole = EngineRole.BOTH
-
-    @property
-    def engine_id(self) -> str:
-        return self.geometry.engine_id
-
-
 def _check_views_fit(geometry: EngineGeometry, sizes: Mapping[str, int]) -> None:
     problems: list[str] = []
     ids = sorted(sizes)
@@ -94,6 +77,13 @@ def _check_views_fit(geometry: EngineGeometry, sizes: Mapping[str, int]) -> None
             )
     if problems:
         raise GeometryError(problems)
+
+
+def require_registered(local: LocalEngine | None) -> LocalEngine:
+    """``local``, or NotRegisteredError: the one refusal of a call that needs a registered engine."""
+    if local is None:
+        raise NotRegisteredError("no engine is registered with this sidecar (RegisterEngine)")
+    return local
 
 
 class LocalEngine:

@@ -1,4 +1,7 @@
-"""The engine core's configuration and the commands the servicers hand to it (parsed at the edge)."""
+"""The engine's configuration and the commands the servicers hand to it, parsed and bounded at the
+edge (``rpc``): the engine checks state (is an engine registered, is the id free, does the plan
+cover these ids), never sizes or formats again.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+
+from kvsidecar.memory import MemorySpec
+from kvsidecar.plan import EngineGeometry, PeerPlan
+from kvsidecar.plan.compat import CompatItems
+from kvsidecar.types import EngineRole
 
 IdArrays = tuple[npt.NDArray[np.int64], ...]
 
@@ -44,6 +52,22 @@ class CoreConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Registration:
+    """A RegisterEngine call, parsed."""
+
+    geometry: EngineGeometry
+    memories: tuple[tuple[str, MemorySpec], ...]  # (engine-chosen id, spec)
+    peer_endpoints: tuple[str, ...]
+    compat: CompatItems
+    takeover: bool = False  # replace a registration whose engine is still live
+    role: EngineRole = EngineRole.BOTH
+
+    @property
+    def engine_id(self) -> str:
+        return self.geometry.engine_id
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Endpoints:
     """How to reach a remote engine: every rank's PeerService address, or any one rank's."""
 
@@ -71,3 +95,64 @@ class ReadCommand:
     endpoints: Endpoints
     deadline_s: float | None = None
     token: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hold:
+    """Producer: keep ``block_ids`` (per group) of ``request_id`` until its consumers read them,
+    for ``lease_s`` seconds (``None``: the sidecar's default), under ``token`` ("": a new one)."""
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    lease_s: float | None = None
+    token: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Release:
+    """Producer: drop the hold of ``request_id`` now (the engine aborted the request)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Consumed:
+    """Consumer: tell every producer rank of the plan that this rank will not read
+    ``remote_request_id`` (a full prefix hit, or the request was rejected)."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    endpoints: Endpoints
+    token: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    """Consumer: extend the producer leases of ``remote_request_ids`` (whose hold tokens are
+    ``tokens``, in the same order) on every rank of the plan."""
+
+    remote_engine_id: str
+    remote_request_ids: tuple[str, ...]
+    tokens: tuple[str, ...] = field(repr=False)
+
+
+NotifyCommand = Hold | Release | Consumed | Heartbeat
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Notified:
+    """What a Notify command did: the hold's ``token`` (Hold), notifications sent to producer
+    ranks and how many of them the producers refused (Consumed, Heartbeat)."""
+
+    token: str = field(default="", repr=False)
+    sent: int = 0
+    refused: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Planned:
+    """A remote engine's plan (Handshake, Plan) with the local and remote epochs it is for."""
+
+    plan: PeerPlan
+    epoch: int
+    remote_epoch: int

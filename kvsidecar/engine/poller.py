@@ -1,4 +1,4 @@
-"""The one task that drives completions: advance reads, send notifications, reap leases.
+"""The one task that drives completions: advance reads, reap leases, drain NIXL notifications.
 
 It runs at once when woken (a Read was posted: same-host cma READs are already DONE then), then
 every 1 ms while reads are in flight, every 10 ms while only holds are active (a lease ends within
@@ -15,13 +15,12 @@ import asyncio
 import contextlib
 import logging
 
-from kvsidecar.engine.backend import TransferBackend
-from kvsidecar.engine.confirm import Confirmer
-from kvsidecar.engine.guard import PeerGuard
-from kvsidecar.engine.peers import PeerRegistry
-from kvsidecar.engine.producer import Producer
+from kvsidecar.engine.backend.contract import TransferBackend
+from kvsidecar.engine.holds.producer import Producer
+from kvsidecar.engine.peers.registry import PeerRegistry
 from kvsidecar.engine.ratelog import RateLimited
-from kvsidecar.engine.transfers import TransferManager
+from kvsidecar.engine.reads.guard import PeerGuard
+from kvsidecar.engine.reads.inflight import InFlightReads
 from kvsidecar.errors import KvSidecarError
 
 log = RateLimited(logging.getLogger(__name__))  # a bug may repeat per read or poll
@@ -37,18 +36,16 @@ class Poller:
         self,
         *,
         backend: TransferBackend,
-        transfers: TransferManager,
+        transfers: InFlightReads,
         producer: Producer,
         guard: PeerGuard,
         peers: PeerRegistry,
-        confirmer: Confirmer,
     ) -> None:
         self._backend = backend
         self._transfers = transfers
         self._producer = producer
         self._guard = guard
         self._peers = peers
-        self._confirmer = confirmer
         self._wake = asyncio.Event()
         self._drained = 0.0  # loop time of the last NIXL notification drain
         self._task: asyncio.Task[None] | None = None
@@ -97,7 +94,6 @@ class Poller:
             blamed = set()
         for engine_id in blamed:
             await self._guard.quarantine(engine_id, f"a READ from {engine_id!r} failed or hung")
-        self._confirmer.send(self._transfers.take_outgoing())
         now = asyncio.get_running_loop().time()
         if now - self._drained >= _IDLE_S:
             self._drained = now

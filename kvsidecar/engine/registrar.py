@@ -2,28 +2,30 @@
 
 ``Registrar`` imports and registers a RegisterEngine call's memory (``LocalEngine.open``), replaces
 the previous registration (failing its reads, dropping its holds and peers, releasing its memory),
-binds the new one to the peer registry and the event hub, and drops it when the engine's Watch
-stream goes or the sidecar shuts down. Registration changes are serialized by one lock; releasing
+binds the new one to the peer registry and the event hub, and drops it when the engine's stream
+(Watch or Session: its liveness lock, ``stream``) goes or the sidecar shuts down. Registration changes are serialized by one lock; releasing
 handles happens under the ``PeerGuard``, so no Read is mid-post while they go.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-from kvsidecar.engine.backend import TransferBackend
+from kvsidecar.engine.backend.contract import TransferBackend
 from kvsidecar.engine.events import EventHub
-from kvsidecar.engine.guard import PeerGuard
-from kvsidecar.engine.local import LocalEngine, Registration
-from kvsidecar.engine.peers import PeerRegistry
-from kvsidecar.engine.producer import Producer
-from kvsidecar.engine.transfers import TransferManager
-from kvsidecar.errors import FailedPreconditionError, NotRegisteredError
-from kvsidecar.types import FailReason
+from kvsidecar.engine.holds.producer import Producer
+from kvsidecar.engine.local import LocalEngine, require_registered
+from kvsidecar.engine.model import Registration
+from kvsidecar.engine.peers.registry import PeerRegistry
+from kvsidecar.engine.reads.guard import PeerGuard
+from kvsidecar.engine.reads.inflight import InFlightReads
+from kvsidecar.errors import FailedPreconditionError
+from kvsidecar.types import Event, FailReason
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class Registrar:
         backend: TransferBackend,
         shm_roots: tuple[Path, ...],
         peers: PeerRegistry,
-        transfers: TransferManager,
+        transfers: InFlightReads,
         producer: Producer,
         events: EventHub,
         guard: PeerGuard,
@@ -61,9 +63,7 @@ class Registrar:
         return self._local
 
     def require(self) -> LocalEngine:
-        if self._local is None:
-            raise NotRegisteredError("no engine is registered with this sidecar (RegisterEngine)")
-        return self._local
+        return require_registered(self._local)
 
     async def register(self, registration: Registration) -> LocalEngine:
         """Replace the current registration with ``registration`` (a new epoch). A registration
@@ -110,6 +110,38 @@ class Registrar:
             extra={"engine_id": g.engine_id},
         )
         return local
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self, name: str, wake: Callable[[], None] | None, *, stopping: Callable[[], bool]
+    ) -> AsyncIterator[asyncio.Queue[Event | None]]:
+        """Subscribe stream ``name`` (Watch, Session) to the engine's events for the current
+        registration and hold its liveness lock until the block exits: unless a newer
+        registration ended it or the sidecar is ``stopping()``, its end is the engine's death
+        (``engine_gone``). ``wake`` is called whenever an item is queued for it; a ``None`` item
+        ends the stream (evicted). WatchBusyError if another stream holds the lock."""
+        local = self._local
+        queue, binding = self._events.subscribe(local.epoch if local else None, wake=wake)
+        engine_id = local.geometry.engine_id if local else None
+        log.info(
+            "engine %s stream opened (epoch %s)",
+            name,
+            binding.epoch,
+            extra={"engine_id": engine_id},
+        )
+        clean = False
+        try:
+            yield queue
+        except asyncio.CancelledError:
+            clean = stopping()  # shutdown closes streams; that is not an engine death
+            raise
+        finally:
+            self._events.unsubscribe(queue)
+            if binding.evicted:
+                log.info("%s stream of epoch %s ended by a new registration", name, binding.epoch)
+            elif not clean:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.engine_gone(f"{name} stream closed", binding.epoch))
 
     async def engine_gone(self, why: str, epoch: int | None) -> None:
         """The Watch stream of registration ``epoch`` dropped: fail reads, drop holds, release

@@ -62,4 +62,4 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self, request: peer_pb2.GetEngineRequest, context: Any
     ) -> peer_pb2.GetEngineResponse:
         check_chars("engine_id", request.engine_id, MAX_ID_CHARS)
-        return directory_to_proto(self._core.require_local().directory(request.engine_id))
+        return directory_to_proto(self._core.directory(request.engine_id))

@@ -1,8 +1,8 @@
 """The engine's stream: Watch's events, and Session's commands, replies and events on one stream.
 
-Both hold the engine's liveness lock (``liveness``): while one is open the registration it was
-opened for stays; when it drops for any reason but a newer registration or the sidecar's own
-shutdown, the registration is released (``Registrar.engine_gone``).
+Both hold the engine's liveness lock (``EngineCore.stream``): while one is open the registration it
+was opened for stays; when it drops for any reason but a newer registration or the sidecar's own
+shutdown, the registration is released.
 
 A Session runs each command as a task, started in the order received (so a HOLD and a later
 RELEASE of the same request apply in that order) and answered when done, possibly out of order.
@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol
 
 import grpc
 
 from kvsidecar.engine.core import EngineCore
-from kvsidecar.engine.events import WatchBinding
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.stats import CommandKind, ReadPhase
 from kvsidecar.errors import InvalidArgumentError, KvSidecarError
 from kvsidecar.rpc.status import status_for, status_message
-from kvsidecar.types import Event
 from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.engine import event_to_proto
 
@@ -52,35 +49,6 @@ class Commands(Protocol):
     ) -> Awaitable[engine_pb2.ReadBatchResponse]: ...
 
     def notify(self, request: engine_pb2.NotifyRequest) -> Awaitable[engine_pb2.NotifyResponse]: ...
-
-
-@contextlib.asynccontextmanager
-async def liveness(
-    core: EngineCore, stream: str, wake: Callable[[], None] | None = None
-) -> AsyncIterator[tuple[asyncio.Queue[Event | None], WatchBinding]]:
-    """Subscribe to the engine's events for the current registration and hold its liveness lock
-    until the block exits (WatchBusyError if another stream holds it)."""
-    local = core.local
-    queue, binding = core.events.subscribe(local.epoch if local else None, wake=wake)
-    engine_id = local.geometry.engine_id if local else None
-    log.info(
-        "engine %s stream opened (epoch %s)", stream, binding.epoch, extra={"engine_id": engine_id}
-    )
-    clean = False
-    try:
-        yield queue, binding
-    except asyncio.CancelledError:
-        clean = core.stopping  # shutdown closes streams; that is not an engine death
-        raise
-    finally:
-        core.events.unsubscribe(queue)
-        if binding.evicted:
-            log.info("%s stream of epoch %s ended by a new registration", stream, binding.epoch)
-        elif not clean:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(
-                    core.registrar.engine_gone(f"{stream} stream closed", binding.epoch)
-                )
 
 
 class Session:
@@ -112,8 +80,7 @@ class Session:
         return code not in (None, 0, grpc.StatusCode.OK)
 
     async def run(self) -> AsyncIterator[engine_pb2.SessionMessage]:
-        phases = self._core.transfers.phases
-        async with liveness(self._core, "Session", self._wake.set) as (queue, _):
+        async with self._core.stream("Session", self._wake.set) as queue:
             await self._context.send_initial_metadata(
                 ()
             )  # the engine's sign that it holds the lock
@@ -127,7 +94,8 @@ class Session:
                         event = queue.get_nowait()
                         if event is None:  # a newer registration ended this stream
                             return
-                        phases.observe(ReadPhase.REPORT, max(0.0, time.time() - event.timestamp))
+                        age = max(0.0, time.time() - event.timestamp)
+                        self._core.observe(ReadPhase.REPORT, age)
                         yield engine_pb2.SessionMessage(event=event_to_proto(event))
                     elif self._reader_done and self._failed():
                         return  # an undecodable command: the stream ends with its status
@@ -139,14 +107,14 @@ class Session:
                 for task in self._tasks:
                     task.cancel()
                 await asyncio.gather(reader, *self._tasks, return_exceptions=True)
-                self._core.sessions.in_flight -= self._unanswered
+                self._core.session_answered(self._unanswered)
                 self._unanswered = 0
                 self._replies.clear()
 
     def _answered(self) -> None:
         self._slots.release()
         self._unanswered -= 1
-        self._core.sessions.in_flight -= 1
+        self._core.session_answered()
 
     async def _read(self) -> None:
         """Accept commands while slots are free; a half-closed stream still delivers events."""
@@ -159,7 +127,7 @@ class Session:
                     self._slots.release()
                     return
                 self._unanswered += 1
-                self._core.sessions.in_flight += 1
+                self._core.session_accepted()
                 task = asyncio.create_task(self._run(command))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -169,17 +137,16 @@ class Session:
 
     async def _run(self, command: engine_pb2.SessionCommand) -> None:
         reply = engine_pb2.SessionReply(id=command.id)
-        counters = self._core.sessions
         kind = command.WhichOneof("command")
         try:
             if kind == "read":
-                counters.commands[CommandKind.READ] += 1
+                self._core.session_ran(CommandKind.READ)
                 reply.read.CopyFrom(await self._commands.read_one(command.read))
             elif kind == "read_batch":
-                counters.commands[CommandKind.READ_BATCH] += 1
+                self._core.session_ran(CommandKind.READ_BATCH)
                 reply.read_batch.CopyFrom(await self._commands.read_batch(command.read_batch))
             elif kind == "notify":
-                counters.commands[CommandKind.NOTIFY] += 1
+                self._core.session_ran(CommandKind.NOTIFY)
                 reply.notify.CopyFrom(await self._commands.notify(command.notify))
             else:
                 raise InvalidArgumentError(

@@ -1,3 +1,3 @@
-"""Operator and developer tools behind the CLI: ``demo``, ``bench`` (with the raw-NIXL baseline in
-``bench_nixl``), ``bench_plan``, ``bench_backend`` and the ``status`` view. Never imported by the
-daemon."""
+"""The ``demo`` and ``bench`` verbs of the CLI (``bench/``: the raw-NIXL baseline, the measured
+cluster, its load, scrape and report). Never imported by the daemon; developer studies live in
+the repository's ``benchmarks/``, harness code the tests import in ``kvsidecar.testing``."""

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from kvsidecar.client import EngineRole
-from kvsidecar.engine.nixl_backend import NixlBackend
-from kvsidecar.tools.bench_handshakes import Engine, burst, close_all, start_engine
+from kvsidecar.engine.backend.nixl import NixlBackend
+from kvsidecar.testing.daemon.engines import Engine, burst, close_all, start_engine
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.engine.confirm import Confirmer
-from kvsidecar.engine.guard import SharedLock
-from kvsidecar.engine.nixl_thread import AgentThread, CallTiming
-from kvsidecar.engine.reads import Outgoing
+from kvsidecar.engine.backend.agent_thread import AgentThread, CallTiming
+from kvsidecar.engine.reads.confirm import Confirmer, Outgoing
+from kvsidecar.engine.reads.guard import SharedLock
 from kvsidecar.errors import DeadlineExceededError
 from kvsidecar.limits import MAX_NOTIFICATIONS
 from kvsidecar.wire.peer import NotificationKind, Outcome, PeerNotification
@@ -167,7 +166,7 @@ def outgoing(peer: Any, rank: int, n: int) -> list[Outgoing]:
 
 async def test_notifications_sent_in_one_turn_go_out_as_one_message_per_producer_rank() -> None:
     link = RecordingLink()
-    confirmer = Confirmer(link=link, transfers=None, guard=None)  # type: ignore[arg-type]
+    confirmer = Confirmer(link=link, resolve=None, invalidate=None)  # type: ignore[arg-type]
     peer = SimpleNamespace(engine_id="prefill", epoch=1)
     try:
         for _ in range(64):  # the 64 reads of a ReadBatch, each posted and sent on its own

@@ -148,7 +148,7 @@ async def test_transfers_log_json_with_the_failed_reads_request_id(
     failure = [r for r in d_log if r.get("request_id") == "bad@decode"]
     assert failure, d_log
     assert failure[0]["level"] == "warning"
-    assert failure[0]["logger"] == "kvsidecar.engine.transfers"
+    assert failure[0]["logger"] == "kvsidecar.engine.reads.report"
     assert "bad@decode" in failure[0]["message"]
     refused = [r for r in p_log if r.get("request_id") == "bad"]
     assert refused, p_log
@@ -169,7 +169,7 @@ async def test_transfers_log_json_with_the_failed_reads_request_id(
     else:
         assert [r["request_id"] for r in done] == [f"{rid}@decode" for rid in ok_ids], done
         assert {(r["level"], r["logger"]) for r in done} == {
-            ("debug", "kvsidecar.engine.transfers")
+            ("debug", "kvsidecar.engine.reads.report")
         }
     for r in failure[:1] + refused[:1] + done[:1]:
         print(json.dumps(r))

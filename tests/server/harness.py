@@ -19,7 +19,7 @@ import pytest
 
 from kvsidecar.client import AsyncSidecarClient, Event, ReadPosted, Registered
 from kvsidecar.client.export import SharedMemoryExport
-from kvsidecar.engine.fake_backend import FakeBackend, FakeFabric
+from kvsidecar.engine.backend.fake import FakeBackend, FakeFabric
 from kvsidecar.server import Sidecar
 from kvsidecar.settings import Settings
 from kvsidecar.testing import toy

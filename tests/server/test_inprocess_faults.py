@@ -10,7 +10,7 @@ import pytest
 
 from kvsidecar import errors
 from kvsidecar.client import FailReason, RecvDone, RecvFailed, SendDone
-from kvsidecar.engine.fake_backend import FakeFabric, FakeFaults
+from kvsidecar.engine.backend.fake import FakeFabric, FakeFaults
 from kvsidecar.testing import toy
 from tests.server.harness import Pair, make_node, next_event, open_pair
 

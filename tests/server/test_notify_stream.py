@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvsidecar.engine.peer_link import PeerLink
+from kvsidecar.engine.peers.link import PeerLink
 from kvsidecar.errors import DeadlineExceededError, PeerUnavailableError
 from kvsidecar.v1 import peer_pb2
 from kvsidecar.wire.peer import NotificationKind, Outcome, PeerNotification

@@ -25,7 +25,7 @@ from kvsidecar.client import (
     RecvFailed,
     SidecarStatus,
 )
-from kvsidecar.engine.fake_backend import FakeFaults
+from kvsidecar.engine.backend.fake import FakeFaults
 from kvsidecar.testing import toy
 from tests.server.harness import Node, Pair, hop, next_event, open_pair
 

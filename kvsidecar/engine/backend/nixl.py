@@ -1,0 +1,223 @@
+"""The NIXL transfer backend: one agent per sidecar, UCX, every agent call on one thread.
+
+The only module that imports NIXL. It loads the wheel's variant bindings (``nixl_cu1x._bindings``)
+directly: the ``nixl`` meta-package may import torch (~1 s) and its wrapper hard-codes a busy
+progress thread (see ``nixl_support.create_agent``). ``NixlBackend`` is the asyncio face: it checks
+arguments on the loop and runs each call of ``nixl_agent.NixlAgent`` (which owns the agent and its
+handles) on the dedicated agent thread, bounded by ``call_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TypeVar
+
+import numpy.typing as npt
+
+from kvsidecar.engine.backend.agent_thread import AgentThread, CallTiming
+from kvsidecar.engine.backend.contract import (
+    DlistHandle,
+    MemoryRegistration,
+    Notification,
+    RemoteAgent,
+    XferHandle,
+    XferState,
+    XferTelemetry,
+)
+from kvsidecar.engine.backend.handles import StridedRows
+from kvsidecar.engine.backend.nixl_agent import NixlAgent
+from kvsidecar.engine.backend.nixl_support import (
+    variant_candidates,
+)
+from kvsidecar.engine.stats import ReadPhase
+from kvsidecar.errors import BackendError, BackendInvalidParamError, ConfigError
+from kvsidecar.memory.types import MemoryRegion, MemType
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_VARIANTS = ("nixl_cu12", "nixl_cu13")
+
+
+def _import_variant(name: str) -> ModuleType:
+    if name == "nixl_cu12":
+        from nixl_cu12 import _bindings  # type: ignore[attr-defined]
+    elif name == "nixl_cu13":
+        from nixl_cu13 import _bindings  # type: ignore[attr-defined]
+    else:
+        raise ImportError(f"unknown NIXL variant {name!r} (expected one of {_VARIANTS})")
+    return _bindings  # type: ignore[no-any-return]
+
+
+def load_bindings(variant: str | None = None) -> ModuleType:
+    """Import ``<variant>._bindings``; by default the variant matching torch's CUDA build, else the
+    first installed one of ``nixl_cu12``, ``nixl_cu13``."""
+    errors = []
+    for name in variant_candidates(variant, _VARIANTS):
+        try:
+            return _import_variant(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ConfigError("nixl_variant", "no NIXL bindings could be imported: " + "; ".join(errors))
+
+
+class NixlBackend:
+    """``TransferBackend`` over one NIXL agent with the UCX backend.
+
+    ``poll_delay_us`` is the progress thread's sleep between polls (µs); ``call_timeout_s`` bounds
+    every wait for the agent thread; ``num_workers`` is UCX's worker count; ``variant`` forces a
+    NIXL wheel variant (``nixl_cu12``/``nixl_cu13``). Call ``start()`` then ``aclose()``.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str | None = None,
+        poll_delay_us: int = 1000,
+        call_timeout_s: float = 30.0,
+        num_workers: int = 1,
+        variant: str | None = None,
+    ) -> None:
+        if poll_delay_us < 0:
+            raise ConfigError("nixl_poll_delay_us", f"{poll_delay_us} must be >= 0")
+        if num_workers < 1:
+            raise ConfigError("nixl_num_workers", f"{num_workers} must be >= 1")
+        # Random: the name travels in the metadata, and host names or pids are not a peer's business.
+        self._name = name or f"kvsidecar-{uuid.uuid4().hex[:16]}"
+        self._poll_delay_us = poll_delay_us
+        self._num_workers = num_workers
+        self._variant = variant
+        self._thread = AgentThread(timeout_s=call_timeout_s)
+        self._timeout_s = call_timeout_s
+        self._agent: NixlAgent | None = None
+        self._closed = False
+
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._agent is not None:
+            return
+        self._thread.start()
+        self._agent = await self._thread.call(self._create, what="start")
+
+    def _create(self) -> NixlAgent:
+        b = load_bindings(self._variant)
+        return NixlAgent(
+            b, self._name, poll_delay_us=self._poll_delay_us, num_workers=self._num_workers
+        )
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._agent is not None:
+            try:
+                await self._thread.call(self._agent.close, what="close")
+            except Exception as exc:
+                log.error("closing the NIXL agent failed: %s", exc)
+        if not self._thread.shutdown():
+            log.error("the NIXL thread did not stop in time; abandoning it")
+
+    def _require_agent(self, what: str) -> NixlAgent:
+        agent = self._agent
+        if agent is None or self._closed:
+            raise BackendError(f"{what}: the NIXL backend is not started (or closed)")
+        return agent
+
+    async def _call(self, what: str, fn: Callable[[NixlAgent], T]) -> T:
+        agent = self._require_agent(what)
+        return await self._thread.call(functools.partial(fn, agent), what=what)
+
+    # --- metadata, memory, agents -------------------------------------------------------------
+
+    async def local_metadata(self) -> bytes:
+        return await self._call("metadata", NixlAgent.metadata)
+
+    async def register_memory(self, region: MemoryRegion) -> MemoryRegistration:
+        return await self._call("register_memory", lambda a: a.register(region))
+
+    async def deregister_memory(self, registration: MemoryRegistration) -> None:
+        await self._call("deregister_memory", lambda a: a.deregister(registration))
+
+    async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
+        if not metadata:
+            raise BackendInvalidParamError("remote agent metadata is empty")
+        agent = self._agent
+        if agent is not None and not await self._call("add_remote_agent", lambda a: a.knows(name)):
+            # A new remote: try its metadata in a throwaway agent first, off the agent thread.
+            try:
+                await asyncio.wait_for(asyncio.to_thread(agent.validate, metadata), self._timeout_s)
+            except TimeoutError:
+                raise BackendError("checking remote agent metadata timed out") from None
+        return await self._call("add_remote_agent", lambda a: a.add_agent(metadata, name))
+
+    async def remove_remote_agent(self, agent: RemoteAgent) -> None:
+        await self._call("remove_remote_agent", lambda a: a.remove_agent(agent))
+
+    # --- descriptor lists ---------------------------------------------------------------------
+
+    async def prep_local_dlist(self, rows: npt.ArrayLike, mem_type: MemType) -> DlistHandle:
+        checked = StridedRows(rows, "local rows")
+        return await self._call("prep_local_dlist", lambda a: a.prep(None, checked, mem_type))
+
+    async def prep_remote_dlist(
+        self, agent: RemoteAgent, rows: npt.ArrayLike, mem_type: MemType
+    ) -> DlistHandle:
+        checked = StridedRows(rows, f"remote rows of {agent.name!r}")
+        return await self._call("prep_remote_dlist", lambda a: a.prep(agent, checked, mem_type))
+
+    async def release_dlist(self, dlist: DlistHandle) -> None:
+        await self._call("release_dlist", lambda a: a.release_dlist(dlist))
+
+    # --- transfers ----------------------------------------------------------------------------
+
+    async def post_read(
+        self,
+        local: DlistHandle,
+        local_ids: npt.ArrayLike,
+        remote: DlistHandle,
+        remote_ids: npt.ArrayLike,
+        notification: bytes,
+    ) -> XferHandle:
+        agent = self._require_agent("post_read")
+        timing = CallTiming()
+        h = await self._thread.call(
+            lambda: agent.post_read(local, local_ids, remote, remote_ids, notification),
+            what="post_read",
+            timing=timing,
+        )
+        hops = ((ReadPhase.HOP, timing.hop), (ReadPhase.BACK, timing.back))
+        return dataclasses.replace(h, phases=(*h.phases, *hops))
+
+    async def poll(self, xfers: Sequence[XferHandle]) -> tuple[XferState, ...]:
+        if not xfers:
+            return ()
+        handles = tuple(xfers)
+        return await self._call("poll", lambda a: a.poll(handles))
+
+    def xfer_error(self, xfer: XferHandle) -> BackendError | None:
+        return self._agent.xfer_error(xfer) if self._agent is not None else None
+
+    async def release_xfer(self, xfer: XferHandle) -> None:
+        await self._call("release_xfer", lambda a: a.release_xfer(xfer))
+
+    async def telemetry(self, xfer: XferHandle) -> XferTelemetry | None:
+        return await self._call("telemetry", lambda a: a.telemetry(xfer))
+
+    # --- notifications ------------------------------------------------------------------------
+
+    async def send_notification(self, agent: RemoteAgent, payload: bytes) -> None:
+        await self._call("send_notification", lambda a: a.send(agent, payload))
+
+    async def drain_notifications(self) -> tuple[Notification, ...]:
+        return await self._call("drain_notifications", NixlAgent.drain)

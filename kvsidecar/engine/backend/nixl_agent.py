@@ -1,0 +1,297 @@
+"""The synchronous half of the NIXL backend: one NIXL agent and every handle it owns.
+
+Every method runs on the backend's agent thread only (``NixlBackend`` sends each call there) and
+receives nothing but values and handles; the NIXL bindings module is passed in by ``nixl_backend``,
+the only module that imports NIXL. Handle ownership lives in one ``HandleBook``: NIXL handles are raw
+integers, and passing a stale one can hang the agent, so every handle is checked against the book
+before NIXL sees it, and released exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any, TypeVar
+
+import numpy.typing as npt
+
+from kvsidecar.engine.backend.contract import (
+    DlistHandle,
+    DlistSide,
+    MemoryRegistration,
+    Notification,
+    RemoteAgent,
+    XferHandle,
+    XferState,
+    XferTelemetry,
+)
+from kvsidecar.engine.backend.handles import HandleBook, StridedRows
+from kvsidecar.engine.backend.nixl_support import (
+    create_agent,
+    notifications_from,
+    telemetry_from,
+    translate_error,
+    validate_metadata,
+)
+from kvsidecar.engine.stats import ReadPhase
+from kvsidecar.errors import BackendError, BackendInvalidParamError
+from kvsidecar.memory.types import MemoryRegion, MemType
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+PARKED_AGENTS = 64  # remote agents kept loaded without a handle (bounds their sockets)
+
+
+class NixlAgent:
+    """One NIXL agent (UCX backend) built from the bindings ``b``; see ``create_agent``."""
+
+    def __init__(self, b: ModuleType, name: str, *, poll_delay_us: int, num_workers: int) -> None:
+        self._b = b
+        self._agent: Any = self._run(
+            "create agent", lambda: create_agent(b, name, poll_delay_us, num_workers)
+        )
+        self._book: HandleBook[Any, str, int, int] = HandleBook()
+        # Remote agents no handle uses any more but NIXL keeps loaded: invalidating one leaves its
+        # UCX endpoint (and a socket) behind (ai-dynamo/nixl#2025), so a re-handshake with the
+        # same agent reloads its metadata instead. The oldest beyond the bound are invalidated.
+        self._parked: OrderedDict[str, None] = OrderedDict()
+        # Remote agents a transfer or notification failed with: their endpoint may be broken, so
+        # they are invalidated rather than parked (a reload would reuse the broken endpoint).
+        self._suspect: set[str] = set()
+
+    def _run(self, what: str, fn: Callable[[], T]) -> T:
+        """Call into NIXL, translating its exceptions into kvsidecar errors."""
+        try:
+            return fn()
+        except Exception as exc:
+            raise (translate_error(exc, self._b, what) or exc) from None
+
+    def _mem(self, t: MemType) -> Any:
+        return self._b.DRAM_SEG if t is MemType.DRAM else self._b.VRAM_SEG
+
+    def close(self) -> None:
+        """Release everything in order (transfers, lists, agents, registrations), logging what
+        fails and going on; then drop the agent, whose destructor stops its threads."""
+        book = self._book
+        for x, _, _, _ in list(book.xfers.values()):
+            self._guard(functools.partial(self.release_xfer, x))
+        for d, _, _ in list(book.dlists.values()):
+            self._guard(functools.partial(self.release_dlist, d))
+        for a, _ in list(book.agents.values()):
+            self._guard(functools.partial(self.remove_agent, a))
+        for r, _ in list(book.regs.values()):
+            self._guard(functools.partial(self.deregister, r))
+        while self._parked:
+            self._guard(functools.partial(self._invalidate, self._parked.popitem(last=False)[0]))
+        self._agent = None
+
+    @staticmethod
+    def _guard(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BackendError as exc:
+            log.error("NIXL release during close failed: %s", exc)
+
+    # --- metadata, memory, agents -------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        return bytes(self._run("getLocalMD", self._agent.getLocalMD))
+
+    def register(self, region: MemoryRegion) -> MemoryRegistration:
+        row = (region.base_address, region.size, region.device_id, "")
+        dlist = self._b.nixlRegDList(self._mem(region.mem_type), [row])
+        self._run("registerMem", lambda: self._agent.registerMem(dlist, []))
+        h = MemoryRegistration(
+            id=self._book.new_id(),
+            base_address=region.base_address,
+            size=region.size,
+            mem_type=region.mem_type,
+            device_id=region.device_id,
+        )
+        self._book.regs[h.id] = (h, dlist)
+        return h
+
+    def deregister(self, h: MemoryRegistration) -> None:
+        dlist = self._book.reg(h)
+        del self._book.regs[h.id]  # once, even if NIXL complains
+        self._run("deregisterMem", lambda: self._agent.deregisterMem(dlist, []))
+
+    def add_agent(self, metadata: bytes, expected: str) -> RemoteAgent:
+        """Load a remote agent (``expected``: the name its sidecar advertised, "" if unknown). A
+        load that fails part-way leaves NIXL holding a broken entry for that name, which would
+        refuse every later load of the real agent: it is invalidated."""
+        if expected and self._book.agent_named(expected) is not None:
+            raise BackendInvalidParamError(f"remote agent {expected!r} is already loaded")
+        try:
+            raw = self._run("loadRemoteMD", lambda: self._agent.loadRemoteMD(metadata))
+        except BackendError:
+            if expected:
+                self._parked.pop(expected, None)
+                self._guard(functools.partial(self._invalidate, expected))
+            raise
+        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if expected and name != expected:
+            self._parked.pop(name, None)
+            self._guard(functools.partial(self._invalidate, name))
+            raise BackendInvalidParamError(
+                f"remote agent metadata names agent {name!r}, its sidecar said {expected!r}"
+            )
+        if self._book.agent_named(name) is not None:
+            raise BackendInvalidParamError(f"remote agent {name!r} is already loaded")
+        self._parked.pop(name, None)
+        h = RemoteAgent(id=self._book.new_id(), name=name)
+        self._book.agents[h.id] = (h, name)
+        return h
+
+    def remove_agent(self, h: RemoteAgent) -> None:
+        """Release the agent's transfers and lists and forget the handle; NIXL keeps the agent
+        (parked, see ``__init__``)."""
+        self._book.agent(h)
+        for d in self._book.dlists_of(h.name):
+            for x in self._book.xfers_using(d.id):
+                self._guard(functools.partial(self.release_xfer, x))
+            self._guard(functools.partial(self.release_dlist, d))
+        del self._book.agents[h.id]
+        if h.name in self._suspect:
+            self._suspect.discard(h.name)
+            self._invalidate(h.name)
+            return
+        self._parked[h.name] = None
+        while len(self._parked) > PARKED_AGENTS:
+            self._invalidate(self._parked.popitem(last=False)[0])
+
+    def knows(self, name: str) -> bool:
+        """``name`` is loaded (with or without a handle): its metadata loaded fine before."""
+        return name in self._parked or self._book.agent_named(name) is not None
+
+    def validate(self, metadata: bytes) -> None:
+        """See ``nixl_support.validate_metadata`` (thread-safe: touches no state of this agent)."""
+        validate_metadata(self._b, metadata)
+
+    def _invalidate(self, name: str) -> None:
+        self._run("invalidateRemoteMD", lambda: self._agent.invalidateRemoteMD(name))
+
+    # --- descriptor lists ---------------------------------------------------------------------
+
+    def prep(self, agent: RemoteAgent | None, rows: StridedRows, t: MemType) -> DlistHandle:
+        """Prepare a local (``agent`` None) or remote strided descriptor list."""
+        if agent is not None:
+            self._book.agent(agent)
+        target = self._b.NIXL_INIT_AGENT if agent is None else agent.name
+        raw = self._run(
+            "prepXferDlist",
+            lambda: self._agent.prepXferDlist(target, self._mem(t), rows.rows, []),
+        )
+        h = DlistHandle(
+            id=self._book.new_id(),
+            side=DlistSide.LOCAL if agent is None else DlistSide.REMOTE,
+            remote_agent=None if agent is None else agent.name,
+            mem_type=t,
+            num_descs=rows.num_descs,
+        )
+        self._book.dlists[h.id] = (h, rows, int(raw))
+        return h
+
+    def release_dlist(self, h: DlistHandle) -> None:
+        raw = self._book.pop_dlist(h)
+        self._run("releasedDlistH", lambda: self._agent.releasedDlistH(raw))
+
+    # --- transfers ----------------------------------------------------------------------------
+
+    def post_read(
+        self,
+        local: DlistHandle,
+        local_ids: npt.ArrayLike,
+        remote: DlistHandle,
+        remote_ids: npt.ArrayLike,
+        notification: bytes,
+    ) -> XferHandle:
+        b, book = self._b, self._book
+        r = book.read_pair(local, local_ids, remote, remote_ids)
+        t0 = time.perf_counter()
+        raw = self._run(
+            "makeXferReq",
+            lambda: self._agent.makeXferReq(
+                b.NIXL_READ, r.local, r.local_ids, r.remote, r.remote_ids, notification, [], False
+            ),
+        )
+        n, nbytes = r.local_ids.size, r.num_bytes
+        h = XferHandle(id=book.new_id(), remote_agent=r.remote_agent, num_descs=n, num_bytes=nbytes)
+        book.xfers[h.id] = (h, int(raw), local.id, remote.id)
+        t1 = time.perf_counter()
+        try:
+            status = self._run("postXferReq", lambda: self._agent.postXferReq(raw, notification))
+            if status not in (b.NIXL_SUCCESS, b.NIXL_IN_PROG):
+                raise BackendError(f"postXferReq returned {status}")
+        except BaseException:
+            self._suspect.add(r.remote_agent)
+            self._guard(lambda: self.release_xfer(h))
+            raise
+        timed = ((ReadPhase.MAKE, t1 - t0), (ReadPhase.POST, time.perf_counter() - t1))
+        # done_at_post: completed inside the post (same-host cma)
+        h = dataclasses.replace(h, done_at_post=status == b.NIXL_SUCCESS, phases=timed)
+        book.xfers[h.id] = (h, *book.xfers[h.id][1:])
+        return h
+
+    def poll(self, xfers: Sequence[XferHandle]) -> tuple[XferState, ...]:
+        b, book = self._b, self._book
+        out = []
+        for x in xfers:
+            if x.id in book.errors:
+                out.append(XferState.ERR)
+                continue
+            try:
+                raw = book.xfer(x)
+                status = self._run(
+                    "getXferStatus", functools.partial(self._agent.getXferStatus, raw)
+                )
+            except BackendError as exc:
+                book.errors[x.id] = exc
+                self._suspect.add(x.remote_agent)
+                out.append(XferState.ERR)
+                continue
+            if status == b.NIXL_SUCCESS:
+                out.append(XferState.DONE)
+            elif status == b.NIXL_IN_PROG:
+                out.append(XferState.PROC)
+            else:
+                book.errors[x.id] = BackendError(f"transfer {x.id} failed with {status}")
+                self._suspect.add(x.remote_agent)
+                out.append(XferState.ERR)
+        return tuple(out)
+
+    def xfer_error(self, xfer: XferHandle) -> BackendError | None:
+        return self._book.errors.get(xfer.id)
+
+    def release_xfer(self, h: XferHandle) -> None:
+        raw = self._book.xfer(h)
+        self._run("releaseXferReq", lambda: self._agent.releaseXferReq(raw))
+        del self._book.xfers[h.id]  # only once NIXL let go: close() retries otherwise
+        self._book.errors.pop(h.id, None)
+
+    def telemetry(self, xfer: XferHandle) -> XferTelemetry | None:
+        raw = self._book.xfer(xfer)
+        try:
+            t = self._run("getXferTelemetry", lambda: self._agent.getXferTelemetry(raw))
+        except BackendError:
+            return None
+        return telemetry_from(t)
+
+    # --- notifications ------------------------------------------------------------------------
+
+    def send(self, agent: RemoteAgent, payload: bytes) -> None:
+        self._book.agent(agent)
+        try:
+            self._run("genNotif", lambda: self._agent.genNotif(agent.name, payload, []))
+        except BackendError:
+            self._suspect.add(agent.name)
+            raise
+
+    def drain(self) -> tuple[Notification, ...]:
+        return notifications_from(self._run("getNotifs", lambda: self._agent.getNotifs({}, [])))

@@ -1,0 +1,145 @@
+"""The producer (prefill) side: holds, their tokens and leases, and the consumer notifications that
+complete them.
+
+Wraps the pure ``ProducerLedger`` with what the daemon adds: a token per hold, the outcome of every
+consumer notification (the consumer's confirmation of its read), ``SEND_DONE`` events and counters.
+Consumer notifications arrive over PeerService (authenticated); NIXL notifications are never
+trusted: nothing legitimate sends them any more, so they are drained, counted and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+
+from kvsidecar.engine.events import EventHub
+from kvsidecar.engine.holds.ledger import ConsumerId, NotificationOutcome, ProducerLedger
+from kvsidecar.engine.model import Hold
+from kvsidecar.engine.ratelog import RateLimited
+from kvsidecar.engine.stats import ProducerStats
+from kvsidecar.errors import NotFoundError
+from kvsidecar.types import SendDone
+from kvsidecar.wire.peer import NotificationKind, Outcome, PeerNotification
+
+log = logging.getLogger(__name__)
+
+_OUTCOMES = {
+    NotificationOutcome.COUNTED: Outcome.ACCEPTED,
+    NotificationOutcome.COMPLETED: Outcome.ACCEPTED,
+    NotificationOutcome.EARLY: Outcome.ACCEPTED,
+    NotificationOutcome.DUPLICATE: Outcome.ACCEPTED,
+    NotificationOutcome.STALE: Outcome.HOLD_ENDED,  # ended, malformed or one consumer too many
+    NotificationOutcome.WRONG_TOKEN: Outcome.WRONG_TOKEN,
+    NotificationOutcome.UNKNOWN: Outcome.UNKNOWN_REQUEST,
+}
+
+
+class Producer:
+    """Holds and their completion for the current registration."""
+
+    def __init__(self, *, lease_s: float, events: EventHub) -> None:
+        self.ledger = ProducerLedger(default_lease_s=lease_s, clock=time.monotonic)
+        self._events = events
+        self._received = 0
+        self._refused: dict[str, int] = {}
+        self._nixl_ignored = 0
+        self._log = RateLimited(log)
+
+    @property
+    def holds_active(self) -> int:
+        return self.ledger.counters.holds_active
+
+    def hold(self, cmd: Hold) -> str:
+        """Start a lease (``cmd.lease_s`` seconds; ``None`` = the ledger's default) under
+        ``cmd.token`` (empty: a new random one). Returns the token; may complete at once when
+        notifications with that token arrived first."""
+        token = cmd.token or secrets.token_urlsafe(24)
+        self._finish(
+            self.ledger.hold(
+                cmd.request_id, lease_s=cmd.lease_s, block_ids=cmd.block_ids, token=token
+            )
+        )
+        return token
+
+    def release(self, request_id: str) -> None:
+        if not self.ledger.release(request_id):
+            raise NotFoundError(f"request_id={request_id!r} is not held")
+
+    def drop_all(self) -> int:
+        """The engine is gone: forget every hold (no SEND_DONE)."""
+        return self.ledger.drop_all()
+
+    def reap(self) -> None:
+        """Expire leases whose time is up."""
+        for done in self.ledger.reap():
+            self._finish(done)
+
+    def on_peer(self, notifications: Sequence[PeerNotification], epoch: int) -> list[Outcome]:
+        """Apply consumer notifications for the registration of ``epoch``; one outcome each. A
+        READ_DONE that asks for confirmation is ACCEPTED only while its hold is live under the
+        epoch and token it names. Never raises on peer data."""
+        out = [self._apply(n, epoch) for n in notifications]
+        for n, outcome in zip(notifications, out, strict=True):
+            self._received += 1
+            if outcome is not Outcome.ACCEPTED:
+                self._refused[outcome.name.lower()] = self._refused.get(outcome.name.lower(), 0) + 1
+                self._log.warning(
+                    "refused %s for %r from %s rank %d: %s",
+                    n.kind.name,
+                    n.remote_request_id,
+                    n.consumer_engine_id,
+                    n.consumer_rank,
+                    outcome.name,
+                    request_id=n.remote_request_id,
+                    peer=n.consumer_engine_id,
+                )
+        return out
+
+    def _apply(self, n: PeerNotification, epoch: int) -> Outcome:
+        if n.epoch != epoch:
+            return Outcome.STALE_EPOCH
+        if n.kind is NotificationKind.HEARTBEAT:
+            extended = self.ledger.heartbeat(n.heartbeat_ids, tokens=n.heartbeat_tokens)
+            return Outcome.ACCEPTED if extended == len(set(n.heartbeat_ids)) else Outcome.HOLD_ENDED
+        result, done = self.ledger.notify(
+            n.remote_request_id,
+            expected_consumers=n.expected_consumers,
+            consumer=ConsumerId(engine_id=n.consumer_engine_id, rank=n.consumer_rank),
+            token=n.token,
+            require_hold=n.confirm,
+        )
+        self._finish(done)
+        return _OUTCOMES[result]
+
+    def on_nixl_notifications(self, agents: Sequence[str]) -> None:
+        """NIXL notifications (from ``agents``) arrived: nothing legitimate sends them, since they
+        carry no proof of their sender. Count and drop."""
+        if agents:
+            self._nixl_ignored += len(agents)
+            self._log.warning(
+                "ignored %d NIXL notification(s) from %s (consumers notify over PeerService)",
+                len(agents),
+                sorted(set(agents)),
+            )
+
+    def stats(self) -> ProducerStats:
+        ledger = self.ledger.counters
+        refused = self._refused
+        return ProducerStats(
+            holds_active=ledger.holds_active,
+            sends_done=ledger.sends_done,
+            leases_expired=ledger.leases_expired,
+            notifications_received=self._received,
+            notifications_refused=dict(refused),
+            stale_notifications=ledger.stale_notifications
+            + refused.get("stale_epoch", 0)
+            + refused.get("unknown_request", 0),
+            duplicate_notifications=ledger.duplicate_notifications,
+            bad_notifications=ledger.wrong_token + self._nixl_ignored,
+        )
+
+    def _finish(self, done: SendDone | None) -> None:
+        if done is not None:
+            self._events.emit(done)

@@ -1,0 +1,180 @@
+"""The engine's parts, wired together once, and the snapshot of everything they count.
+
+``Parts.build`` is the only place that knows how the wings connect: the read side's confirmer
+reports outcomes to the in-flight reads and stale peers to the guard, the handshakes quarantine
+through the guard, the consumer wakes the poller. ``EngineCore`` is the face in front of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from kvsidecar.engine.admission import Admission
+from kvsidecar.engine.backend.contract import TransferBackend
+from kvsidecar.engine.events import EventHub
+from kvsidecar.engine.holds.producer import Producer
+from kvsidecar.engine.model import CoreConfig, Endpoints
+from kvsidecar.engine.peers.handshake import Handshakes
+from kvsidecar.engine.peers.link import PeerLink
+from kvsidecar.engine.peers.registry import Peer, PeerRegistry
+from kvsidecar.engine.poller import Poller
+from kvsidecar.engine.reads.confirm import Confirmer
+from kvsidecar.engine.reads.consumer import Consumer
+from kvsidecar.engine.reads.guard import PeerGuard
+from kvsidecar.engine.reads.inflight import InFlightReads
+from kvsidecar.engine.registrar import Registrar
+from kvsidecar.engine.stats import EngineStats, SessionCounters
+from kvsidecar.types import SidecarStatus
+from kvsidecar.wire.peer import Outcome
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Parts:
+    """Every component of one engine core (each owned here, used through ``EngineCore``)."""
+
+    config: CoreConfig
+    events: EventHub
+    link: PeerLink
+    peers: PeerRegistry
+    confirmer: Confirmer
+    reads: InFlightReads
+    producer: Producer
+    guard: PeerGuard
+    poller: Poller
+    handshakes: Handshakes
+    serving: Admission  # GetAgent calls served to other sidecars
+    consumer: Consumer
+    registrar: Registrar
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        backend: TransferBackend,
+        config: CoreConfig,
+        on_registered: Callable[[bool], Awaitable[None]],
+        discovered: Callable[[str], Endpoints] | None,
+    ) -> Parts:
+        events = EventHub(max_buffered=config.max_queued_events)
+        link = PeerLink(timeout_s=config.handshake_timeout_s, tls=config.tls)
+        peers = PeerRegistry(backend=backend, link=link)
+
+        # The confirmer is built before the reads and the guard it reports to.
+        def resolve(request_id: str, rank: int, outcome: Outcome | None, detail: str) -> None:
+            reads.resolve(request_id, rank, outcome, detail)
+
+        async def invalidate(peer: Peer, why: str) -> None:
+            await guard.invalidate(peer, why)
+
+        confirmer = Confirmer(link=link, resolve=resolve, invalidate=invalidate)
+        reads = InFlightReads(
+            backend=backend, events=events, confirmer=confirmer, confirm=config.confirm_reads
+        )
+        producer = Producer(lease_s=config.lease_s, events=events)
+        guard = PeerGuard(peers=peers, transfers=reads)
+        poller = Poller(
+            backend=backend, transfers=reads, producer=producer, guard=guard, peers=peers
+        )
+        handshakes = Handshakes(
+            peers=peers,
+            quarantine=guard.quarantine,
+            discovered=discovered,
+            concurrency=config.handshake_concurrency,
+        )
+        # Bounded so that a fleet starting at once queues instead of piling onto this sidecar.
+        serving = Admission(config.serve_handshake_concurrency, what="handshakes served")
+        consumer = Consumer(
+            peers=peers,
+            handshakes=handshakes,
+            reads=reads,
+            guard=guard,
+            confirmer=confirmer,
+            read_deadline_s=config.read_deadline_s,
+            on_posted=poller.wake,
+        )
+        registrar = Registrar(
+            backend=backend,
+            shm_roots=config.shm_roots,
+            peers=peers,
+            transfers=reads,
+            producer=producer,
+            events=events,
+            guard=guard,
+            on_registered=on_registered,
+        )
+        return cls(
+            config=config,
+            events=events,
+            link=link,
+            peers=peers,
+            confirmer=confirmer,
+            reads=reads,
+            producer=producer,
+            guard=guard,
+            poller=poller,
+            handshakes=handshakes,
+            serving=serving,
+            consumer=consumer,
+            registrar=registrar,
+        )
+
+    async def aclose(self) -> None:
+        """Fail what is left, release peers, memory and channels; stop the poller (in order)."""
+        await self.handshakes.aclose()
+        await self.consumer.aclose()
+        await self.registrar.shutdown()
+        await self.poller.aclose()
+        await self.confirmer.aclose()
+        await self.link.aclose()
+
+    def stats(self, sessions: SessionCounters) -> EngineStats:
+        local = self.registrar.local
+        return EngineStats(
+            transfers=self.reads.stats(),
+            consumer=self.consumer.stats(),
+            producer=self.producer.stats(),
+            peers=self.peers.stats(),
+            sessions=sessions.snapshot(),
+            handshake_admission=self.handshakes.admission.stats(),
+            serve_admission=self.serving.stats(),
+            events_dropped=self.events.dropped,
+            events_queued=self.events.queued,
+            events_discarded=self.events.discarded,
+            registered_bytes=local.registered_bytes if local is not None else 0,
+        )
+
+    def status(
+        self,
+        sessions: SessionCounters,
+        max_events: int,
+        *,
+        drain: bool,
+        draining: bool,
+        agent_name: str,
+        peer_endpoint: str,
+    ) -> SidecarStatus:
+        """State and counters; with ``drain``, also the queued events (up to ``max_events``)."""
+        local = self.registrar.local
+        g = local.geometry if local is not None else None
+        stats = self.stats(sessions)
+        return SidecarStatus(
+            events=self.events.drain(max_events) if drain else (),
+            engine_id=g.engine_id if g is not None else "",
+            tp_rank=g.tp_rank if g is not None else 0,
+            tp_size=g.tp_size if g is not None else 0,
+            epoch=local.epoch if local is not None else 0,
+            ready=local is not None and not draining,
+            draining=draining,
+            peers=self.peers.summaries(),
+            reads_in_flight=len(self.reads),
+            holds_active=self.producer.holds_active,
+            counters=stats.counters(),
+            agent_name=agent_name,
+            watch_connected=self.events.watching,
+            peer_tls=self.config.tls is not None,
+            confirm_reads=self.config.confirm_reads,
+            events_queued=self.events.queued,
+            reads_handshaking=stats.transfers.reads_handshaking,
+            peer_endpoint=peer_endpoint,
+        )

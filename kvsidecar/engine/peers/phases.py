@@ -1,0 +1,176 @@
+"""The two phases of a handshake with a remote engine, as plain functions.
+
+``fetch`` is the network phase (resolve endpoints, GetAgent from every rank the plan needs, check
+identity and compatibility); it may be cancelled at any await. ``attach`` is the backend phase (load
+the remote agents, prepare both descriptor lists of every read rank) and builds a ``Peer`` that its
+caller then owns; on failure it releases what it built. The consumer runs them in order and tells
+the ``PeerRegistry`` the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from kvsidecar.engine.backend.contract import MemType
+from kvsidecar.engine.local import LocalEngine
+from kvsidecar.engine.model import Endpoints
+from kvsidecar.engine.peers.link import PeerLink
+from kvsidecar.engine.peers.registry import Peer, PeerRegistry, RankLink
+from kvsidecar.errors import (
+    BackendInvalidParamError,
+    BackendNotFoundError,
+    FailedPreconditionError,
+    IncompatibleError,
+    NotFoundError,
+    PeerUnavailableError,
+)
+from kvsidecar.plan import EngineGeometry, build_peer_plan
+from kvsidecar.plan.compat import PROTOCOL_VERSION, compatibility_mismatches
+from kvsidecar.plan.tp import needed_remote_ranks
+from kvsidecar.wire.peer import AgentInfo
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fetched:
+    """What the network phase learned: every rank's endpoint, the remote geometry and the agent
+    record of every rank the plan needs."""
+
+    engine_id: str
+    endpoints: tuple[str, ...]
+    geometry: EngineGeometry
+    agents: dict[int, AgentInfo]
+
+    @property
+    def agent_names(self) -> frozenset[str]:
+        return frozenset(a.agent_name for a in self.agents.values())
+
+
+def compat_mismatches(local: LocalEngine, remote: AgentInfo, *, geometry: bool = True) -> list[str]:
+    """Every differing compatibility item between the local engine and one remote rank."""
+    out: list[str] = []
+    if remote.protocol_version != PROTOCOL_VERSION:
+        out.append(f"protocol_version: local {PROTOCOL_VERSION}, remote {remote.protocol_version}")
+    lmap, rmap = dict(local.registration.compat.items()), dict(remote.compat.items())
+    for key in sorted(set(lmap) | set(rmap)):
+        if lmap.get(key) != rmap.get(key):
+            out.append(f"{key}: local {lmap.get(key)!r}, remote {rmap.get(key)!r}")
+    if geometry:
+        out.extend(compatibility_mismatches(local.geometry, remote.geometry))
+    return out
+
+
+def check_agent(info: AgentInfo, engine_id: str, rank: int, tp: int) -> None:
+    """The rank that answered is the one asked for, of an engine of ``tp`` ranks."""
+    problems = []
+    if info.engine_id != engine_id:
+        problems.append(f"engine_id {info.engine_id!r} (expected {engine_id!r})")
+    if info.tp_rank != rank:
+        problems.append(f"tp_rank {info.tp_rank} (expected {rank})")
+    if info.tp_size != tp:
+        problems.append(f"tp_size {info.tp_size} (expected {tp} endpoints)")
+    if info.mem_type not in ("", "DRAM", "VRAM"):
+        problems.append(f"mem_type {info.mem_type!r}")
+    if problems:
+        raise FailedPreconditionError(
+            f"remote engine {engine_id!r} rank {rank} answered " + ", ".join(problems)
+        )
+
+
+async def resolve(
+    link: PeerLink, engine_id: str, endpoints: Endpoints, known: tuple[str, ...]
+) -> tuple[str, ...]:
+    """Every rank's endpoint: as given, from any rank's directory, or from the last handshake."""
+    if endpoints.ranks:
+        return endpoints.ranks
+    if endpoints.any_rank:
+        directory = await link.get_engine(endpoints.any_rank, engine_id)
+        if not directory.endpoints or len(directory.endpoints) != directory.tp_size:
+            raise FailedPreconditionError(
+                f"GetEngine({engine_id!r}) from {endpoints.any_rank} returned "
+                f"{len(directory.endpoints)} endpoints for tp_size={directory.tp_size}"
+            )
+        return directory.endpoints
+    if known:
+        return known
+    raise NotFoundError(
+        f"remote_engine_id={engine_id!r} is unknown: pass remote_endpoints or remote_endpoint"
+    )
+
+
+async def fetch(
+    registry: PeerRegistry, local: LocalEngine, engine_id: str, endpoints: Endpoints
+) -> Fetched:
+    """Resolve endpoints, fetch and check the agents of every rank the plan needs. The "home"
+    rank comes first: its geometry says which other ranks are needed."""
+    link = registry.link
+    ranks = await resolve(link, engine_id, endpoints, registry.known_endpoints(engine_id))
+    tp = len(ranks)
+    me = local.geometry
+    home = me.tp_rank * tp // me.tp_size
+    first = await link.get_agent(ranks[home], engine_id, home)
+    check_agent(first, engine_id, home, tp)
+    if first.compat_digest != local.digest:
+        raise IncompatibleError(
+            compat_mismatches(local, first) or ["compat_digest differs (no single item identified)"]
+        )
+    needed = needed_remote_ranks(me, tp, first.geometry)
+    others = [r for r in needed if r != home]
+    fetched = await asyncio.gather(*(link.get_agent(ranks[r], engine_id, r) for r in others))
+    agents = {home: first, **dict(zip(others, fetched, strict=True))}
+    for r, info in agents.items():
+        check_agent(info, engine_id, r, tp)
+        if info.compat_digest != local.digest:
+            raise IncompatibleError(
+                compat_mismatches(local, info, geometry=False)
+                or [f"rank {r}: compat_digest differs"]
+            )
+    return Fetched(engine_id=engine_id, endpoints=ranks, geometry=first.geometry, agents=agents)
+
+
+async def attach(registry: PeerRegistry, local: LocalEngine, fetched: Fetched) -> Peer:
+    """Load the remote agents and prepare both lists of every read rank; on failure release
+    what was built before raising. The caller owns the returned peer (``registry.add`` it)."""
+    backend = registry.backend
+    bases = {r: dict(info.view_bases) for r, info in fetched.agents.items()}
+    plan = build_peer_plan(
+        local=local.geometry,
+        remote=fetched.geometry,
+        local_bases=local.view_bases,
+        remote_bases=bases,
+    )
+    peer = Peer(
+        engine_id=fetched.engine_id,
+        endpoints=fetched.endpoints,
+        plan=plan,
+        remote_geometry=fetched.geometry,
+    )
+    try:
+        for rank_plan in plan.ranks:
+            info = fetched.agents[rank_plan.remote_rank]
+            try:
+                agent = await backend.add_remote_agent(info.nixl_agent_metadata, info.agent_name)
+            except (BackendInvalidParamError, BackendNotFoundError) as exc:
+                raise PeerUnavailableError(
+                    f"remote engine {fetched.engine_id!r} rank {rank_plan.remote_rank} sent "
+                    f"agent metadata that does not load: {exc}"
+                ) from None
+            link = RankLink(
+                rank=rank_plan.remote_rank,
+                endpoint=fetched.endpoints[rank_plan.remote_rank],
+                agent=agent,
+                epoch=info.epoch,
+                plan=rank_plan,
+            )
+            peer.links[rank_plan.remote_rank] = link
+            if not rank_plan.notify_only:
+                link.local_dlist = await backend.prep_local_dlist(
+                    rank_plan.local_rows, local.mem_type
+                )
+                link.remote_dlist = await backend.prep_remote_dlist(
+                    agent, rank_plan.remote_rows, MemType[info.mem_type or "DRAM"]
+                )
+    except BaseException:
+        await registry.release(peer)
+        raise
+    return peer

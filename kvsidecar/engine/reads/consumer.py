@@ -1,0 +1,232 @@
+"""The consumer (decode) side's front desk: accepting Reads and ReadBatches, and the
+notification-only calls (CONSUMED, HEARTBEAT).
+
+A read whose peer is ready is validated against the plan, its id taken and its READs posted
+under the ``PeerGuard`` before the call returns; otherwise it is admitted and waits for the shared
+handshake in the background, ending with one event either way. The consumer never calls up into
+the core: the core binds it to a registration and reads its counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from kvsidecar.engine.local import LocalEngine
+from kvsidecar.engine.model import Consumed, Heartbeat, ReadCommand
+from kvsidecar.engine.peers.handshake import Handshakes
+from kvsidecar.engine.peers.registry import Peer, PeerRegistry
+from kvsidecar.engine.ratelog import RateLimited
+from kvsidecar.engine.reads.batch import ReadBatch, ReadOutcome
+from kvsidecar.engine.reads.confirm import Confirmer
+from kvsidecar.engine.reads.guard import PeerGuard
+from kvsidecar.engine.reads.inflight import InFlightReads
+from kvsidecar.engine.stats import ConsumerStats, ReadPhase
+from kvsidecar.engine.tasks import shielded
+from kvsidecar.errors import (
+    KvSidecarError,
+    LocalMemoryError,
+    NotFoundError,
+)
+from kvsidecar.plan import validate_request_ids
+from kvsidecar.types import FailReason, ReadPosted
+from kvsidecar.wire.peer import NotificationKind
+
+log = RateLimited(logging.getLogger(__name__))  # a bug may repeat per read or poll
+
+
+class Consumer:
+    """Reads from remote engines on behalf of the bound local registration."""
+
+    def __init__(
+        self,
+        *,
+        peers: PeerRegistry,
+        handshakes: Handshakes,
+        reads: InFlightReads,
+        guard: PeerGuard,
+        confirmer: Confirmer,
+        read_deadline_s: float,
+        on_posted: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._peers = peers
+        self._handshakes = handshakes
+        self._reads = reads
+        self._guard = guard
+        self._read_deadline_s = read_deadline_s
+        self._rejected: dict[str, int] = {}
+        self._confirmer = confirmer
+        self._on_posted = on_posted  # wakes the poller
+        self._waiters: set[asyncio.Task[None]] = set()  # reads waiting for a handshake
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    async def read(self, cmd: ReadCommand) -> ReadPosted:
+        """Validate and accept a read; never waits for the network. With a ready peer the READs
+        are posted before returning; otherwise the read waits for the handshake in the background
+        (``ReadPosted.handshaking``) and ends with one event either way. Raises typed errors for
+        what can be refused at once; never loses other requests."""
+        t0 = time.perf_counter()
+        local = self._peers.require_local()
+        deadline_s = self._read_deadline_s if cmd.deadline_s is None else cmd.deadline_s
+        peer = self._peers.peer(cmd.remote_engine_id)
+        if peer is None:
+            validate_request_ids(local.geometry, cmd.local_ids, cmd.remote_ids, None)
+            e = self._handshakes.endpoints_for(cmd.remote_engine_id, cmd.endpoints)
+            if not (e.given or self._peers.known_endpoints(cmd.remote_engine_id)):
+                raise NotFoundError(
+                    f"remote_engine_id={cmd.remote_engine_id!r} is unknown: pass "
+                    "remote_endpoints or remote_endpoint (or find it through discovery)"
+                )
+            if self._peers.pending(cmd.remote_engine_id) is None:
+                self._peers.check_backoff(cmd.remote_engine_id)
+            self._reads.admit(cmd)
+            self._reads.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
+            task = asyncio.get_running_loop().create_task(
+                self._read_after_handshake(cmd, local, deadline_s)
+            )
+            self._waiters.add(task)
+            task.add_done_callback(self._waiters.discard)
+            return ReadPosted(reads_posted=0, notifications_sent=0, bytes=0, handshaking=True)
+        validate_request_ids(local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry)
+        ticket = self._reads.take(cmd.request_id)
+        self._reads.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
+        return await self._post(cmd, local, peer, deadline_s, ticket)
+
+    async def read_batch(self, batch: ReadBatch) -> tuple[ReadOutcome, ...]:
+        """One outcome per read of ``batch``, in order; a refused read fails only itself.
+
+        The reads are accepted concurrently: each is validated in turn, then their posts reach
+        the agent thread in one burst (one wake-up of the loop for all of them)."""
+
+        async def one(cmd: ReadCommand) -> ReadOutcome:
+            try:
+                return await self.read(cmd)
+            except KvSidecarError as exc:
+                return exc
+
+        return tuple(await asyncio.gather(*(one(cmd) for cmd in batch.reads)))
+
+    async def _post(
+        self,
+        cmd: ReadCommand,
+        local: LocalEngine,
+        peer: Peer,
+        deadline_s: float,
+        ticket: int | None = None,
+    ) -> ReadPosted:
+        """Post under the guard. ``ticket``: the read's id was taken for this post (not admitted)
+        and goes back if the post fails."""
+        me = (local.geometry.engine_id, local.geometry.tp_rank)
+
+        async def post() -> ReadPosted:
+            try:
+                return await self._guard.run(
+                    peer,
+                    "posting a READ",
+                    lambda: self._reads.post(cmd, peer, deadline_s=deadline_s, consumer=me),
+                    local=local,
+                )
+            except BaseException:
+                if ticket is not None:  # nothing was posted: the id is free again
+                    self._reads.give_back(cmd.request_id, ticket)
+                raise
+
+        # Shielded: a cancelled RPC must not orphan a READ the backend already posted.
+        posted = await shielded(post())
+        self._on_posted()
+        return posted
+
+    async def _read_after_handshake(
+        self, cmd: ReadCommand, local: LocalEngine, deadline_s: float
+    ) -> None:
+        """Handshake (bounded by the read's deadline), then validate and post an admitted read;
+        every way out ends it with one event (unless the registration already ended it)."""
+        rid, remote = cmd.request_id, cmd.remote_engine_id
+        fail = self._reads.fail_waiting
+        try:
+            peer = await asyncio.wait_for(self._handshakes.peer(remote, cmd.endpoints), deadline_s)
+        except TimeoutError:
+            fail(rid, FailReason.HANDSHAKE, f"the handshake with {remote!r} did not finish "
+                 f"within the read's deadline of {deadline_s:g}s")  # fmt: skip
+            return
+        except KvSidecarError as exc:
+            fail(rid, FailReason.HANDSHAKE, f"the handshake with {remote!r} failed: {exc}")
+            return
+        except asyncio.CancelledError:
+            fail(rid, FailReason.SHUTDOWN, "the sidecar stopped before the handshake finished")
+            raise
+        except Exception as exc:  # a bug must still end the read, and be seen
+            log.exception("handshake for read %r failed unexpectedly", rid, request_id=rid)
+            fail(rid, FailReason.HANDSHAKE, f"the handshake with {remote!r} failed: {exc!r}")
+            return
+        if not self._reads.waiting(rid):
+            return  # the registration ended meanwhile and failed it
+        try:
+            validate_request_ids(
+                local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry
+            )
+        except KvSidecarError as exc:
+            fail(rid, FailReason.REJECTED, f"the remote engine {remote!r} refuses the read: {exc}")
+            return
+        try:
+            await self._post(cmd, local, peer, deadline_s)
+        except LocalMemoryError as exc:
+            fail(rid, FailReason.LOCAL_MEMORY, str(exc))
+        except KvSidecarError as exc:
+            fail(rid, FailReason.TRANSFER_ERROR, f"posting the READs failed: {exc}")
+        except Exception as exc:
+            log.exception("posting read %r failed unexpectedly", rid, request_id=rid)
+            fail(rid, FailReason.TRANSFER_ERROR, f"posting the READs failed: {exc!r}")
+
+    async def aclose(self) -> None:
+        """Stop the reads still waiting for a handshake (each fails SHUTDOWN)."""
+        for task in list(self._waiters):
+            task.cancel()
+        if self._waiters:
+            await asyncio.wait(self._waiters, timeout=5.0)
+
+    def rejected(self, code: str) -> None:
+        """Count a Read call rejected before posting, by its gRPC status name."""
+        self._rejected[code] = self._rejected.get(code, 0) + 1
+
+    # --- notifications --------------------------------------------------------------------------
+
+    async def consumed(self, cmd: Consumed) -> tuple[int, int]:
+        """Tell every producer rank of the plan that this rank will not read (notify only).
+        Returns (notifications sent, refused by the producer)."""
+        me = self._peers.require_local().geometry
+        peer = await self._handshakes.peer(cmd.remote_engine_id, cmd.endpoints)
+        return await self._confirmer.notify_all(
+            peer,
+            NotificationKind.CONSUMED,
+            (me.engine_id, me.tp_rank),
+            remote_request_id=cmd.remote_request_id,
+            token=cmd.token,
+        )
+
+    async def heartbeat(self, cmd: Heartbeat) -> tuple[int, int]:
+        """Extend the producer leases of ``cmd.remote_request_ids`` on every rank of the plan.
+        Returns (sent, refused)."""
+        me = self._peers.require_local().geometry
+        peer = self._peers.peer(cmd.remote_engine_id)
+        if peer is None:
+            raise NotFoundError(f"remote_engine_id={cmd.remote_engine_id!r} has no handshake")
+        return await self._confirmer.notify_all(
+            peer,
+            NotificationKind.HEARTBEAT,
+            (me.engine_id, me.tp_rank),
+            heartbeat_ids=cmd.remote_request_ids,
+            heartbeat_tokens=cmd.tokens,
+        )
+
+    def stats(self) -> ConsumerStats:
+        c = self._confirmer
+        return ConsumerStats(
+            reads_rejected=dict(self._rejected),
+            notifications_sent=dict(c.sent),
+            notifications_refused=dict(c.refused),
+            notifications_undelivered=c.undelivered,
+        )

@@ -1,0 +1,325 @@
+"""In-flight reads: post one READ per remote rank, poll, confirm, enforce deadlines, report once.
+
+A request completes with ``RecvDone`` when every sibling READ is DONE and (with confirmed reads,
+the default) every producer rank read from has confirmed that the request's hold was live under the
+token and epoch the consumer named. If a READ fails, the siblings are still awaited (until the
+deadline) and every handle is released before ``RecvFailed`` names the local block ids that may
+hold garbage; a refused confirmation fails the read as STALE. The producer hears READ_DONE only for
+READs that completed; a failed read is never reported to it (its lease expires).
+
+Notifications to producers go to the ``Confirmer`` as soon as they are due; their outcomes come
+back through ``resolve``. Request ids are taken and ended in ``ReadIds``, the one place that knows
+whether an id may be used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from kvsidecar.engine.backend.contract import TransferBackend, XferHandle, XferState
+from kvsidecar.engine.events import EventHub
+from kvsidecar.engine.local import LocalEngine
+from kvsidecar.engine.model import ReadCommand
+from kvsidecar.engine.peers.registry import Peer
+from kvsidecar.engine.ratelog import RateLimited
+from kvsidecar.engine.reads.confirm import Confirmer
+from kvsidecar.engine.reads.ids import REMEMBERED_IDS, ReadIds
+from kvsidecar.engine.reads.report import ReadReport
+from kvsidecar.engine.reads.state import Admitted, InFlightRead, Phase, Xfer
+from kvsidecar.engine.stats import PhaseHistograms, ReadPhase, TransferStats
+from kvsidecar.errors import BackendError, KvSidecarError
+from kvsidecar.plan import request_ids
+from kvsidecar.types import FailReason, ReadPosted
+from kvsidecar.wire.peer import Outcome
+
+log = RateLimited(logging.getLogger(__name__))  # per-request lines: rate-limited
+
+
+async def _post_reads(
+    backend: TransferBackend, cmd: ReadCommand, peer: Peer, report: ReadReport
+) -> tuple[list[Xfer], int]:
+    """One READ per read rank of the peer's plan: (transfers, bytes). On any failure every READ
+    already posted is released before the error propagates."""
+    xfers: list[Xfer] = []
+    total = 0
+    t0 = time.perf_counter()
+    by_rank = {r.remote_rank: r for r in request_ids(peer.plan, cmd.local_ids, cmd.remote_ids)}
+    report.phases.observe(ReadPhase.IDS, time.perf_counter() - t0)
+    try:
+        for link in peer.links.values():
+            ids = by_rank.get(link.rank)
+            if ids is None:  # notify-only rank, or nothing to read (full prefix hit)
+                continue
+            assert link.local_dlist is not None
+            assert link.remote_dlist is not None
+            handle = await backend.post_read(
+                link.local_dlist, ids.local_desc_ids, link.remote_dlist, ids.remote_desc_ids, b""
+            )
+            state = XferState.DONE if handle.done_at_post else XferState.PROC
+            xfers.append(Xfer(rank=link.rank, handle=handle, state=state))
+            if handle.num_bytes != ids.num_bytes:
+                raise BackendError(
+                    f"READ from rank {link.rank} of {peer.engine_id!r} posted "
+                    f"{handle.num_bytes} bytes, the plan needs {ids.num_bytes}"
+                )
+            report.descriptors.observe(len(ids.local_desc_ids))
+            for phase, seconds in handle.phases:
+                report.phases.observe(phase, seconds)
+            total += ids.num_bytes
+    except BaseException:
+        for x in xfers:
+            with contextlib.suppress(Exception):
+                await backend.release_xfer(x.handle)
+        raise
+    return xfers, total
+
+
+class InFlightReads:
+    """Owns every accepted read until its event, and its transfer handles (released exactly
+    once). ``confirm``: report RECV_DONE only once every producer rank read from has confirmed.
+    ``phases``: where Read time goes (the RPC layer and the consumer observe their phases there
+    too)."""
+
+    def __init__(
+        self,
+        *,
+        backend: TransferBackend,
+        events: EventHub,
+        confirmer: Confirmer,
+        confirm: bool = True,
+        remember_ids: int = REMEMBERED_IDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._backend = backend
+        self._confirmer = confirmer
+        self.confirm = confirm
+        self._clock = clock
+        self._reads: dict[str, InFlightRead] = {}
+        self._waiting: dict[str, Admitted] = {}  # accepted, waiting for their peer's handshake
+        self._ids = ReadIds(remember_ids)
+        self._to_release: list[XferHandle] = []  # completed, not yet released
+        self._report = ReadReport(events)
+        self.phases: PhaseHistograms = self._report.phases
+
+    def stats(self) -> TransferStats:
+        return self._report.stats(len(self), len(self._waiting))
+
+    def __len__(self) -> int:
+        """Reads accepted and not yet ended (waiting for a handshake, reading or confirming)."""
+        return len(self._reads) + len(self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        """No read in flight and no handle waiting to be released."""
+        return not self._reads and not self._waiting and not self._to_release
+
+    # --- accepting ------------------------------------------------------------------------------
+
+    def take(self, request_id: str) -> int:
+        """Take ``request_id`` for a read about to be posted now (AlreadyExistsError if it is in
+        flight or ended recently); ``give_back`` with the returned ticket if the post fails."""
+        return self._ids.take(request_id)
+
+    def give_back(self, request_id: str, ticket: int) -> None:
+        """A taken read was refused before anything was posted: its id is free again."""
+        self._ids.give_back(request_id, ticket)
+
+    def admit(self, cmd: ReadCommand) -> None:
+        """Accept ``cmd`` before its peer is ready: its id is taken, it counts as in flight, and
+        it ends through ``post`` or ``fail_waiting``."""
+        self._ids.take(cmd.request_id)
+        self._waiting[cmd.request_id] = Admitted(
+            cmd=cmd, started=time.perf_counter(), at=self._clock()
+        )
+        self._report.started += 1
+
+    def waiting(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def fail_waiting(self, request_id: str, reason: FailReason, message: str) -> None:
+        """End a waiting read with RECV_FAILED; nothing if it is no longer waiting."""
+        if (admitted := self._waiting.pop(request_id, None)) is not None:
+            self._ids.end(request_id)
+            self._report.failure(admitted.cmd, reason, message)
+
+    # --- posting --------------------------------------------------------------------------------
+
+    async def post(
+        self,
+        cmd: ReadCommand,
+        peer: Peer,
+        *,
+        deadline_s: float,
+        consumer: tuple[str, int],
+    ) -> ReadPosted:
+        """Post READs for every read rank of the peer's plan and tell the others CONSUMED; the
+        read fails ``deadline_s`` seconds from now (from its admission, for an admitted read)
+        unless it completed. ``cmd``'s id is taken (``take`` or ``admit``). ``consumer``: this
+        engine's id and rank. Bytes posted must equal bytes planned (BackendError otherwise, with
+        nothing left behind). A waiting read (``admit``) stays waiting if posting raises."""
+        admitted = self._waiting.get(cmd.request_id)
+        posting = time.perf_counter()
+        xfers, total = await _post_reads(self._backend, cmd, peer, self._report)
+        self._waiting.pop(cmd.request_id, None)
+        read = InFlightRead(
+            cmd=cmd,
+            peer=peer,
+            xfers=xfers,
+            bytes=total,
+            started=posting if admitted is None else admitted.started,
+            deadline_s=deadline_s,
+            deadline=(self._clock() if admitted is None else admitted.at) + deadline_s,
+            consumer=consumer,
+            unconfirmed={x.rank for x in xfers},
+        )
+        # READs first: if one could not be posted, no notify-only rank has been told.
+        quiet = self._confirmer.not_reading(read)
+        self._report.post_duration.observe(time.perf_counter() - posting)
+        if admitted is None:
+            self._report.started += 1
+        if not xfers:  # full prefix hit: nothing was read, nothing to confirm
+            self._ids.end(cmd.request_id)
+            self._report.success(read)
+        else:
+            self._reads[cmd.request_id] = read
+            if all(x.state is XferState.DONE for x in xfers):  # completed inside the post (cma)
+                self._read_done(read)
+        return ReadPosted(reads_posted=len(xfers), notifications_sent=quiet, bytes=total)
+
+    def _read_done(self, read: InFlightRead) -> None:
+        """Every READ of ``read`` is DONE: release its handles (next tick) and tell every rank it
+        read from; with confirmation, wait for their answers, else report it now."""
+        read.done_at = time.perf_counter()
+        self._to_release.extend(x.handle for x in read.xfers)
+        read.xfers = []
+        self._confirmer.read_done(read, confirm=self.confirm)
+        if self.confirm:
+            read.phase = Phase.CONFIRMING
+        else:
+            del self._reads[read.cmd.request_id]
+            self._ids.end(read.cmd.request_id)
+            self._report.success(read)
+
+    def resolve(self, request_id: str, rank: int, outcome: Outcome | None, detail: str) -> None:
+        """Producer rank ``rank`` answered the READ_DONE of ``request_id`` (``outcome``; ``None``
+        if the notification could not be delivered, ``detail`` says why). Any answer but ACCEPTED
+        fails the read: its bytes are not known to be the held ones."""
+        read = self._reads.get(request_id)
+        if read is None or read.phase is not Phase.CONFIRMING or read.failure is not None:
+            return  # failed (deadline, peer lost) or re-posted meanwhile
+        if outcome is Outcome.ACCEPTED:
+            read.unconfirmed.discard(rank)
+            if not read.unconfirmed:
+                del self._reads[request_id]
+                self._ids.end(request_id)
+                self._report.confirmed(time.perf_counter() - read.done_at)
+                self._report.success(read)
+            return
+        where = f"rank {rank} of {read.peer.engine_id!r}"
+        if outcome is None:
+            read.failure = (
+                FailReason.PEER_DISCONNECTED,
+                f"could not confirm with {where}: {detail}",
+            )
+        else:
+            read.failure = (
+                FailReason.STALE,
+                f"{where} refused to confirm: {outcome.name} {detail}",
+            )
+        del self._reads[request_id]
+        self._ids.end(request_id)
+        self._report.failure(read.cmd, *read.failure)
+
+    # --- polling --------------------------------------------------------------------------------
+
+    async def poll(self, local: LocalEngine | None) -> set[str]:
+        """Advance every in-flight read once. Returns engine ids of peers to quarantine (a READ
+        failed, or hung past its deadline). A failed READ is blamed on ``local`` instead when its
+        own memory is faulty."""
+        await self.release_completed()
+        if not self._reads:
+            return set()
+        pending = [
+            (r, x) for r in self._reads.values() for x in r.xfers if x.state is XferState.PROC
+        ]
+        states = await self._backend.poll([x.handle for _, x in pending]) if pending else ()
+        blamed: set[str] = set()
+        fault: str | None = None
+        for (read, x), state in zip(pending, states, strict=True):
+            x.state = state
+            if state is XferState.ERR and read.failure is None:
+                fault = fault or (local.memory_fault() if local is not None else None)
+                if fault is not None:
+                    read.failure = (FailReason.LOCAL_MEMORY, f"local memory failed: {fault}")
+                else:
+                    read.failure = (
+                        FailReason.TRANSFER_ERROR,
+                        f"READ from remote rank {x.rank} of {read.peer.engine_id!r} failed",
+                    )
+                    blamed.add(read.peer.engine_id)
+        now = self._clock()
+        for read in list(self._reads.values()):
+            in_proc = any(x.state is XferState.PROC for x in read.xfers)
+            if now >= read.deadline and (in_proc or read.phase is Phase.CONFIRMING):
+                what = "reading from" if in_proc else "waiting for the confirmation of"
+                read.failure = read.failure or (
+                    FailReason.DEADLINE_EXCEEDED,
+                    f"deadline of {read.deadline_s:g}s exceeded {what} {read.peer.engine_id!r}",
+                )
+                # A hung peer (its READ, or its answer, never came): the next Read must not wait
+                # out another deadline.
+                blamed.add(read.peer.engine_id)
+                await self._close(read)
+            elif read.phase is Phase.READING and not in_proc:
+                if read.failure is not None:
+                    await self._close(read)
+                else:
+                    self._read_done(read)
+        return blamed
+
+    async def release_completed(self) -> None:
+        """Release the handles of reads whose READs are all done."""
+        handles, self._to_release = self._to_release, []
+        for handle in handles:
+            try:
+                await self._backend.release_xfer(handle)
+            except KvSidecarError as exc:
+                log.error("releasing a completed READ handle failed: %s", exc)
+
+    # --- failing --------------------------------------------------------------------------------
+
+    async def fail_peer(self, peer: Peer | str, reason: FailReason, message: str) -> None:
+        """Fail (and release) every in-flight read from ``peer`` (an object, or any peer of that
+        engine id)."""
+        await self.release_completed()  # handles go before the peer's lists and agent
+        for read in list(self._reads.values()):
+            if read.peer is peer or read.peer.engine_id == peer:
+                read.failure = read.failure or (reason, message)
+                await self._close(read)
+
+    async def fail_all(self, reason: FailReason, message: str) -> None:
+        """The registration ends: fail every read (waiting ones too) and forget the ids used."""
+        await self.release_completed()
+        for read in list(self._reads.values()):
+            read.failure = read.failure or (reason, message)
+            await self._close(read)
+        for request_id in list(self._waiting):
+            self.fail_waiting(request_id, reason, message)
+        self._ids.clear()
+
+    async def _close(self, read: InFlightRead) -> None:
+        """Release every handle of a failed read, then report it. Exactly once per read."""
+        if self._reads.pop(read.cmd.request_id, None) is None:
+            return
+        for x in read.xfers:
+            try:
+                await self._backend.release_xfer(x.handle)
+            except KvSidecarError as exc:
+                log.error("releasing READ handle of %r failed: %s", read.cmd.request_id, exc)
+        read.xfers = []
+        self._ids.end(read.cmd.request_id)
+        assert read.failure is not None
+        self._report.failure(read.cmd, *read.failure)

@@ -1,0 +1,93 @@
+"""Which source files one consumer Read runs through, from the engine's call to its event.
+
+    python scripts/read_path.py [--json]
+
+Two sidecars in this process (real NIXL, loopback PeerService), a producer hold and a consumer
+that watches; after one warm-up Read (the handshake), one more Read is traced: every Python
+function entered in a ``kvsidecar`` file, on any thread, between the client's ``read`` call and the
+RECV_DONE event reaching it. Printed: the files in first-entered order, by side (client, the
+consumer's sidecar, the producer's sidecar answering the confirmation — told apart by which
+sidecar's objects... not knowable from a file name, so files are listed once, in order), and how
+many are in ``kvsidecar/engine``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = str(ROOT / "kvsidecar") + "/"
+
+_recording = False
+_seen: dict[str, int] = {}
+
+
+def _profile(frame: FrameType, event: str, arg: Any) -> None:
+    if not _recording or event != "call":
+        return
+    name = frame.f_code.co_filename
+    if name.startswith(PACKAGE) and "/v1/" not in name and name not in _seen:
+        _seen[name] = len(_seen)
+
+
+async def main(as_json: bool) -> int:
+    global _recording
+    sys.setprofile(_profile)
+    threading.setprofile(_profile)  # threads started from here on (the NIXL agent thread)
+    from kvsidecar.testing.daemon import engines as be
+
+    with tempfile.TemporaryDirectory(prefix="kvsidecar-path-") as tmp:
+        workdir = Path(tmp)
+        producer = await be.start_engine(workdir, "prefill")
+        consumer = await be.start_engine(workdir, "decode")
+        try:
+            events: asyncio.Queue[Any] = asyncio.Queue()
+
+            async def watch() -> None:
+                async for event in consumer.client.watch():
+                    await events.put(event)
+
+            watcher = asyncio.create_task(watch())
+            await asyncio.sleep(0.2)
+            for i in range(2):
+                token = await producer.client.hold(f"p{i}", block_ids=((0, 1),), lease_s=30)
+                _recording = i == 1
+                await consumer.client.read(
+                    f"d{i}",
+                    remote_engine_id="prefill",
+                    remote_request_id=f"p{i}",
+                    local_block_ids=((2, 3),),
+                    remote_block_ids=((0, 1),),
+                    endpoints=[producer.peer],
+                    token=token,
+                )
+                event = await asyncio.wait_for(events.get(), 30)
+                _recording = False
+                assert type(event).__name__ == "RecvDone", event
+            watcher.cancel()
+        finally:
+            sys.setprofile(None)
+            await be.close_all([producer, consumer])
+    files = [str(Path(f).relative_to(ROOT)) for f in sorted(_seen, key=_seen.__getitem__)]
+    engine = [f for f in files if f.startswith("kvsidecar/engine/")]
+    if as_json:
+        print(json.dumps({"files": files, "engine_files": engine}, indent=1))
+    else:
+        print(f"one consumer Read, call -> RECV_DONE: {len(files)} files, {len(engine)} in engine/")
+        for f in files:
+            print(f"  {f}")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    raise SystemExit(asyncio.run(main(parser.parse_args().json)))
