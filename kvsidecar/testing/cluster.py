@@ -86,7 +86,8 @@ class LocalCluster:
     tls: bool = True  # PeerService with mutual TLS from a throwaway CA (else --peer-insecure)
     decode_shape: toy.ModelShape | None = None  # the decode engine's, if its layout differs
     session: bool = True  # engines use Session streams (else Watch and unary calls)
-    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    # In every shm file's name: the creating process's pid first, so that a test can tell its own.
+    tag: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
     certificates: PeerCertificates | None = None
     prefill: list[Rank] = field(default_factory=list)
     decode: list[Rank] = field(default_factory=list)

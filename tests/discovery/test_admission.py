@@ -89,7 +89,11 @@ async def test_fifty_consumers_never_exceed_the_targets_limit(
             "open-target", EngineRole.PRODUCER, serve_handshake_concurrency=CONSUMERS
         )
         consumers = [
-            await start(f"c{i}", EngineRole.CONSUMER, handshake_concurrency=2)
+            # Fifty sidecars share this process and a possibly loaded host: a GetAgent that waits
+            # in the target's queue may take longer than the 5 s default bound.
+            await start(
+                f"c{i}", EngineRole.CONSUMER, handshake_concurrency=2, handshake_timeout_s=60.0
+            )
             for i in range(CONSUMERS)
         ]
 

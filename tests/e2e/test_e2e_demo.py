@@ -74,8 +74,8 @@ def test_demo_rejects_impossible_settings() -> None:
 
 
 def test_ctrl_c_cleans_up_every_sidecar_and_shm_file() -> None:
-    before = _shm_files()
-    others = _sidecars()  # sidecars of other processes on this host are not the demo's
+    """Only what the demo started counts: its child sidecars and the shm files it maps (the host
+    may run other sidecars and tests meanwhile)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvsidecar.cli", "demo", "--requests", "100000"],
         stdout=subprocess.PIPE,
@@ -88,9 +88,10 @@ def test_ctrl_c_cleans_up_every_sidecar_and_shm_file() -> None:
         for line in proc.stdout:  # bounded by the demo's own progress output
             if b"requests" in line and b"/100000" in line:
                 break
-        children = _sidecars() - others
+        children = _sidecars(parent=proc.pid)
         assert children, "the demo started no sidecar"
-        assert _shm_files() - before, "the demo created no shm file"
+        created = _shm_files_mapped_by(proc.pid)
+        assert created, "the demo created no shm file"
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -99,19 +100,30 @@ def test_ctrl_c_cleans_up_every_sidecar_and_shm_file() -> None:
             proc.wait(10)
     assert proc.returncode == 130, out.decode(errors="replace")[-2000:]
     assert b"cleaned up" in out
-    assert not (children & _sidecars())
-    assert _shm_files() <= before
+    assert not (children & _sidecars(parent=proc.pid))
+    assert not [p for p in children if Path(f"/proc/{p}").exists()]
+    assert not [f for f in created if os.path.exists(f)]
 
 
-def _shm_files() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("kvsidecar-")}
+def _shm_files_mapped_by(pid: int) -> set[str]:
+    """The kvsidecar shm files process ``pid`` maps (the demo's engines' KV caches)."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {
+        line.split(maxsplit=5)[5].removesuffix(" (deleted)")
+        for line in maps.splitlines()
+        if "/dev/shm/kvsidecar-" in line
+    }
 
 
-def _sidecars() -> set[int]:
+def _sidecars(*, parent: int) -> set[int]:
+    """``kvsidecar serve`` processes whose parent is ``parent``."""
     found = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                if b"kvsidecar.cli\x00serve" in (entry / "cmdline").read_bytes():
+                if b"kvsidecar.cli\x00serve" not in (entry / "cmdline").read_bytes():
+                    continue
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == parent:
                     found.add(int(entry.name))
     return found

@@ -88,7 +88,8 @@ def engine(model: Path, engine_id: str, socket: str, tp: int) -> Any:
             kv_connector_module_path="kvsidecar.integrations.vllm.connector",
             kv_role="kv_both",
             engine_id=engine_id,
-            kv_connector_extra_config={"sidecar_socket": socket, "lease_s": 60},
+            # A long lease: on a loaded host minutes may pass between prefill and decode.
+            kv_connector_extra_config={"sidecar_socket": socket, "lease_s": 600},
         ),
     )
 

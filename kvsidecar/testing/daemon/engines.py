@@ -94,7 +94,8 @@ async def start_engine(
     )
     views = toy.build_views(shape, 1)
     memory = SharedMemoryExport.create(
-        Path("/dev/shm") / f"kvsidecar-bench-{uuid.uuid4().hex}", toy.memory_size(views)
+        Path("/dev/shm") / f"kvsidecar-bench-{os.getpid()}-{uuid.uuid4().hex}",
+        toy.memory_size(views),
     )
     sidecar = Sidecar(config, backend=backend)
     engine = Engine(
