@@ -33,6 +33,7 @@ MAX_LEASE_S = 86400.0  # Hold.lease_s (as --lease-s)
 MAX_GRACE_S = 3600.0  # DrainRequest.grace_s (as --grace-period-s)
 MAX_STATUS_EVENTS = 65536  # Status.max_events
 MAX_AGENT_METADATA = 64 << 20  # bytes of a peer's NIXL agent metadata
+MAX_DIGEST_BYTES = 64  # a READ_DONE's read_blocks_digest
 MIN_TOKEN, MAX_TOKEN = 16, 256  # characters of an engine-chosen hold token
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "MAX_BLOCKS_PER_ID",
     "MAX_COMPAT_EXTRA",
     "MAX_DEADLINE_S",
+    "MAX_DIGEST_BYTES",
     "MAX_GLOBAL_UNITS",
     "MAX_GRACE_S",
     "MAX_GROUPS",

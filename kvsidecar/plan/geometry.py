@@ -199,11 +199,14 @@ def _span_problems(
         p.append(f"{where}.unit_stride={span.unit_stride} is negative")
     elif span.unit_stride and span.replicated:
         p.append(f"{where}.unit_stride={span.unit_stride} is set on a replicated span")
+    # A span past the block stride runs into the next block; a view of one block has none (its
+    # stride is then whatever the tensor reports for a dimension of size 1).
     if (
         _is_int(block_stride)
         and span.offset >= 0
         and span.end > block_stride
         and not span.unit_stride
+        and num_blocks != 1
     ):
         p.append(f"{where} ends at byte {span.end}, past block_stride={block_stride}")
     u = span.global_units

@@ -230,6 +230,8 @@ class PeerNotification(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     HEARTBEAT_TOKENS_FIELD_NUMBER: _builtins.int
     CONFIRM_FIELD_NUMBER: _builtins.int
+    READ_BLOCK_COUNTS_FIELD_NUMBER: _builtins.int
+    READ_BLOCKS_DIGEST_FIELD_NUMBER: _builtins.int
     kind: Global___PeerNotification.Kind.ValueType
     remote_request_id: _builtins.str
     """The producer's request id (the id the producer's engine used in HOLD).
@@ -252,6 +254,12 @@ class PeerNotification(_message.Message):
     it only while the hold is live. Without it (a consumer that does not confirm) a READ_DONE that
     precedes its HOLD is kept for a few seconds and matched, as CONSUMED is.
     """
+    read_blocks_digest: _builtins.bytes
+    """READ_DONE: BLAKE2b-128 (person "kvsidecar.read1") over, per group in order, the count as 8
+    bytes little-endian followed by the ids read as 8-byte little-endian integers. The producer
+    recomputes it over the tail of the held ids and answers WRONG_BLOCKS unless they are equal: a
+    token authorizes its request's blocks, not any block of the cache. 16 bytes.
+    """
     @_builtins.property
     def heartbeat_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Producer request ids whose leases a HEARTBEAT extends.
@@ -260,6 +268,13 @@ class PeerNotification(_message.Message):
 
     @_builtins.property
     def heartbeat_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def read_block_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """READ_DONE: which of the hold's blocks the read covered. Per KV-cache group, how many ids it
+        read: the tail of the hold's ids of that group (a partial prefix hit reads fewer). At most 64
+        entries.
+        """
+
     def __init__(
         self,
         *,
@@ -273,10 +288,12 @@ class PeerNotification(_message.Message):
         token: _builtins.str = ...,
         heartbeat_tokens: _abc.Iterable[_builtins.str] | None = ...,
         confirm: _builtins.bool = ...,
+        read_block_counts: _abc.Iterable[_builtins.int] | None = ...,
+        read_blocks_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["confirm", b"confirm", "consumer_engine_id", b"consumer_engine_id", "consumer_rank", b"consumer_rank", "epoch", b"epoch", "expected_consumers", b"expected_consumers", "heartbeat_request_ids", b"heartbeat_request_ids", "heartbeat_tokens", b"heartbeat_tokens", "kind", b"kind", "remote_request_id", b"remote_request_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["confirm", b"confirm", "consumer_engine_id", b"consumer_engine_id", "consumer_rank", b"consumer_rank", "epoch", b"epoch", "expected_consumers", b"expected_consumers", "heartbeat_request_ids", b"heartbeat_request_ids", "heartbeat_tokens", b"heartbeat_tokens", "kind", b"kind", "read_block_counts", b"read_block_counts", "read_blocks_digest", b"read_blocks_digest", "remote_request_id", b"remote_request_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -337,6 +354,11 @@ class PeerNotifyResponse(_message.Message):
         """The token does not match the hold's."""
         EXTRA_CONSUMER: PeerNotifyResponse._Outcome.ValueType  # 6
         """The hold already heard from as many consumers as it expected."""
+        WRONG_BLOCKS: PeerNotifyResponse._Outcome.ValueType  # 7
+        """A READ_DONE whose read_block_counts / read_blocks_digest are not the tail of the hold's
+        block ids: the consumer read blocks the hold does not cover (another request's, unheld,
+        or shifted). Not counted; the consumer fails the read.
+        """
 
     class Outcome(_Outcome, metaclass=_OutcomeEnumTypeWrapper): ...
     OUTCOME_UNSPECIFIED: PeerNotifyResponse.Outcome.ValueType  # 0
@@ -358,6 +380,11 @@ class PeerNotifyResponse(_message.Message):
     """The token does not match the hold's."""
     EXTRA_CONSUMER: PeerNotifyResponse.Outcome.ValueType  # 6
     """The hold already heard from as many consumers as it expected."""
+    WRONG_BLOCKS: PeerNotifyResponse.Outcome.ValueType  # 7
+    """A READ_DONE whose read_block_counts / read_blocks_digest are not the tail of the hold's
+    block ids: the consumer read blocks the hold does not cover (another request's, unheld,
+    or shifted). Not counted; the consumer fails the read.
+    """
 
     EPOCH_FIELD_NUMBER: _builtins.int
     OUTCOMES_FIELD_NUMBER: _builtins.int

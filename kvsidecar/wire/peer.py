@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from kvsidecar.limits import (
     MAX_AGENT_METADATA,
+    MAX_DIGEST_BYTES,
+    MAX_GROUPS,
     MAX_ID_CHARS,
     MAX_NOTIFICATIONS,
     MAX_REQUEST_IDS,
@@ -23,6 +25,7 @@ from kvsidecar.limits import (
     check_count,
 )
 from kvsidecar.plan import EngineGeometry
+from kvsidecar.plan.claims import ReadClaim
 from kvsidecar.plan.compat import CompatItems
 from kvsidecar.v1 import peer_pb2
 from kvsidecar.wire.geometry import (
@@ -152,6 +155,7 @@ class Outcome(enum.Enum):
     HOLD_ENDED = 4  #: the hold was released, expired or completed
     WRONG_TOKEN = 5  #: the token does not match the hold's
     EXTRA_CONSUMER = 6  #: the hold already heard from every consumer it expected
+    WRONG_BLOCKS = 7  #: a READ_DONE whose blocks read are not the tail of the hold's block ids
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,7 +164,8 @@ class PeerNotification:
     producer rank whose registration is ``epoch``; ``expected_consumers`` is how many consumer
     ranks that producer rank should hear from for ``remote_request_id``; ``token`` is the hold's
     (``heartbeat_tokens`` pair up with ``heartbeat_ids``). ``confirm``: the consumer reports its
-    read only on an ACCEPTED outcome, so it must not be kept as an early notification."""
+    read only on an ACCEPTED outcome, so it must not be kept as an early notification.
+    ``claim``: for a READ_DONE, which of the hold's blocks the read covered (``plan.claims``)."""
 
     kind: NotificationKind
     remote_request_id: str
@@ -172,6 +177,7 @@ class PeerNotification:
     heartbeat_ids: tuple[str, ...] = ()
     heartbeat_tokens: tuple[str, ...] = field(default=(), repr=False)
     confirm: bool = False
+    claim: ReadClaim | None = None
 
 
 _KINDS = {k.value: k for k in NotificationKind}
@@ -190,6 +196,8 @@ def notification_to_proto(n: PeerNotification) -> peer_pb2.PeerNotification:
         token=n.token,
         heartbeat_tokens=list(n.heartbeat_tokens),
         confirm=n.confirm,
+        read_block_counts=list(n.claim.counts) if n.claim is not None else [],
+        read_blocks_digest=n.claim.digest if n.claim is not None else b"",
     )
 
 
@@ -205,6 +213,11 @@ def notification_from_proto(pb: peer_pb2.PeerNotification) -> PeerNotification:
         check_chars(f"heartbeat_request_ids[{i}]", rid, MAX_ID_CHARS)
     for i, token in enumerate(pb.heartbeat_tokens):
         check_chars(f"heartbeat_tokens[{i}]", token)
+    check_count("read_block_counts", pb.read_block_counts, MAX_GROUPS)
+    check_count("read_blocks_digest", pb.read_blocks_digest, MAX_DIGEST_BYTES)
+    claim = None
+    if pb.read_block_counts or pb.read_blocks_digest:
+        claim = ReadClaim(counts=tuple(pb.read_block_counts), digest=bytes(pb.read_blocks_digest))
     return PeerNotification(
         kind=_KINDS.get(pb.kind, NotificationKind.UNSPECIFIED),
         remote_request_id=pb.remote_request_id,
@@ -216,6 +229,7 @@ def notification_from_proto(pb: peer_pb2.PeerNotification) -> PeerNotification:
         heartbeat_ids=tuple(pb.heartbeat_request_ids),
         heartbeat_tokens=tuple(pb.heartbeat_tokens),
         confirm=pb.confirm,
+        claim=claim,
     )
 
 

@@ -267,6 +267,15 @@ def test_attention_transfer_every_tp_pair_and_layout(t_p: int, t_d: int) -> None
         _attn_case(m, t_p, t_d, layout_p, layout_d, "BHNC", seed=i)
 
 
+@pytest.mark.parametrize("layout_p", VLLM_LAYOUTS)
+def test_attention_transfer_with_one_block_on_the_producer(layout_p: str) -> None:
+    """Regression (found by the property below): a producer cache of one block, in a layout
+    whose block dimension sits inside the heads (LHBNC), reports a block stride smaller than
+    its span; with one block there is no next block to run into, so the view is valid."""
+    m = AttnModel(layers=2, blocks=1, heads=2, tokens=1, head_dim=1, dtype_bytes=1)
+    _attn_case(m, 1, 1, layout_p, "LBHNC", "BHNC", seed=0)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     t_p=st.sampled_from(TP),

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from kvsidecar.engine.holds.deadlines import DeadlineHeap
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.errors import AlreadyExistsError, InvalidArgumentError
+from kvsidecar.plan.claims import ReadClaim
 from kvsidecar.types import SendDone
 
 __all__ = ["ConsumerId", "LedgerCounters", "NotificationOutcome", "ProducerLedger"]
@@ -55,6 +56,7 @@ class LedgerCounters:
     expected_mismatch: int  # notifications whose expected_consumers differed from the known one
     wrong_token: int = 0  # notifications (or early ones at HOLD) whose token was not the hold's
     unknown: int = 0  # notifications that required a live hold and found none
+    wrong_blocks: int = 0  # reads (or early ones at HOLD) of blocks the hold does not cover
 
 
 @dataclass(slots=True)
@@ -70,6 +72,7 @@ class _Counts:
     expected_mismatch: int = 0
     wrong_token: int = 0
     unknown: int = 0
+    wrong_blocks: int = 0
 
 
 class NotificationOutcome(enum.Enum):
@@ -82,6 +85,7 @@ class NotificationOutcome(enum.Enum):
     DUPLICATE = enum.auto()  # this consumer was already counted
     WRONG_TOKEN = enum.auto()  # held, but the token is not the hold's; not counted
     UNKNOWN = enum.auto()  # ``require_hold`` and no hold (nor an ended one) of that id
+    WRONG_BLOCKS = enum.auto()  # held, but the blocks read are not the hold's; not counted
 
 
 @dataclass(slots=True, kw_only=True)
@@ -94,6 +98,7 @@ class _Entry:
     consumers: set[ConsumerId] = field(default_factory=set)
     expected: int = 0  # largest expected_consumers seen; 0 = none yet
     token: str = ""  # a hold's token; for an early entry, the token its consumers named
+    claims: dict[ConsumerId, ReadClaim] = field(default_factory=dict)  # early reads' claims
 
     def full(self) -> bool:
         return self.expected > 0 and len(self.consumers) >= self.expected
@@ -202,6 +207,11 @@ class ProducerLedger:
             self._n.wrong_token += len(early.consumers)
             self._warn(request_id, "early notifications named another token")
         elif early is not None:
+            wrong = [c for c, claim in early.claims.items() if not claim.covers(block_ids)]
+            if wrong:
+                self._n.wrong_blocks += len(wrong)
+                self._warn(request_id, "early reads of blocks the hold does not cover: %s", wrong)
+                early.consumers.difference_update(wrong)
             self._n.early_matched += 1
             entry.consumers = early.consumers
             entry.expected = early.expected
@@ -246,12 +256,16 @@ class ProducerLedger:
         consumer: ConsumerId,
         token: str = "",
         require_hold: bool = False,
+        claim: ReadClaim | None = None,
     ) -> tuple[NotificationOutcome, SendDone | None]:
         """Count ``consumer``'s read (or notify-only) of ``request_id`` under the hold's ``token``.
 
         ``expected_consumers`` is the total number of consumers this producer rank should hear from.
         ``require_hold``: only a live hold may count it (no early entry: the consumer waits for this
-        answer to report its read). Returns the outcome and, for ``COMPLETED``, the SendDone to emit.
+        answer to report its read). ``claim``: the blocks a read covered (``None``: a notify-only
+        consumer, which read nothing); a claim that the hold's block ids do not cover is refused
+        (WRONG_BLOCKS) and not counted. Returns the outcome and, for ``COMPLETED``, the SendDone
+        to emit.
         """
         if not request_id:
             return self._stale_one(request_id, "empty request id")
@@ -265,6 +279,15 @@ class ProducerLedger:
             self._n.wrong_token += 1
             self._warn(request_id, "notification from %s with a wrong token", consumer)
             return NotificationOutcome.WRONG_TOKEN, None
+        if entry is not None and claim is not None and not claim.covers(entry.block_ids):
+            self._n.wrong_blocks += 1
+            self._warn(
+                request_id,
+                "%s read blocks the hold does not cover (counts %s)",
+                consumer,
+                claim.counts,
+            )
+            return NotificationOutcome.WRONG_BLOCKS, None
         if entry is None and require_hold:
             self._n.unknown += 1
             self._warn(request_id, "notification from %s for no hold", consumer)
@@ -292,6 +315,8 @@ class ProducerLedger:
         entry.expected = max(entry.expected, expected_consumers)
         entry.consumers.add(consumer)
         if early:
+            if claim is not None:  # checked when the HOLD comes
+                entry.claims[consumer] = claim
             return NotificationOutcome.EARLY, None
         if not entry.full():
             return NotificationOutcome.COUNTED, None

@@ -20,6 +20,7 @@ from kvsidecar.engine.model import Hold
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.stats import ProducerStats
 from kvsidecar.errors import NotFoundError
+from kvsidecar.plan.claims import ReadClaim
 from kvsidecar.types import SendDone
 from kvsidecar.wire.peer import NotificationKind, Outcome, PeerNotification
 
@@ -33,7 +34,10 @@ _OUTCOMES = {
     NotificationOutcome.STALE: Outcome.HOLD_ENDED,  # ended, malformed or one consumer too many
     NotificationOutcome.WRONG_TOKEN: Outcome.WRONG_TOKEN,
     NotificationOutcome.UNKNOWN: Outcome.UNKNOWN_REQUEST,
+    NotificationOutcome.WRONG_BLOCKS: Outcome.WRONG_BLOCKS,
 }
+#: A READ_DONE without a claim covers no block (a read reports what it read).
+_NO_CLAIM = ReadClaim(counts=(), digest=b"")
 
 
 class Producer:
@@ -109,6 +113,7 @@ class Producer:
             consumer=ConsumerId(engine_id=n.consumer_engine_id, rank=n.consumer_rank),
             token=n.token,
             require_hold=n.confirm,
+            claim=(n.claim or _NO_CLAIM) if n.kind is NotificationKind.READ_DONE else None,
         )
         self._finish(done)
         return _OUTCOMES[result]

@@ -22,6 +22,7 @@ from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.state import InFlightRead
 from kvsidecar.errors import KvSidecarError, PeerUnavailableError
 from kvsidecar.limits import MAX_NOTIFICATIONS
+from kvsidecar.plan.claims import ReadClaim
 from kvsidecar.wire.peer import NotificationKind, Outcome, PeerNotification
 
 log = logging.getLogger(__name__)
@@ -40,12 +41,15 @@ def notification(
     remote_request_id: str = "",
     token: str = "",
     confirm: bool = False,
+    claim: ReadClaim | None = None,
     heartbeat_ids: tuple[str, ...] = (),
     heartbeat_tokens: tuple[str, ...] = (),
 ) -> PeerNotification:
     """What consumer rank ``consumer`` (engine id, TP rank) tells producer rank ``link``: the
     epoch the plan was built for and, except for a heartbeat, how many consumers that rank
-    expects. With ``confirm`` the producer answers ACCEPTED only while the hold is live."""
+    expects. With ``confirm`` the producer answers ACCEPTED only while the hold is live; a
+    READ_DONE's ``claim`` names the held blocks it read (WRONG_BLOCKS unless the hold covers
+    them)."""
     return PeerNotification(
         kind=kind,
         remote_request_id=remote_request_id,
@@ -57,6 +61,7 @@ def notification(
         consumer_rank=consumer[1],
         token=token,
         confirm=confirm,
+        claim=claim,
         heartbeat_ids=heartbeat_ids,
         heartbeat_tokens=heartbeat_tokens,
     )
@@ -90,6 +95,7 @@ def _about(
                 remote_request_id=cmd.remote_request_id,
                 token=cmd.token,
                 confirm=confirm,
+                claim=read.claim if kind is NotificationKind.READ_DONE else None,
             ),
             request_id=cmd.request_id if confirm else "",
         )

@@ -32,6 +32,7 @@ from kvsidecar.engine.reads.state import Admitted, InFlightRead, Phase, Xfer
 from kvsidecar.engine.stats import PhaseHistograms, ReadPhase, TransferStats
 from kvsidecar.errors import BackendError, KvSidecarError
 from kvsidecar.plan import request_ids
+from kvsidecar.plan.claims import read_claim
 from kvsidecar.types import FailReason, ReadPosted
 from kvsidecar.wire.peer import Outcome
 
@@ -173,6 +174,7 @@ class InFlightReads:
             deadline_s=deadline_s,
             deadline=(self._clock() if admitted is None else admitted.at) + deadline_s,
             consumer=consumer,
+            claim=read_claim(cmd.local_ids, cmd.remote_ids),
             unconfirmed={x.rank for x in xfers},
         )
         # READs first: if one could not be posted, no notify-only rank has been told.
@@ -223,6 +225,12 @@ class InFlightReads:
             read.failure = (
                 FailReason.PEER_DISCONNECTED,
                 f"could not confirm with {where}: {detail}",
+            )
+        elif outcome is Outcome.WRONG_BLOCKS:  # the request named blocks its hold does not cover
+            read.failure = (
+                FailReason.REJECTED,
+                f"{where} refused to confirm: WRONG_BLOCKS (the remote block ids read are not "
+                f"the tail of the blocks its hold {read.cmd.remote_request_id!r} covers) {detail}",
             )
         else:
             read.failure = (

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kvsidecar.engine.backend.contract import XferHandle, XferState
 from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers.registry import Peer
+from kvsidecar.plan.claims import ReadClaim
 from kvsidecar.types import FailReason
 
 
@@ -41,6 +42,7 @@ class InFlightRead:
     deadline_s: float  # seconds from the call
     deadline: float  # clock() value
     consumer: tuple[str, int]  # this engine's id and TP rank (named in its notifications)
+    claim: ReadClaim  # which of the hold's blocks it reads (its READ_DONEs carry it)
     phase: Phase = Phase.READING
     unconfirmed: set[int] = field(default_factory=set)  # read ranks yet to answer ACCEPTED
     done_at: float = 0.0  # perf_counter when every READ was done

@@ -15,6 +15,7 @@ from kvsidecar.engine.holds.ledger import (
     ProducerLedger,
 )
 from kvsidecar.errors import AlreadyExistsError, InvalidArgumentError
+from kvsidecar.plan.claims import read_claim
 from kvsidecar.types import SendDone
 
 COUNTED = NotificationOutcome.COUNTED
@@ -491,3 +492,43 @@ def test_all_notifications_in_time_complete_once(k: int, data: st.DataObject) ->
     # Notifications after completion are stale; repeats before it are duplicates.
     assert counters.duplicate_notifications + counters.stale_notifications == len(notes) - k
     assert counters.early_matched == int(held_first > 0)
+
+
+# --- claims: a read names the held blocks it covered ---------------------------------------------
+
+
+def test_a_read_of_blocks_the_hold_does_not_cover_is_refused_and_not_counted(
+    ledger: ProducerLedger,
+) -> None:
+    ledger.hold("r", block_ids=((1, 2, 3, 4), (9,)))
+    wrong = (
+        read_claim([[0, 0]], [[5, 6]]),  # another request's blocks
+        read_claim([[0, 0], [0]], [[2, 3], [9]]),  # a tail shifted by one
+        read_claim([[0] * 5, []], [[0, 1, 2, 3, 4], []]),  # more blocks than the hold has
+        read_claim([[], []], [[1, 2, 3, 4], [9]]),  # nothing read: a READ_DONE reads blocks
+    )
+    for claim in wrong:
+        out = ledger.notify("r", expected_consumers=1, consumer=c(0), claim=claim)
+        assert out == (NotificationOutcome.WRONG_BLOCKS, None), claim
+    assert ledger.holding("r")
+    assert ledger.counters.wrong_blocks == len(wrong)
+    tail = read_claim([[0, 0], [0]], [[1, 2, 3, 4], [9]])  # a prefix hit of two: the tail
+    assert ledger.notify("r", expected_consumers=1, consumer=c(0), claim=tail) == (
+        COMPLETED,
+        done("r", 1, 1),
+    )
+
+
+def test_early_reads_of_other_blocks_are_dropped_when_the_hold_comes(
+    ledger: ProducerLedger,
+) -> None:
+    good = read_claim([[0, 0]], [[1, 2]])
+    bad = read_claim([[0, 0]], [[7, 8]])
+    assert ledger.notify("r", expected_consumers=2, consumer=c(0), claim=good)[0] is EARLY
+    assert ledger.notify("r", expected_consumers=2, consumer=c(1), claim=bad)[0] is EARLY
+    assert ledger.hold("r", block_ids=((1, 2),)) is None  # one consumer counted, not two
+    assert ledger.counters.wrong_blocks == 1
+    assert ledger.notify("r", expected_consumers=2, consumer=c(1), claim=good) == (
+        COMPLETED,
+        done("r", 2, 2),
+    )
