@@ -114,6 +114,16 @@ class BackendInvalidParamError(BackendError):
     """The backend rejected a parameter (bad descriptor ids, unknown handle) (INVALID_ARGUMENT)."""
 
 
+class MetadataRefusedError(BackendInvalidParamError):
+    """A remote agent's metadata was refused before it reached this sidecar's agent: it did not
+    load, named another agent, crashed the metadata checker or took too long (``cause``: one of
+    ``invalid``, ``crashed``, ``timeout``, ``checker``) (INVALID_ARGUMENT)."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
 class BackendNotFoundError(BackendError):
     """The backend does not know a remote agent, memory or handle (maps to NOT_FOUND)."""
 

@@ -150,6 +150,21 @@ class EngineCollector(Collector):
         yield _histogram(
             "kvsidecar_handshake_duration_seconds", "Handshake latency.", peers.handshake_duration
         )
+        yield _labelled(
+            "kvsidecar_peer_metadata_refused",
+            "Remote agent metadata refused before it reached this sidecar's agent, by cause "
+            "(invalid, crashed: it killed the metadata checker, timeout, duplicate: another "
+            "engine's agent).",
+            "cause",
+            peers.metadata_refused,
+        )
+        yield _labelled(
+            "kvsidecar_peer_quarantines",
+            "Remote engines taken out of service until a new handshake, by cause (read_failed, "
+            "undelivered, request).",
+            "cause",
+            peers.quarantines,
+        )
         by_state = GaugeMetricFamily(
             "kvsidecar_peers", "Remote engines by state.", labels=["state"]
         )

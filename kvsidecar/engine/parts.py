@@ -67,7 +67,12 @@ class Parts:
         async def invalidate(peer: Peer, why: str) -> None:
             await guard.invalidate(peer, why)
 
-        confirmer = Confirmer(link=link, resolve=resolve, invalidate=invalidate)
+        async def unreachable(peer: Peer, why: str) -> None:
+            await guard.unreachable(peer, why)
+
+        confirmer = Confirmer(
+            link=link, resolve=resolve, invalidate=invalidate, unreachable=unreachable
+        )
         reads = InFlightReads(
             backend=backend, events=events, confirmer=confirmer, confirm=config.confirm_reads
         )

@@ -175,11 +175,18 @@ class ProducerStats:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerStats:
-    """Remote engines by state and handshakes by result (``ok``/``error``)."""
+    """Remote engines by state, handshakes by result (``ok``/``error``), metadata refused and
+    quarantines by cause."""
 
     by_state: Mapping[PeerState, int]
     handshakes: Mapping[str, int]
     handshake_duration: HistogramSnapshot
+    #: remote agent metadata refused before it reached the agent, by cause (invalid, crashed,
+    #: timeout, duplicate: another engine's agent)
+    metadata_refused: Mapping[str, int]
+    #: peers taken out of service, by cause (read_failed: a READ failed or hung; undelivered: a
+    #: notification could not be delivered; request: asked for)
+    quarantines: Mapping[str, int]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

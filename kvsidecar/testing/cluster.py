@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -28,15 +27,25 @@ from kvsidecar.client import (
     EngineRole,
     Event,
     PlanInfo,
-    RecvDone,
-    SendDone,
     SharedMemoryExport,
 )
 from kvsidecar.plan import View
 from kvsidecar.testing import toy
 from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
+from kvsidecar.testing.transfers import PREFILL, TransferResult, request_ids, transfer
 
-PREFILL, DECODE = "prefill", "decode"
+DECODE = "decode"
+# Tests import the cluster and its transfer helpers from one place.
+__all__ = [
+    "DECODE",
+    "PREFILL",
+    "LocalCluster",
+    "Rank",
+    "SidecarFailedError",
+    "TransferResult",
+    "request_ids",
+    "transfer",
+]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -164,7 +173,7 @@ class LocalCluster:
         for rank in self.ranks:
             await self.wait_watching(rank, deadline - time.monotonic())
 
-    async def _register(self, rank: Rank) -> None:
+    async def _register(self, rank: Rank, *, takeover: bool = False) -> None:
         """Register ``rank``'s engine (its views and shm memory) and open its Watch stream."""
         assert rank.client is not None
         group = self.prefill if rank.engine_id == PREFILL else self.decode
@@ -179,32 +188,43 @@ class LocalCluster:
             dtype=f"{self.shape.dtype_bytes}B",
             num_groups=self.shape.num_groups,
             role=EngineRole.PRODUCER if rank.engine_id == PREFILL else EngineRole.CONSUMER,
+            takeover=takeover,
         )
         rank.watcher = asyncio.get_running_loop().create_task(self._watch(rank))
 
-    async def restart_engine(self, rank: Rank, *, seed: int | None = None) -> None:
+    async def restart_engine(
+        self,
+        rank: Rank,
+        *,
+        seed: int | None = None,
+        size: int | None = None,
+        takeover: bool = False,
+    ) -> None:
         """The rank's engine dies (its Watch stream drops, so its sidecar releases the
         registration) and a new incarnation starts in place: a new shm file of the same size
-        (prefill: filled with ``seed``'s pattern, default the cluster's), the same engine id, a new
-        Watch. The sidecar process keeps running, as it does when only the engine restarts."""
+        (``size`` bytes if given) (prefill: filled with ``seed``'s pattern, default the
+        cluster's), the same engine id, a new Watch. The sidecar process keeps running, as it does
+        when only the engine restarts. ``takeover``: the new incarnation registers while the old
+        registration still lives (RegisterEngine with takeover), so that its memory maps before
+        the old one is released, never at the old address."""
         assert rank.client is not None
-        if rank.watcher is not None:
-            rank.watcher.cancel()
-            with contextlib.suppress(BaseException):
-                await rank.watcher
-        deadline = time.monotonic() + 10.0
-        while (await rank.client.status()).engine_id:
-            if time.monotonic() > deadline:
-                raise SidecarFailedError(self._tail(rank, "kept a dead engine's registration"))
-            await asyncio.sleep(0.01)
+        old_watcher = rank.watcher
+        if not takeover:
+            if old_watcher is not None:
+                old_watcher.cancel()
+                with contextlib.suppress(BaseException):
+                    await old_watcher
+            deadline = time.monotonic() + 10.0
+            while (await rank.client.status()).engine_id:
+                if time.monotonic() > deadline:
+                    raise SidecarFailedError(self._tail(rank, "kept a dead engine's registration"))
+                await asyncio.sleep(0.01)
         old = rank.memory
         rank.memory = SharedMemoryExport.create(
             self.shm_dir
             / f"kvsidecar-{self.tag}-{rank.engine_id}-{rank.rank}-{uuid.uuid4().hex[:6]}",
-            old.size,
+            size or old.size,
         )
-        old.close()
-        old.unlink()
         if rank.engine_id == PREFILL:
             pattern = self.seed if seed is None else seed
             toy.fill(
@@ -212,7 +232,13 @@ class LocalCluster:
             )
         rank.waiters.clear()
         rank.early.clear()
-        await self._register(rank)
+        await self._register(rank, takeover=takeover)
+        if takeover and old_watcher is not None:  # its stream was ended by the new registration
+            old_watcher.cancel()
+            with contextlib.suppress(BaseException):
+                await old_watcher
+        old.close()
+        old.unlink()
         await self.wait_watching(rank)
 
     async def wait_watching(self, rank: Rank, timeout_s: float = 10.0) -> None:
@@ -290,108 +316,3 @@ async def _exited(ranks: Sequence[Rank]) -> None:
     for rank in ranks:
         while rank.proc.poll() is None:  # noqa: ASYNC110 - a child process has no awaitable exit
             await asyncio.sleep(0.02)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TransferResult:
-    request_id: str
-    latencies_s: tuple[float, ...]  # per decode rank: Read call -> RECV_DONE
-    bytes_read: int
-    bytes_verified: int
-    send_done: tuple[SendDone, ...]
-
-
-async def transfer(
-    cluster: LocalCluster,
-    request_id: str,
-    prefill_ids: Sequence[Sequence[int]],
-    decode_ids: Sequence[Sequence[int]],
-    *,
-    hold: bool = True,
-    token: str | None = None,
-    timeout_s: float = 30.0,
-    by_engine_id: bool = False,
-) -> TransferResult:
-    """One request end to end; raises on any failure or byte mismatch. The producer holds the
-    blocks under one token on every rank (as a TP engine does; ``token``: a new random one unless
-    given, e.g. for a request the caller held) and the consumer reads with it. ``by_engine_id``:
-    the Reads carry no endpoints (fleet discovery supplies them)."""
-    sends = [r.expect(request_id) for r in cluster.prefill] if hold else []
-    token = token or secrets.token_urlsafe(24)
-    if hold:
-        for rank in cluster.prefill:
-            assert rank.client is not None
-            await rank.client.hold(request_id, block_ids=prefill_ids, token=token)
-    local_id = f"{request_id}@decode"
-    recvs = [r.expect(local_id) for r in cluster.decode]
-    starts = []
-    for rank in cluster.decode:
-        assert rank.client is not None
-        starts.append(time.perf_counter())
-        await rank.client.read(
-            local_id,
-            remote_engine_id=PREFILL,
-            remote_request_id=request_id,
-            local_block_ids=decode_ids,
-            remote_block_ids=prefill_ids,
-            endpoints=() if by_engine_id else cluster.prefill_endpoints,
-            token=token,
-        )
-    latencies = []
-    verified = read_bytes = 0
-    for rank, fut, start in zip(cluster.decode, recvs, starts, strict=True):
-        event = await asyncio.wait_for(fut, timeout_s)
-        latencies.append(rank.arrivals.pop(local_id) - start)
-        if not isinstance(event, RecvDone):
-            raise RuntimeError(f"decode rank {rank.rank}: {event}")
-        read_bytes += event.bytes
-        # numpy releases the GIL: verifying off the loop keeps other requests' events timely.
-        verified += await asyncio.to_thread(
-            toy.verify,
-            rank.memory.array,
-            rank.views,
-            tp_size=rank.tp_size,
-            rank=rank.rank,
-            seed=cluster.seed,
-            local_ids=decode_ids,
-            remote_ids=prefill_ids,
-        )
-    done = []
-    for fut in sends:
-        event = await asyncio.wait_for(fut, timeout_s)
-        if not isinstance(event, SendDone):
-            raise RuntimeError(f"prefill: unexpected {event}")
-        done.append(event)
-    for rank in cluster.prefill:
-        rank.arrivals.pop(request_id, None)
-    return TransferResult(
-        request_id=request_id,
-        latencies_s=tuple(latencies),
-        bytes_read=read_bytes,
-        bytes_verified=verified,
-        send_done=tuple(done),
-    )
-
-
-def request_ids(
-    shape: toy.ModelShape,
-    prefill_blocks: Sequence[int],
-    decode_blocks: Sequence[int],
-    *,
-    hit: int = 0,
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Per-group (prefill ids, decode ids) for one request over ``prefill_blocks``.
-
-    ``hit`` leading blocks are a local prefix-cache hit: the decode side reads only the tail
-    (``hit == len(prefill_blocks)`` is a full hit, nothing read). A Mamba hybrid adds group 1 with
-    the request's one state block (the first block id), read unless the hit is full.
-    """
-    n = len(prefill_blocks)
-    if not 0 <= hit <= n or len(decode_blocks) < n - hit:
-        raise ValueError(f"hit={hit} needs 0 <= hit <= {n} and >= {n - hit} decode blocks")
-    p = [list(prefill_blocks)]
-    d = [list(decode_blocks[: n - hit])]
-    if shape.num_groups == 2:
-        p.append([prefill_blocks[0]])
-        d.append([] if hit == n else [decode_blocks[0]])
-    return p, d

@@ -166,7 +166,7 @@ def outgoing(peer: Any, rank: int, n: int) -> list[Outgoing]:
 
 async def test_notifications_sent_in_one_turn_go_out_as_one_message_per_producer_rank() -> None:
     link = RecordingLink()
-    confirmer = Confirmer(link=link, resolve=None, invalidate=None)  # type: ignore[arg-type]
+    confirmer = Confirmer(link=link, resolve=None, invalidate=None, unreachable=None)  # type: ignore[arg-type]
     peer = SimpleNamespace(engine_id="prefill", epoch=1)
     try:
         for _ in range(64):  # the 64 reads of a ReadBatch, each posted and sent on its own

@@ -4,14 +4,16 @@ The only module that imports NIXL. It loads the wheel's variant bindings (``nixl
 directly: the ``nixl`` meta-package may import torch (~1 s) and its wrapper hard-codes a busy
 progress thread (see ``nixl_support.create_agent``). ``NixlBackend`` is the asyncio face: it checks
 arguments on the loop and runs each call of ``nixl_agent.NixlAgent`` (which owns the agent and its
-handles) on the dedicated agent thread, bounded by ``call_timeout_s``.
+handles) on the dedicated agent thread, bounded by ``call_timeout_s``. Remote agent metadata is
+loaded first in the metadata checker process (``sandbox``), never straight into this one.
 """
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import dataclasses
 import functools
+import hashlib
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -35,14 +37,20 @@ from kvsidecar.engine.backend.nixl_agent import NixlAgent
 from kvsidecar.engine.backend.nixl_support import (
     variant_candidates,
 )
+from kvsidecar.engine.backend.sandbox import MetadataSandbox, shared
 from kvsidecar.engine.stats import ReadPhase
-from kvsidecar.errors import BackendError, BackendInvalidParamError, ConfigError
+from kvsidecar.errors import (
+    BackendError,
+    ConfigError,
+    MetadataRefusedError,
+)
 from kvsidecar.memory.types import MemoryRegion, MemType
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _VARIANTS = ("nixl_cu12", "nixl_cu13")
+CHECKED_METADATA = 4096  # metadata blobs remembered as checked (a re-handshake skips the check)
 
 
 def _import_variant(name: str) -> ModuleType:
@@ -97,6 +105,9 @@ class NixlBackend:
         self._timeout_s = call_timeout_s
         self._agent: NixlAgent | None = None
         self._closed = False
+        self._sandbox: MetadataSandbox | None = None
+        # BLAKE2b of metadata that loaded in the checker -> the agent name it names (LRU).
+        self._checked: collections.OrderedDict[bytes, str] = collections.OrderedDict()
 
     @property
     def agent_name(self) -> str:
@@ -107,6 +118,8 @@ class NixlBackend:
     async def start(self) -> None:
         if self._agent is not None:
             return
+        self._sandbox = shared(self._variant)
+        await self._sandbox.start()
         self._thread.start()
         self._agent = await self._thread.call(self._create, what="start")
 
@@ -127,6 +140,9 @@ class NixlBackend:
                 log.error("closing the NIXL agent failed: %s", exc)
         if not self._thread.shutdown():
             log.error("the NIXL thread did not stop in time; abandoning it")
+        if self._sandbox is not None:
+            sandbox, self._sandbox = self._sandbox, None
+            await sandbox.release()
 
     def _require_agent(self, what: str) -> NixlAgent:
         agent = self._agent
@@ -151,15 +167,30 @@ class NixlBackend:
 
     async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
         if not metadata:
-            raise BackendInvalidParamError("remote agent metadata is empty")
-        agent = self._agent
-        if agent is not None and not await self._call("add_remote_agent", lambda a: a.knows(name)):
-            # A new remote: try its metadata in a throwaway agent first, off the agent thread.
-            try:
-                await asyncio.wait_for(asyncio.to_thread(agent.validate, metadata), self._timeout_s)
-            except TimeoutError:
-                raise BackendError("checking remote agent metadata timed out") from None
+            raise MetadataRefusedError("invalid", "remote agent metadata is empty")
+        self._require_agent("add_remote_agent")
+        digest = hashlib.blake2b(metadata, digest_size=16).digest()
+        named = self._checked.get(digest)
+        if named is None:
+            # Untrusted bytes: loaded first where a native fault costs only the checker.
+            assert self._sandbox is not None
+            named = await self._sandbox.check(metadata)
+            self._checked[digest] = named
+            while len(self._checked) > CHECKED_METADATA:
+                self._checked.popitem(last=False)
+        else:
+            self._checked.move_to_end(digest)
+        if name and named != name:
+            raise MetadataRefusedError(
+                "invalid", f"remote agent metadata names agent {named!r}, its sidecar said {name!r}"
+            )
         return await self._call("add_remote_agent", lambda a: a.add_agent(metadata, name))
+
+    @property
+    def metadata_checks(self) -> tuple[int, int]:
+        """(metadata checks run in the checker process, checkers replaced after a crash or hang)."""
+        box = self._sandbox
+        return (box.checks, box.restarts) if box is not None else (0, 0)
 
     async def remove_remote_agent(self, agent: RemoteAgent) -> None:
         await self._call("remove_remote_agent", lambda a: a.remove_agent(agent))

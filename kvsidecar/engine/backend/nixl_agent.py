@@ -36,7 +36,6 @@ from kvsidecar.engine.backend.nixl_support import (
     notifications_from,
     telemetry_from,
     translate_error,
-    validate_metadata,
 )
 from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import BackendError, BackendInvalidParamError
@@ -61,8 +60,10 @@ class NixlAgent:
         # UCX endpoint (and a socket) behind (ai-dynamo/nixl#2025), so a re-handshake with the
         # same agent reloads its metadata instead. The oldest beyond the bound are invalidated.
         self._parked: OrderedDict[str, None] = OrderedDict()
-        # Remote agents a transfer or notification failed with: their endpoint may be broken, so
-        # they are invalidated rather than parked (a reload would reuse the broken endpoint).
+        # Remote agents a transfer or notification failed with: their endpoint may be broken (UCX
+        # marks it failed: a reload is refused), so they are invalidated rather than parked. In
+        # NIXL 1.5 that leaves the endpoint's connection open on both sides (a forced close that
+        # tells the peer nothing): one socket per failed endpoint, not per quarantine.
         self._suspect: set[str] = set()
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
@@ -135,7 +136,10 @@ class NixlAgent:
                 self._parked.pop(expected, None)
                 self._guard(functools.partial(self._invalidate, expected))
             raise
-        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        try:
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        except UnicodeDecodeError:
+            raise BackendInvalidParamError(f"remote agent name {raw[:32]!r} is not UTF-8") from None
         if expected and name != expected:
             self._parked.pop(name, None)
             self._guard(functools.partial(self._invalidate, name))
@@ -165,14 +169,6 @@ class NixlAgent:
         self._parked[h.name] = None
         while len(self._parked) > PARKED_AGENTS:
             self._invalidate(self._parked.popitem(last=False)[0])
-
-    def knows(self, name: str) -> bool:
-        """``name`` is loaded (with or without a handle): its metadata loaded fine before."""
-        return name in self._parked or self._book.agent_named(name) is not None
-
-    def validate(self, metadata: bytes) -> None:
-        """See ``nixl_support.validate_metadata`` (thread-safe: touches no state of this agent)."""
-        validate_metadata(self._b, metadata)
 
     def _invalidate(self, name: str) -> None:
         self._run("invalidateRemoteMD", lambda: self._agent.invalidateRemoteMD(name))

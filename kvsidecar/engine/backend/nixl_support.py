@@ -8,7 +8,6 @@ import importlib.util
 import os
 import re
 import sys
-import uuid
 from types import ModuleType
 from typing import Any
 
@@ -98,20 +97,3 @@ def notifications_from(got: dict[Any, list[Any]]) -> tuple[Notification, ...]:
         for name, msgs in got.items()
         for msg in msgs
     )
-
-
-def validate_metadata(b: ModuleType, metadata: bytes) -> None:
-    """Load ``metadata`` into a throwaway agent: a load that fails part-way leaves an agent unable
-    to ever load that remote again, so untrusted metadata is tried here first. About 40 ms; runs
-    on any thread (the agent is private). BackendError if it does not load."""
-    config = b.nixlAgentConfig()
-    config.useProgThread = False
-    config.useListenThread = False
-    scratch = b.nixlAgent(f"kvsidecar-check-{uuid.uuid4().hex[:12]}", config)
-    try:
-        scratch.createBackend("UCX", {"ucx_error_handling_mode": "peer", "num_workers": "1"})
-        scratch.loadRemoteMD(metadata)
-    except Exception as exc:
-        raise (translate_error(exc, b, "remote agent metadata") or exc) from None
-    finally:
-        del scratch  # its destructor tears down its UCX worker and every endpoint

@@ -20,7 +20,7 @@ from kvsidecar.engine.admission import Admission
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Endpoints
 from kvsidecar.engine.peers import phases
-from kvsidecar.engine.peers.registry import Peer, PeerRegistry
+from kvsidecar.engine.peers.registry import Peer, PeerRegistry, RankLink
 from kvsidecar.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -38,12 +38,12 @@ class Handshakes:
         self,
         *,
         peers: PeerRegistry,
-        quarantine: Callable[[str, str], Awaitable[None]],
+        quarantine: Callable[[str, str, str], Awaitable[None]],
         discovered: Callable[[str], Endpoints] | None = None,
         concurrency: int = 16,
     ) -> None:
         self._peers = peers
-        self._quarantine = quarantine  # (engine id, why): fail its reads, release the peer
+        self._quarantine = quarantine  # (engine id, why, cause): fail its reads, drop the peer
         self._discovered = discovered
         self.admission = Admission(concurrency, what="handshakes")
         self._prewarms: set[asyncio.Task[None]] = set()
@@ -133,13 +133,32 @@ class Handshakes:
         return peer
 
     async def _attach(self, local: LocalEngine, fetched: phases.Fetched) -> Peer:
-        # A sidecar whose engine restarted under a new engine id keeps its NIXL agent: a peer
-        # still holding that agent is stale and goes before the agent is loaded again.
+        # One NIXL agent serves one engine at a time. A peer of another engine that holds an
+        # agent this engine answered with is either stale (its sidecar's engine restarted under
+        # a new id: it goes before the agent is loaded again) or still served by that agent (a
+        # copy of its metadata under another engine id: refused, the live peer undisturbed).
         for other in self._peers.peers():
-            if other.engine_id != fetched.engine_id and any(
-                link.agent.name in fetched.agent_names for link in other.links.values()
-            ):
-                await self._quarantine(
-                    other.engine_id, f"its sidecar now serves engine {fetched.engine_id!r}"
+            if other.engine_id == fetched.engine_id:
+                continue
+            held = [link for link in other.links.values() if link.agent.name in fetched.agent_names]
+            if not held:
+                continue
+            if await self._still_served(other.engine_id, held[0]):
+                self._peers.metadata_refused("duplicate")
+                raise FailedPreconditionError(
+                    f"remote engine {fetched.engine_id!r} answered with NIXL agent "
+                    f"{held[0].agent.name!r}, which engine {other.engine_id!r} at "
+                    f"{held[0].endpoint} still serves: one agent cannot serve two engines"
                 )
+            await self._quarantine(
+                other.engine_id, f"its sidecar now serves engine {fetched.engine_id!r}", "replaced"
+            )
         return await phases.attach(self._peers, local, fetched)
+
+    async def _still_served(self, engine_id: str, link: RankLink) -> bool:
+        """Whether rank ``link.rank`` of ``engine_id`` still answers with ``link``'s agent."""
+        try:
+            info = await self._peers.link.get_agent(link.endpoint, engine_id, link.rank)
+        except KvSidecarError:
+            return False
+        return info.engine_id == engine_id and info.agent_name == link.agent.name

@@ -18,8 +18,7 @@ from kvsidecar.engine.model import Endpoints
 from kvsidecar.engine.peers.link import PeerLink
 from kvsidecar.engine.peers.registry import Peer, PeerRegistry, RankLink
 from kvsidecar.errors import (
-    BackendInvalidParamError,
-    BackendNotFoundError,
+    BackendError,
     FailedPreconditionError,
     IncompatibleError,
     NotFoundError,
@@ -150,7 +149,8 @@ async def attach(registry: PeerRegistry, local: LocalEngine, fetched: Fetched) -
             info = fetched.agents[rank_plan.remote_rank]
             try:
                 agent = await backend.add_remote_agent(info.nixl_agent_metadata, info.agent_name)
-            except (BackendInvalidParamError, BackendNotFoundError) as exc:
+            except BackendError as exc:  # any refusal of the load: a clean UNAVAILABLE
+                registry.metadata_refused(getattr(exc, "cause", "invalid"))
                 raise PeerUnavailableError(
                     f"remote engine {fetched.engine_id!r} rank {rank_plan.remote_rank} sent "
                     f"agent metadata that does not load: {exc}"

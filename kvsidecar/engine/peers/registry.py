@@ -91,6 +91,8 @@ class PeerRegistry:
         self._pending: dict[str, asyncio.Task[Peer]] = {}
         self._orphans: set[asyncio.Task[Peer]] = set()  # backend phases of abandoned handshakes
         self._handshakes = {"ok": 0, "error": 0}
+        self._metadata_refused: dict[str, int] = {}
+        self._quarantines: dict[str, int] = {}
         self._handshake_duration = Histogram(DURATION_BUCKETS)
         self._log = RateLimited(log)  # a broken peer may fail every request's handshake
 
@@ -187,6 +189,10 @@ class PeerRegistry:
         self._back_off(engine_id, str(exc))
         self._log.warning("handshake with %r failed: %s", engine_id, exc, peer=engine_id)
 
+    def metadata_refused(self, cause: str) -> None:
+        """A remote agent's metadata was refused before it reached the agent (counted)."""
+        self._metadata_refused[cause] = self._metadata_refused.get(cause, 0) + 1
+
     def _back_off(self, engine_id: str, reason: str) -> None:
         known = self._known.setdefault(engine_id, _Known())
         known.failures += 1
@@ -196,19 +202,29 @@ class PeerRegistry:
 
     # --- release --------------------------------------------------------------------------------
 
-    async def remove(self, engine_id: str, reason: str, *, backoff: bool = True) -> None:
+    async def remove(
+        self, engine_id: str, reason: str, *, backoff: bool = True, cause: str = ""
+    ) -> None:
         """Quarantine: release every handle of the peer and close its channels; the next request
         re-handshakes (after backoff, unless ``backoff`` is False: a stale plan, not a failure).
-        The caller has already failed the peer's in-flight reads."""
-        peer = self._peers.pop(engine_id, None)
+        ``cause`` counts a quarantine (``PeerStats.quarantines``). The caller has already failed
+        the peer's in-flight reads."""
+        peer = self._peers.get(engine_id)
         if peer is None:
             return
-        if backoff:
-            self._back_off(engine_id, reason)
-        peer.state = PeerState.QUARANTINED
-        await self.release(peer)
+        # Channels first, while the peer is still registered: a Read arriving once it is gone
+        # handshakes again, and closing a channel cancels the calls on it (that handshake's).
         for endpoint in peer.endpoints:
             await self.link.forget(endpoint)
+        if self._peers.get(engine_id) is not peer:
+            return  # removed meanwhile
+        del self._peers[engine_id]
+        if backoff:
+            self._back_off(engine_id, reason)
+        if cause:
+            self._quarantines[cause] = self._quarantines.get(cause, 0) + 1
+        peer.state = PeerState.QUARANTINED
+        await self.release(peer)
         msg = "remote engine %r quarantined: %s" if backoff else "remote engine %r invalidated: %s"
         self._log.warning(msg, engine_id, reason, peer=engine_id)
 
@@ -300,4 +316,6 @@ class PeerRegistry:
             by_state=counts,
             handshakes=dict(self._handshakes),
             handshake_duration=self._handshake_duration.snapshot(),
+            metadata_refused=dict(self._metadata_refused),
+            quarantines=dict(self._quarantines),
         )

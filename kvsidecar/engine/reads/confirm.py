@@ -6,7 +6,9 @@ rank for everything sent in one turn of the event loop, and comes back with an o
 READ_DONE whose read waits for it is handed back through ``resolve`` (``InFlightReads.resolve``,
 the one place a confirmation ends a read): ACCEPTED confirms it, anything else fails it. An
 outcome STALE_EPOCH means the producer engine re-registered since the handshake: the peer is
-invalidated at once (``invalidate``: the guard), so the next Read re-handshakes.
+invalidated at once (``invalidate``: the guard), so the next Read re-handshakes. A producer rank
+that cannot be reached at all (the call fails or times out) means a broken link: the peer is
+quarantined (``unreachable``), so the next Read handshakes again instead of reading over it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from kvsidecar.engine.peers.link import PeerLink
 from kvsidecar.engine.peers.registry import Peer, RankLink
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.state import InFlightRead
-from kvsidecar.errors import KvSidecarError, PeerUnavailableError
+from kvsidecar.errors import DeadlineExceededError, KvSidecarError, PeerUnavailableError
 from kvsidecar.limits import MAX_NOTIFICATIONS
 from kvsidecar.plan.claims import ReadClaim
 from kvsidecar.wire.peer import NotificationKind, Outcome, PeerNotification
@@ -29,7 +31,7 @@ log = logging.getLogger(__name__)
 
 #: (request id, producer rank, outcome or None if undelivered, detail) of a confirmation
 Resolve = Callable[[str, int, Outcome | None, str], None]
-#: (peer, why): the peer's plan is stale
+#: (peer, why): the peer's plan is stale, or its PeerService cannot be reached
 Invalidate = Callable[[Peer, str], Awaitable[None]]
 
 
@@ -112,10 +114,12 @@ class Confirmer:
         link: PeerLink,
         resolve: Resolve,
         invalidate: Invalidate,
+        unreachable: Invalidate,
     ) -> None:
         self._link = link
         self._resolve = resolve
         self._invalidate = invalidate
+        self._unreachable = unreachable
         self._tasks: set[asyncio.Task[None]] = set()
         self._queued: list[Outgoing] = []  # sent this turn of the loop, not yet delivered
         self._flush: asyncio.Handle | None = None
@@ -152,7 +156,7 @@ class Confirmer:
     ) -> tuple[int, int]:
         """One notification to every rank of ``peer``'s plan, delivered now, all at once (a
         CONSUMED or HEARTBEAT call waits for them). Returns (sent, refused); raises a typed error
-        if a rank cannot be reached."""
+        if a rank cannot be reached (and the peer is quarantined)."""
         refused = await asyncio.gather(
             *(
                 self._deliver_now(
@@ -199,7 +203,13 @@ class Confirmer:
                 task.add_done_callback(self._tasks.discard)
 
     async def _deliver_now(self, peer: Peer, endpoint: str, note: PeerNotification) -> int:
-        epoch, outcomes = await self._call(peer, endpoint, [note])
+        try:
+            epoch, outcomes = await self._call(peer, endpoint, [note])
+        except (PeerUnavailableError, DeadlineExceededError) as exc:
+            await self._unreachable(
+                peer, f"notifying {peer.engine_id!r} at {endpoint} failed: {exc}"
+            )
+            raise
         await self._after(peer, epoch, outcomes)
         return sum(o is not Outcome.ACCEPTED for o in outcomes)
 
@@ -219,6 +229,10 @@ class Confirmer:
             for i in items:
                 if i.request_id:
                     self._resolve(i.request_id, i.rank, None, str(exc))
+            if isinstance(exc, (PeerUnavailableError, DeadlineExceededError)):
+                await self._unreachable(
+                    peer, f"notifying {peer.engine_id!r} at {endpoint} failed: {exc}"
+                )
             return
         for i, outcome in zip(items, outcomes, strict=True):
             if i.request_id:

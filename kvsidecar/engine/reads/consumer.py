@@ -91,7 +91,7 @@ class Consumer:
             task.add_done_callback(self._waiters.discard)
             return ReadPosted(reads_posted=0, notifications_sent=0, bytes=0, handshaking=True)
         validate_request_ids(local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry)
-        ticket = self._reads.take(cmd.request_id)
+        ticket = self._reads.ids.take(cmd.request_id)
         self._reads.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
         return await self._post(cmd, local, peer, deadline_s, ticket)
 
@@ -131,7 +131,7 @@ class Consumer:
                 )
             except BaseException:
                 if ticket is not None:  # nothing was posted: the id is free again
-                    self._reads.give_back(cmd.request_id, ticket)
+                    self._reads.ids.give_back(cmd.request_id, ticket)
                 raise
 
         # Shielded: a cancelled RPC must not orphan a READ the backend already posted.

@@ -91,12 +91,20 @@ class PeerGuard:
         async with self._lock.exclusive():
             yield
 
-    async def quarantine(self, engine_id: str, reason: str) -> None:
+    async def quarantine(self, engine_id: str, reason: str, cause: str = "read_failed") -> None:
         """Fail the peer's in-flight reads (releasing their handles first), then release the peer;
-        the next request re-handshakes after backoff."""
+        the next request re-handshakes after backoff. ``cause`` is counted
+        (``kvsidecar_peer_quarantines_total``)."""
         async with self._lock.exclusive():
             await self._transfers.fail_peer(engine_id, FailReason.PEER_DISCONNECTED, reason)
-            await self._peers.remove(engine_id, reason)
+            await self._peers.remove(engine_id, reason, cause=cause)
+
+    async def unreachable(self, peer: Peer, reason: str) -> None:
+        """PeerService of ``peer`` could not be reached for a notification (its link is broken:
+        the producer died, restarted or hangs): quarantine it, unless a newer handshake replaced
+        it meanwhile."""
+        if self._peers.peer(peer.engine_id) is peer:
+            await self.quarantine(peer.engine_id, reason, cause="undelivered")
 
     async def invalidate(self, peer: Peer, reason: str) -> None:
         """``peer``'s plan is stale (its engine re-registered): fail its in-flight reads as STALE

@@ -80,9 +80,8 @@ async def _post_reads(
 
 class InFlightReads:
     """Owns every accepted read until its event, and its transfer handles (released exactly
-    once). ``confirm``: report RECV_DONE only once every producer rank read from has confirmed.
-    ``phases``: where Read time goes (the RPC layer and the consumer observe their phases there
-    too)."""
+    once). ``confirm``: RECV_DONE only once every producer rank read from confirmed. ``phases``:
+    where Read time goes (the RPC layer and the consumer observe their phases there too)."""
 
     def __init__(
         self,
@@ -100,7 +99,7 @@ class InFlightReads:
         self._clock = clock
         self._reads: dict[str, InFlightRead] = {}
         self._waiting: dict[str, Admitted] = {}  # accepted, waiting for their peer's handshake
-        self._ids = ReadIds(remember_ids)
+        self.ids = ReadIds(remember_ids)  # a read posted at once takes its id here first
         self._to_release: list[XferHandle] = []  # completed, not yet released
         self._report = ReadReport(events)
         self.phases: PhaseHistograms = self._report.phases
@@ -119,19 +118,10 @@ class InFlightReads:
 
     # --- accepting ------------------------------------------------------------------------------
 
-    def take(self, request_id: str) -> int:
-        """Take ``request_id`` for a read about to be posted now (AlreadyExistsError if it is in
-        flight or ended recently); ``give_back`` with the returned ticket if the post fails."""
-        return self._ids.take(request_id)
-
-    def give_back(self, request_id: str, ticket: int) -> None:
-        """A taken read was refused before anything was posted: its id is free again."""
-        self._ids.give_back(request_id, ticket)
-
     def admit(self, cmd: ReadCommand) -> None:
         """Accept ``cmd`` before its peer is ready: its id is taken, it counts as in flight, and
         it ends through ``post`` or ``fail_waiting``."""
-        self._ids.take(cmd.request_id)
+        self.ids.take(cmd.request_id)
         self._waiting[cmd.request_id] = Admitted(
             cmd=cmd, started=time.perf_counter(), at=self._clock()
         )
@@ -143,7 +133,7 @@ class InFlightReads:
     def fail_waiting(self, request_id: str, reason: FailReason, message: str) -> None:
         """End a waiting read with RECV_FAILED; nothing if it is no longer waiting."""
         if (admitted := self._waiting.pop(request_id, None)) is not None:
-            self._ids.end(request_id)
+            self.ids.end(request_id)
             self._report.failure(admitted.cmd, reason, message)
 
     # --- posting --------------------------------------------------------------------------------
@@ -156,11 +146,10 @@ class InFlightReads:
         deadline_s: float,
         consumer: tuple[str, int],
     ) -> ReadPosted:
-        """Post READs for every read rank of the peer's plan and tell the others CONSUMED; the
-        read fails ``deadline_s`` seconds from now (from its admission, for an admitted read)
-        unless it completed. ``cmd``'s id is taken (``take`` or ``admit``). ``consumer``: this
-        engine's id and rank. Bytes posted must equal bytes planned (BackendError otherwise, with
-        nothing left behind). A waiting read (``admit``) stays waiting if posting raises."""
+        """Post READs for every read rank of the peer's plan (``cmd``'s id taken: ``take`` or
+        ``admit``) and tell the others CONSUMED; it fails ``deadline_s`` s from its call unless
+        done. ``consumer``: this engine's id and rank. Bytes posted must equal bytes planned
+        (BackendError otherwise, nothing left behind); an admitted read stays waiting if it raises."""
         admitted = self._waiting.get(cmd.request_id)
         posting = time.perf_counter()
         xfers, total = await _post_reads(self._backend, cmd, peer, self._report)
@@ -183,7 +172,7 @@ class InFlightReads:
         if admitted is None:
             self._report.started += 1
         if not xfers:  # full prefix hit: nothing was read, nothing to confirm
-            self._ids.end(cmd.request_id)
+            self.ids.end(cmd.request_id)
             self._report.success(read)
         else:
             self._reads[cmd.request_id] = read
@@ -202,7 +191,7 @@ class InFlightReads:
             read.phase = Phase.CONFIRMING
         else:
             del self._reads[read.cmd.request_id]
-            self._ids.end(read.cmd.request_id)
+            self.ids.end(read.cmd.request_id)
             self._report.success(read)
 
     def resolve(self, request_id: str, rank: int, outcome: Outcome | None, detail: str) -> None:
@@ -216,7 +205,7 @@ class InFlightReads:
             read.unconfirmed.discard(rank)
             if not read.unconfirmed:
                 del self._reads[request_id]
-                self._ids.end(request_id)
+                self.ids.end(request_id)
                 self._report.confirmed(time.perf_counter() - read.done_at)
                 self._report.success(read)
             return
@@ -238,7 +227,7 @@ class InFlightReads:
                 f"{where} refused to confirm: {outcome.name} {detail}",
             )
         del self._reads[request_id]
-        self._ids.end(request_id)
+        self.ids.end(request_id)
         self._report.failure(read.cmd, *read.failure)
 
     # --- polling --------------------------------------------------------------------------------
@@ -316,7 +305,7 @@ class InFlightReads:
             await self._close(read)
         for request_id in list(self._waiting):
             self.fail_waiting(request_id, reason, message)
-        self._ids.clear()
+        self.ids.clear()
 
     async def _close(self, read: InFlightRead) -> None:
         """Release every handle of a failed read, then report it. Exactly once per read."""
@@ -328,6 +317,6 @@ class InFlightReads:
             except KvSidecarError as exc:
                 log.error("releasing READ handle of %r failed: %s", read.cmd.request_id, exc)
         read.xfers = []
-        self._ids.end(read.cmd.request_id)
+        self.ids.end(read.cmd.request_id)
         assert read.failure is not None
         self._report.failure(read.cmd, *read.failure)
