@@ -271,6 +271,11 @@ class EngineCollector(Collector):
             "Engine memory registered with the backend.",
             s.registered_bytes,
         )
+        yield _counter(
+            "kvsidecar_kv_files_reclaimed",
+            "Engine KV files (host_shm.unlink_after_exit) unlinked after their engine exited.",
+            s.kv_files_reclaimed,
+        )
 
 
 class DiscoveryCollector(Collector):

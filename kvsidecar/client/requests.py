@@ -112,6 +112,7 @@ def register(
     num_groups: int = 1,
     takeover: bool = False,
     role: EngineRole = EngineRole.BOTH,
+    engine_pid: int = 0,
 ) -> engine_pb2.RegisterEngineRequest:
     compat = CompatItems(model=model, dtype=dtype, extra=tuple(sorted((extra or {}).items())))
     return engine_pb2.RegisterEngineRequest(
@@ -125,6 +126,7 @@ def register(
         compat=compat_to_proto(compat),
         takeover=takeover,
         role=role_to_proto(role),
+        engine_pid=engine_pid,
     )
 
 

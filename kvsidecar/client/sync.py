@@ -76,9 +76,11 @@ class SidecarClient:
         num_groups: int = 1,
         takeover: bool = False,
         role: EngineRole = EngineRole.BOTH,
+        engine_pid: int = 0,
     ) -> Registered:
         """Register the engine's memory and geometry. ``takeover`` replaces a registration whose
-        Watch stream is still open (otherwise refused: FailedPreconditionError)."""
+        Watch stream is still open (otherwise refused: FailedPreconditionError). ``engine_pid``:
+        this process (``os.getpid()``) when a memory is ``unlink_after_exit``."""
         request = requests.register(
             engine_id=engine_id,
             tp_rank=tp_rank,
@@ -92,6 +94,7 @@ class SidecarClient:
             num_groups=num_groups,
             takeover=takeover,
             role=role,
+            engine_pid=engine_pid,
         )
         return wire.registered_from_proto(self._call(self._stub.RegisterEngine, request))
 

@@ -18,6 +18,7 @@ from kvsidecar.engine.backend.contract import MemoryRegistration, TransferBacken
 from kvsidecar.engine.model import Registration
 from kvsidecar.errors import GeometryError, MemoryImportError, NotFoundError, NotRegisteredError
 from kvsidecar.memory import ImportedMemory, import_memory
+from kvsidecar.memory.host_shm import HostShmMemory
 from kvsidecar.plan import EngineGeometry
 from kvsidecar.plan.compat import PROTOCOL_VERSION, CompatItems, span_signature
 from kvsidecar.wire.peer import AgentInfo, EngineDirectory
@@ -152,6 +153,14 @@ class LocalEngine:
             await _release(backend, done)
             raise
         return cls(registration, epoch, tuple(done))
+
+    def reclaimable(self) -> tuple[tuple[str, int, int], ...]:
+        """(path, device, inode) of every shm file marked ``unlink_after_exit``."""
+        return tuple(
+            mem.file
+            for _, mem, _ in self._imported
+            if isinstance(mem, HostShmMemory) and mem.spec.unlink_after_exit
+        )
 
     def memory_fault(self) -> str | None:
         """The first imported memory that can no longer be used safely, and why (``None``)."""

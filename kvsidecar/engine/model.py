@@ -61,6 +61,7 @@ class Registration:
     compat: CompatItems
     takeover: bool = False  # replace a registration whose engine is still live
     role: EngineRole = EngineRole.BOTH
+    engine_pid: int = 0  # the engine process (0: unknown); see HostShmSpec.unlink_after_exit
 
     @property
     def engine_id(self) -> str:

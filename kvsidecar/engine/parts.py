@@ -147,6 +147,7 @@ class Parts:
             events_queued=self.events.queued,
             events_discarded=self.events.discarded,
             registered_bytes=local.registered_bytes if local is not None else 0,
+            kv_files_reclaimed=self.registrar.reclaimer.unlinked,
         )
 
     def status(

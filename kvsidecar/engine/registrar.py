@@ -24,6 +24,7 @@ from kvsidecar.engine.model import Registration
 from kvsidecar.engine.peers.registry import PeerRegistry
 from kvsidecar.engine.reads.guard import PeerGuard
 from kvsidecar.engine.reads.inflight import InFlightReads
+from kvsidecar.engine.reclaim import ExitReclaimer
 from kvsidecar.errors import FailedPreconditionError
 from kvsidecar.types import Event, FailReason
 
@@ -57,6 +58,7 @@ class Registrar:
         self._local: LocalEngine | None = None
         self._epoch = int(time.time() * 1000)  # survives restarts as "newer"
         self._lock = asyncio.Lock()
+        self.reclaimer = ExitReclaimer()  # unlinks marked KV files once their engine has exited
 
     @property
     def local(self) -> LocalEngine | None:
@@ -95,6 +97,7 @@ class Registrar:
                 raise
             self._epoch += 1
             self._local = local
+            self.reclaimer.watch(registration.engine_pid, local.reclaimable())
             self._peers.bind(local)
             self._events.rebind(local.epoch)
         await self._on_registered(True)
@@ -163,6 +166,7 @@ class Registrar:
         """Drop the registration for good (the sidecar stops)."""
         async with self._lock:
             await self._drop(FailReason.SHUTDOWN, "sidecar shutting down")
+            self.reclaimer.aclose()
 
     async def _drop(self, reason: FailReason, why: str) -> None:
         # Unbind first: RPCs arriving from here on see no engine and start no handshake.

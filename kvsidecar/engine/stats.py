@@ -204,6 +204,7 @@ class EngineStats:
     events_queued: int  # events waiting for the engine
     events_discarded: int  # events of an ended registration, never shown to the next one
     registered_bytes: int
+    kv_files_reclaimed: int = 0  # engine KV files unlinked after their engine exited
 
     def counters(self) -> dict[str, int]:
         """The flat counters of the ``Status`` RPC (each one is also a ``/metrics`` family)."""
@@ -227,4 +228,5 @@ class EngineStats:
             "events_dropped": self.events_dropped,
             "events_discarded": self.events_discarded,
             "handshakes": sum(self.peers.handshakes.values()),
+            "kv_files_reclaimed": self.kv_files_reclaimed,
         }

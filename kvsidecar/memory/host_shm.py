@@ -27,9 +27,17 @@ class HostShmMemory:
     must not touch the address after closing (deregister from the backend first).
     """
 
-    __slots__ = ("_base", "_closed", "_lock", "_map", "_spec")
+    __slots__ = ("_base", "_closed", "_lock", "_map", "_spec", "file")
 
-    def __init__(self, spec: HostShmSpec, mapping: mmap.mmap, base_address: int) -> None:
+    def __init__(
+        self,
+        spec: HostShmSpec,
+        mapping: mmap.mmap,
+        base_address: int,
+        file: tuple[str, int, int] = ("", 0, 0),
+    ) -> None:
+        """``file``: (resolved path, st_dev, st_ino) of the file mapped."""
+        self.file = file
         self._spec = spec
         self._map = mapping
         self._base = base_address
@@ -158,6 +166,7 @@ def import_host_shm(
             raise MemoryImportError(
                 f"host_shm.path={spec.path!r} cannot be mapped ({length} bytes): {exc.strerror}"
             ) from None
+        file = (real, st.st_dev, st.st_ino)
     finally:
         os.close(fd)  # mmap keeps its own duplicate of the descriptor
     # Take the address through a transient buffer export and drop it at once, so that the export
@@ -165,4 +174,4 @@ def import_host_shm(
     anchor = ctypes.c_char.from_buffer(mapping)
     base = ctypes.addressof(anchor)
     del anchor
-    return HostShmMemory(spec, mapping, base)
+    return HostShmMemory(spec, mapping, base, file)

@@ -35,10 +35,12 @@ class HostShmSpec:
     """A file under an allowed root (``/dev/shm``, hugetlbfs) that the engine created and sized.
 
     ``size`` is the number of bytes (from offset 0) the sidecar maps and registers.
+    ``unlink_after_exit``: the sidecar removes the file once the engine's process has exited.
     """
 
     path: str
     size: int
+    unlink_after_exit: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -81,6 +81,7 @@ def registration(request: engine_pb2.RegisterEngineRequest) -> Registration:
         compat=compat_from_proto(request.compat),
         takeover=request.takeover,
         role=role_from_proto(request.role),
+        engine_pid=request.engine_pid,
     )
     if parsed.peer_endpoints and len(parsed.peer_endpoints) != geometry.tp_size:
         raise InvalidArgumentError(

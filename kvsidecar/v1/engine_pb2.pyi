@@ -325,6 +325,7 @@ class RegisterEngineRequest(_message.Message):
     NUM_GROUPS_FIELD_NUMBER: _builtins.int
     TAKEOVER_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
+    ENGINE_PID_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Engine identity, the same on every rank of the engine.
     Non-empty, at most 1024 characters.
@@ -345,6 +346,10 @@ class RegisterEngineRequest(_message.Message):
     role: Global___EngineRole.ValueType
     """What the engine does with KV caches; fleet discovery publishes it (and pre-warms handshakes
     only between engines that pair). Unspecified = both.
+    """
+    engine_pid: _builtins.int
+    """The engine process's pid as the sidecar sees it (same PID namespace; 0 = unknown). The
+    sidecar watches it (pidfd) only to unlink memories marked host_shm.unlink_after_exit.
     """
     @_builtins.property
     def views(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.View]:
@@ -375,10 +380,11 @@ class RegisterEngineRequest(_message.Message):
         num_groups: _builtins.int = ...,
         takeover: _builtins.bool = ...,
         role: Global___EngineRole.ValueType = ...,
+        engine_pid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "engine_id", b"engine_id", "memories", b"memories", "num_groups", b"num_groups", "peer_endpoints", b"peer_endpoints", "role", b"role", "takeover", b"takeover", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "engine_id", b"engine_id", "engine_pid", b"engine_pid", "memories", b"memories", "num_groups", b"num_groups", "peer_endpoints", b"peer_endpoints", "role", b"role", "takeover", b"takeover", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

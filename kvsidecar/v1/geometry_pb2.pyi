@@ -142,18 +142,26 @@ class HostShm(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PATH_FIELD_NUMBER: _builtins.int
+    UNLINK_AFTER_EXIT_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """Absolute path of the file. Must lie under one of the sidecar's allowed shm roots.
     At most 4096 characters.
+    """
+    unlink_after_exit: _builtins.bool
+    """Unlink the file once the registering engine's process (RegisterEngineRequest.engine_pid) has
+    exited, if it is still there and still the file the sidecar mapped: a KV file never outlives
+    its engine, however the engine dies. For files an engine cannot remove itself once killed
+    (PyTorch's file_system sharing, for one); an engine that unlinks its own files leaves it off.
     """
     def __init__(
         self,
         *,
         path: _builtins.str = ...,
+        unlink_after_exit: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "unlink_after_exit", b"unlink_after_exit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

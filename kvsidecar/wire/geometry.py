@@ -217,7 +217,11 @@ def block_ids_to_proto(
 def memory_to_proto(memory_id: str, spec: MemorySpec) -> geometry_pb2.Memory:
     if isinstance(spec, HostShmSpec):
         return geometry_pb2.Memory(
-            id=memory_id, size=spec.size, host_shm=geometry_pb2.HostShm(path=str(spec.path))
+            id=memory_id,
+            size=spec.size,
+            host_shm=geometry_pb2.HostShm(
+                path=str(spec.path), unlink_after_exit=spec.unlink_after_exit
+            ),
         )
     return geometry_pb2.Memory(
         id=memory_id,
@@ -240,7 +244,9 @@ def memory_from_proto(i: int, pb: geometry_pb2.Memory) -> tuple[str, MemorySpec]
         raise MemoryImportError(f"memories[{i}] ({pb.id!r}).size must be > 0")
     kind = pb.WhichOneof("kind")
     if kind == "host_shm":
-        return pb.id, HostShmSpec(path=pb.host_shm.path, size=pb.size)
+        return pb.id, HostShmSpec(
+            path=pb.host_shm.path, size=pb.size, unlink_after_exit=pb.host_shm.unlink_after_exit
+        )
     if kind == "cuda_ipc":
         return pb.id, CudaIpcSpec(
             handle=bytes(pb.cuda_ipc.handle),

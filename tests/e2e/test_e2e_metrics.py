@@ -37,6 +37,7 @@ COUNTER_FAMILIES = {
     "events_dropped": "kvsidecar_events_dropped",
     "events_discarded": "kvsidecar_events_discarded",
     "handshakes": "kvsidecar_handshakes",
+    "kv_files_reclaimed": "kvsidecar_kv_files_reclaimed",
 }
 
 

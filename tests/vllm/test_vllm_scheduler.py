@@ -653,3 +653,107 @@ def test_start_step_does_not_wait_for_a_dead_peer(
         assert after.counters["reads_failed"] == failed_before + 1
     finally:
         engine.close()
+
+
+# --- edge cases other connectors met (vLLM PR #54714, #46304, PR #57570) --------------------------
+
+
+@pytest.fixture
+def refusing_peer() -> str:
+    """A TCP endpoint that refuses connections (a producer sidecar that is gone)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"127.0.0.1:{port}"
+
+
+def until_quiet(conn: KvSidecarConnector, sidecar: sidecar_proc.SidecarProcess) -> None:
+    """Until the sidecar has ended every read (the notify-only ones included)."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 10
+    while status(sidecar).reads_in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert status(sidecar).reads_in_flight == 0
+
+
+@pytest.mark.parametrize("peer", ["dead", "refusing"])
+def test_full_prefix_hit_finishes_on_decode_whatever_its_notification_does(
+    model: Path,
+    sidecar: sidecar_proc.SidecarProcess,
+    dead_peer: str,
+    refusing_peer: str,
+    worker_connector: Callable[..., KvSidecarConnector],
+    peer: str,
+) -> None:
+    """vLLM PR #54714: a full prefix hit whose notification to the producer fails left requests
+    waiting forever. vLLM always computes a prompt's last token itself, so the connector reads
+    nothing only when vLLM overrides the load to 0 tokens (here: prompt logprobs, which must not
+    read cached KV); it then computes the prompt locally at once and tells the producer it will
+    not read (CONSUMED). That notification, to a producer hung or gone, fails on its own,
+    reports nothing to vLLM and leaves nothing behind."""
+    conn = worker_connector()
+    sc = sched.scheduler(sched.vllm_config(model), sched.kv_cache_config())
+    free = sched.free_blocks(sc)
+    kv = remote_kv("p-B", len(PROMPT), peer=dead_peer if peer == "dead" else refusing_peer)
+    sc.add_request(
+        sched.request(
+            sc,
+            PROMPT,
+            params=kv.to_params(),
+            request_id="B",
+            max_tokens=2,
+            skip_reading_prefix_cache=True,
+        )
+    )
+    out, failed, invalid, _ = worker_step(sc, conn)
+    (load,) = sched.work(out).loads
+    assert load.local_block_ids == ((),)  # notify only: the producer's hold ends, nothing read
+    assert not load.reported  # vLLM does not wait for it
+    assert out.num_scheduled_tokens == {"B": len(PROMPT)}  # computed here at once, not parked
+    assert (failed, invalid) == (set(), set())
+    outs: Outputs = {}
+    for _ in range(4):
+        *_, outs = worker_step(sc, conn)
+        if "B" in outs and outs["B"].finished:
+            break
+    assert outs["B"].finish_reason == FinishReason.LENGTH
+    until_quiet(conn, sidecar)  # the notification has failed by now (or at once)
+    _, failed, invalid, _ = worker_step(sc, conn)
+    assert (failed, invalid) == (set(), set())  # nothing about B reaches vLLM
+    assert conn._worker is not None
+    assert not conn._worker._quiet  # nothing waits for it any more
+    assert "B" not in sc.requests
+    assert sched.free_blocks(sc) == free
+
+
+def test_abort_while_loading_then_the_read_fails(
+    model: Path,
+    sidecar: sidecar_proc.SidecarProcess,
+    dead_peer: str,
+    worker_connector: Callable[..., KvSidecarConnector],
+) -> None:
+    """vLLM #46304 / PR #57570: an abort of a request whose load is in flight, and the load's
+    end (finished and failed receiving) reported in a later step, must neither crash the
+    scheduler nor free the request's blocks twice nor resurrect the request."""
+    conn = worker_connector()
+    sc = sched.scheduler(sched.vllm_config(model), sched.kv_cache_config())
+    free = sched.free_blocks(sc)
+    kv = remote_kv("p-D", len(PROMPT), peer=dead_peer)
+    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="D", max_tokens=2))
+    worker_step(sc, conn)  # the load is posted; its handshake hangs
+    assert sc.requests["D"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    sc.finish_requests("D", RequestStatus.FINISHED_ABORTED)
+    ended: set[str] = set()
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 10
+    while not ended and time.monotonic() < deadline:
+        _, failed, invalid, outs = worker_step(sc, conn)
+        ended |= failed
+        assert "D" not in outs or outs["D"].finished  # never scheduled again
+        time.sleep(0.02)
+    assert ended == {"D"}  # the read ended, reported once
+    for _ in range(3):  # and nothing more comes of it
+        _, failed, invalid, outs = worker_step(sc, conn)
+        assert (failed, invalid) == (set(), set())
+        assert "D" not in outs
+    assert "D" not in sc.requests
+    assert sched.free_blocks(sc) == free
+    until_quiet(conn, sidecar)

@@ -153,7 +153,9 @@ def _share(storage: Any) -> tuple[HostShmSpec, int]:
     header = file_size - int(size)
     if header < 0:
         raise ValueError(f"{path}: {file_size} bytes, smaller than its storage ({size} bytes)")
-    return HostShmSpec(path=path, size=file_size), header
+    # PyTorch unlinks the file only when the storage is freed: a killed worker never frees it, so
+    # the sidecar removes it once this process has exited (RegisterEngine.engine_pid).
+    return HostShmSpec(path=path, size=file_size, unlink_after_exit=True), header
 
 
 def describe_kv_caches(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -92,6 +93,7 @@ class WorkerSide:
             dtype=dtype,
             num_groups=num_groups,
             takeover=True,  # a restarted worker replaces its dead predecessor's registration
+            engine_pid=os.getpid(),  # its KV files go when this process does, however it dies
         )
         self.peer_endpoint = registered.peer_endpoint
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvsidecar-hb")
