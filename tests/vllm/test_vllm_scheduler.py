@@ -757,3 +757,64 @@ def test_abort_while_loading_then_the_read_fails(
     assert "D" not in sc.requests
     assert sched.free_blocks(sc) == free
     until_quiet(conn, sidecar)
+
+
+def test_a_load_of_blocks_the_hold_does_not_cover_is_reported_failed(tmp_path: Path) -> None:
+    """A router that mixed up transfer parameters: the token is the hold's, the block ids are
+    not. The read is refused by the producer (WRONG_BLOCKS) and the connector reports the load as
+    failed with its block ids, never as done."""
+    certs = sidecar_proc.certificates(tmp_path)
+    procs = [
+        sidecar_proc.start(
+            tmp_path,
+            *sidecar_proc.default_args(tmp_path, name, certs),
+            "--shm-roots",
+            "/dev/shm",
+            name=name,
+        )
+        for name in ("prefill", "decode")
+    ]
+    producer_engine = decode_engine = None
+    try:
+        prefill_side = WorkerSide(
+            socket=procs[0].addresses["engine_socket"], engine_id="prefill", tp_rank=0, tp_size=1
+        )
+        producer_engine = register(prefill_side)
+        prefill_side.start_step(
+            StepWork(
+                holds=(Hold(request_id="p-A", block_ids=((1, 2, 3),), token="t" * 24, lease_s=60),)
+            )
+        )
+        worker = WorkerSide(
+            socket=procs[1].addresses["engine_socket"], engine_id="decode", tp_rank=0, tp_size=1
+        )
+        decode_engine = register(worker)
+        kv = RemoteKv(
+            engine_id="prefill",
+            request_id="p-A",
+            block_ids=((4, 5, 6),),  # not the held (1, 2, 3)
+            endpoints=(procs[0].addresses["peer"],),
+            token="t" * 24,
+            tp_size=1,
+            num_tokens=3 * toy.ModelShape(kind=toy.ModelKind.GQA).block_size,
+        )
+        worker.start_step(
+            StepWork(loads=(Load(request_id="A", local_block_ids=((7, 8, 9),), remote=kv),))
+        )
+        results: list[StepResults] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(r.recving for r in results):
+            results.append(worker.take_results(()))
+            time.sleep(0.02)
+        assert [r.failed for r in results if r.failed] == [{"A"}]
+        assert [r.invalid_block_ids for r in results if r.invalid_block_ids] == [{7, 8, 9}]
+        assert status(procs[1]).counters["reads_done"] == 0
+        held = status(procs[0])
+        assert held.holds_active == 1  # the hold was not counted as consumed
+        assert held.counters["notifications_refused"] == 1
+    finally:
+        for engine in (decode_engine, producer_engine):
+            if engine is not None:
+                engine.close()
+        for proc in procs:
+            proc.stop()
