@@ -28,6 +28,9 @@ $(STAMP): pyproject.toml
 # download: no Prometheus server, user or service is installed). Without it those tests skip, or
 # fail under KVSIDECAR_REQUIRE_TOOLS=1 (.ci/run). hadolint and kubernetes-validate come with '.[dev]'.
 PROMTOOL := $(BIN)/promtool
+# apt holds a lock while it works: another build on the host (a second `make test`) makes it fail
+# at once, so each apt step is retried for up to a minute.
+APT_RETRY := scripts/retry.sh 6 10 sh -c
 ETCD     := $(BIN)/etcd
 
 tools: setup
@@ -35,7 +38,7 @@ tools: setup
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "tools: promtool from Debian's prometheus package"; \
 	  tmp=$$(mktemp -d); chown _apt "$$tmp" 2>/dev/null || true; \
-	  if apt-get update -qq && (cd "$$tmp" && apt-get download -qq prometheus) \
+	  if $(APT_RETRY) "apt-get update -qq && cd $$tmp && apt-get download -qq prometheus" \
 	    && dpkg-deb --fsys-tarfile "$$tmp"/prometheus_*.deb | tar -x -C "$$tmp" ./usr/bin/promtool \
 	    && install -m 0755 "$$tmp/usr/bin/promtool" $(PROMTOOL); then $(PROMTOOL) --version | head -1; \
 	  else echo "tools: could not install promtool: its tests skip (fail in CI)"; fi; \
@@ -46,7 +49,7 @@ tools: setup
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "tools: etcd from Debian's etcd-server package"; \
 	  tmp=$$(mktemp -d); chown _apt "$$tmp" 2>/dev/null || true; \
-	  if apt-get update -qq && (cd "$$tmp" && apt-get download -qq etcd-server) \
+	  if $(APT_RETRY) "apt-get update -qq && cd $$tmp && apt-get download -qq etcd-server" \
 	    && dpkg-deb --fsys-tarfile "$$tmp"/etcd-server_*.deb | tar -x -C "$$tmp" ./usr/bin/etcd \
 	    && install -m 0755 "$$tmp/usr/bin/etcd" $(ETCD); then $(ETCD) --version | head -1; \
 	  else echo "tools: could not install etcd: its tests skip (fail in CI)"; fi; \

@@ -853,7 +853,9 @@ def test_fuzzed_messages_to_every_rpc_answer_fast_and_never_internal(tmp_path: P
             print(f"  {path}: {dict(seen.codes[path])}")
         print(f"  eight more 10 MB requests: RSS {(rss_bigs - rss_big) / 2**20:+.1f} MiB")
         assert rss_after - rss_before < RSS_LIMIT, (rss_before, rss_after)
-        assert rss_bigs - rss_big < 20 << 20, (rss_big, rss_bigs)
+        # The leak kept ~30 MB per request (+240 MB here); gRPC's own buffers grow a little more
+        # on a loaded host, so the bound is half a request each.
+        assert rss_bigs - rss_big < 40 << 20, (rss_big, rss_bigs)
     finally:
         codes = sidecars.close()
     assert codes == [0, 0], [sc.log() for sc in sidecars.procs]

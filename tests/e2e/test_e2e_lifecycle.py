@@ -112,7 +112,13 @@ async def test_watch_drop_releases_the_engine_and_allows_reregistration(
                 break
             await asyncio.sleep(0.02)
         assert status.engine_id == ""
-        assert await asyncio.to_thread(_readyz, consumer.addresses["metrics"]) == 503
+        # Readiness follows once the registration's resources are released: wait for it.
+        for _ in range(500):
+            ready = await asyncio.to_thread(_readyz, consumer.addresses["metrics"])
+            if ready == 503:
+                break
+            await asyncio.sleep(0.02)
+        assert ready == 503
         with pytest.raises(errors.FailedPreconditionError, match="no engine is registered"):
             await consumer.client.read(
                 "x",
