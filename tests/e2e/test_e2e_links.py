@@ -6,6 +6,7 @@ quarantined and re-handshaken, and no read is reported done on it. Real processe
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -105,7 +106,9 @@ async def test_a_hundred_quarantines_and_re_handshakes_leave_no_descriptor_behin
             result = await transfer(cluster, f"fresh-{i}", pids, dids)
             assert result.bytes_verified == result.bytes_read > 0
         after = fds(producer.proc), fds(consumer.proc)
-        assert metric(consumer, "kvsidecar_peer_quarantines_total") >= 50
+        quarantines = metric(consumer, "kvsidecar_peer_quarantines_total")
+        print(json.dumps({"fds_before": before, "fds_after": after, "quarantines": quarantines}))
+        assert quarantines >= 50
         assert after[0] <= before[0] + 3, (before, after)
         assert after[1] <= before[1] + 3, (before, after)
 
