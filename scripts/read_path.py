@@ -5,10 +5,9 @@
 Two sidecars in this process (real NIXL, loopback PeerService), a producer hold and a consumer
 that watches; after one warm-up Read (the handshake), one more Read is traced: every Python
 function entered in a ``kvsidecar`` file, on any thread, between the client's ``read`` call and the
-RECV_DONE event reaching it. Printed: the files in first-entered order, by side (client, the
-consumer's sidecar, the producer's sidecar answering the confirmation — told apart by which
-sidecar's objects... not knowable from a file name, so files are listed once, in order), and how
-many are in ``kvsidecar/engine``.
+RECV_DONE event reaching it. Printed: the files in first-entered order (the client, the
+consumer's sidecar and the producer's sidecar answering the confirmation all run in this process,
+so a file both sides enter is listed once), and how many are in ``kvsidecar/engine``.
 """
 
 from __future__ import annotations

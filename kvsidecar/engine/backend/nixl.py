@@ -186,12 +186,6 @@ class NixlBackend:
             )
         return await self._call("add_remote_agent", lambda a: a.add_agent(metadata, name))
 
-    @property
-    def metadata_checks(self) -> tuple[int, int]:
-        """(metadata checks run in the checker process, checkers replaced after a crash or hang)."""
-        box = self._sandbox
-        return (box.checks, box.restarts) if box is not None else (0, 0)
-
     async def remove_remote_agent(self, agent: RemoteAgent) -> None:
         await self._call("remove_remote_agent", lambda a: a.remove_agent(agent))
 

@@ -23,6 +23,3 @@ class ReadBatch:
     """The reads of one ReadBatch call, in the caller's order."""
 
     reads: tuple[ReadCommand, ...]
-
-    def __len__(self) -> int:
-        return len(self.reads)

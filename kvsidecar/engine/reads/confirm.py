@@ -206,9 +206,7 @@ class Confirmer:
         try:
             epoch, outcomes = await self._call(peer, endpoint, [note])
         except (PeerUnavailableError, DeadlineExceededError) as exc:
-            await self._unreachable(
-                peer, f"notifying {peer.engine_id!r} at {endpoint} failed: {exc}"
-            )
+            await self._link_broken(peer, endpoint, exc)
             raise
         await self._after(peer, epoch, outcomes)
         return sum(o is not Outcome.ACCEPTED for o in outcomes)
@@ -230,15 +228,17 @@ class Confirmer:
                 if i.request_id:
                     self._resolve(i.request_id, i.rank, None, str(exc))
             if isinstance(exc, (PeerUnavailableError, DeadlineExceededError)):
-                await self._unreachable(
-                    peer, f"notifying {peer.engine_id!r} at {endpoint} failed: {exc}"
-                )
+                await self._link_broken(peer, endpoint, exc)
             return
         for i, outcome in zip(items, outcomes, strict=True):
             if i.request_id:
                 detail = f"(named epoch {i.notification.epoch}, now {epoch})"
                 self._resolve(i.request_id, i.rank, outcome, detail)
         await self._after(peer, epoch, outcomes)
+
+    async def _link_broken(self, peer: Peer, endpoint: str, exc: KvSidecarError) -> None:
+        """A producer rank could not be reached: the peer's link is broken (quarantined)."""
+        await self._unreachable(peer, f"notifying {peer.engine_id!r} at {endpoint} failed: {exc}")
 
     async def _call(
         self, peer: Peer, endpoint: str, notes: Sequence[PeerNotification]
