@@ -4,6 +4,12 @@ The engine creates and sizes the file (usually under ``/dev/shm``); the sidecar 
 it is a regular file under an allowed root and at least as large as requested, and maps it
 ``MAP_SHARED`` read/write so that bytes a remote READ lands are visible to the engine. The sidecar
 never unlinks the file: the engine owns it.
+
+The mapping is prefaulted (``MAP_POPULATE``): a fresh mapping has no page-table entries, and a
+same-host (cma) READ from or into it then takes a page fault per 4 KiB page the first time,
+which measured 2.2 GB/s cold against 6.4 GB/s warm for 1 MiB reads (the engine touched every
+page already; only the sidecar's mapping was cold). Prefaulting costs about 55 ms per GiB at
+import, off the event loop (``EngineCore`` imports in a worker thread).
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from collections.abc import Sequence
 
 from kvsidecar.errors import MemoryImportError
 from kvsidecar.memory.types import DEFAULT_SHM_ROOTS, HostShmSpec, MemType
+
+# Linux only (the CPU path runs there); elsewhere the mapping is simply faulted on use.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class HostShmMemory:
@@ -160,7 +169,10 @@ def import_host_shm(
         length = min(st.st_size, -(-spec.size // block) * block)
         try:
             mapping = mmap.mmap(
-                fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                fd,
+                length,
+                flags=mmap.MAP_SHARED | _POPULATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
         except OSError as exc:
             raise MemoryImportError(

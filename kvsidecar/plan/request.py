@@ -30,7 +30,9 @@ from .geometry import EngineGeometry, View
 from .peer_plan import DESC_ID_DTYPE, PeerPlan, RankPlan
 
 __all__ = [
+    "BatchIds",
     "RequestIds",
+    "batch_request_ids",
     "expand_kernel_ids",
     "request_descriptor_ids",
     "request_ids",
@@ -241,3 +243,89 @@ def validate_request_ids(
                 problems.append(f"local_block_ids[{g}] repeats id {int(s[dup[0]])}")
     if problems:
         raise BlockIdError("; ".join(problems))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class BatchIds:
+    """Descriptor ids of several requests against one remote rank, in one pair of arrays (one
+    transfer for all of them). ``read_bytes[i]``: bytes request ``i`` reads from the rank (0: it
+    reads nothing there, e.g. a full prefix hit)."""
+
+    remote_rank: int
+    local_desc_ids: DescIds
+    remote_desc_ids: DescIds
+    num_bytes: int
+    read_bytes: tuple[int, ...]
+
+
+def batch_request_ids(
+    plan: PeerPlan,
+    local_ids: Sequence[Sequence[IdArray]],
+    remote_ids: Sequence[Sequence[IdArray]],
+) -> tuple[BatchIds, ...]:
+    """:func:`request_ids` for requests ``i`` = (``local_ids[i]``, ``remote_ids[i]``) at once: per
+    read rank of ``plan`` with something to read, every request's descriptor ids concatenated
+    (request after request within each row batch), computed with one array pass per row batch
+    instead of one per request. Validate every request first (:func:`validate_request_ids`);
+    raises BlockIdError as :func:`request_ids` does."""
+    n = len(local_ids)
+    if n != len(remote_ids):
+        raise BlockIdError(f"{n} local id lists but {len(remote_ids)} remote ones")
+    for i in range(n):
+        if len(local_ids[i]) != len(remote_ids[i]):
+            raise BlockIdError(
+                f"request {i}: local_block_ids has {len(local_ids[i])} groups but "
+                f"remote_block_ids has {len(remote_ids[i])}"
+            )
+    out = []
+    for rp in plan.ranks:
+        if rp.notify_only:
+            continue
+        locs: list[DescIds] = []
+        rems: list[DescIds] = []
+        per = [0] * n
+        for b in rp.batches:
+            g = b.group
+            lparts: list[DescIds] = []
+            rparts: list[DescIds] = []
+            for i in range(n):
+                if g >= len(local_ids[i]):
+                    raise BlockIdError(
+                        f"local_block_ids has {len(local_ids[i])} groups; the plan routes group {g}"
+                    )
+                lids, rids = local_ids[i][g], remote_ids[i][g]
+                k, m = len(lids), len(rids)
+                if k > m:
+                    raise BlockIdError(
+                        f"local_block_ids[{g}] has {k} ids but remote_block_ids[{g}] has {m} "
+                        f"(more local than remote blocks)"
+                    )
+                if k == 0:
+                    continue
+                lparts.append(_checked(lids, b.local_id_limit, "local_block_ids", g))
+                rparts.append(_checked(rids[m - k :], b.remote_id_limit, "remote_block_ids", g))
+                per[i] += k * b.blocks_per_id * b.bytes_per_block
+            if not lparts:
+                continue
+            lk = _expand32(
+                np.concatenate(lparts) if len(lparts) > 1 else lparts[0], b.blocks_per_id
+            )
+            rk = _expand32(
+                np.concatenate(rparts) if len(rparts) > 1 else rparts[0], b.blocks_per_id
+            )
+            locs.append((b.local_starts + lk).ravel())
+            rems.append((b.remote_starts + rk).ravel())
+        if not locs:
+            continue
+        loc = locs[0] if len(locs) == 1 else np.concatenate(locs)
+        rem = rems[0] if len(rems) == 1 else np.concatenate(rems)
+        out.append(
+            BatchIds(
+                remote_rank=rp.remote_rank,
+                local_desc_ids=loc,
+                remote_desc_ids=rem,
+                num_bytes=sum(per),
+                read_bytes=tuple(per),
+            )
+        )
+    return tuple(out)

@@ -15,7 +15,7 @@ from kvsidecar.plan import (
     span_signature,
     validate_request_ids,
 )
-from kvsidecar.plan.request import expand_kernel_ids
+from kvsidecar.plan.request import batch_request_ids, expand_kernel_ids, request_ids
 from kvsidecar.plan.tp import expected_consumers, needed_remote_ranks
 from tests.plan.plan_oracle import LOCAL, Cluster, address
 from tests.plan.plan_strategies import KINDS, TP_SIZES, Model, models, request
@@ -139,3 +139,42 @@ def test_expand_kernel_ids_matches_naive(ids: list[int], bpi: int) -> None:
     got = expand_kernel_ids(np.asarray(ids, dtype=np.int64), bpi)
     want = [i * bpi + k for i in ids for k in range(bpi)]
     assert got.tolist() == want
+
+
+@PROPS
+@given(
+    model=models(),
+    t_d=tp,
+    t_p=tp,
+    nb_d=st.integers(1, 6),
+    nb_p=st.integers(1, 6),
+    seed=st.integers(0, 2**20),
+    reads=st.integers(1, 5),
+)
+def test_batch_ids_are_the_requests_ids_together(
+    model: Model, t_d: int, t_p: int, nb_d: int, nb_p: int, seed: int, reads: int
+) -> None:
+    """One transfer per remote rank for a batch moves exactly the (local, remote) descriptor pairs
+    of its requests' own transfers, and each request's bytes are its own."""
+    local, remote = _engines(model, t_d, t_p, nb_d, nb_p)
+    cluster = Cluster(local=local, remote=remote, seed=seed)
+    for d in range(t_d):
+        plan = cluster.plan(d)
+        ids = [request(seed + d + 7 * i, local, remote) for i in range(reads)]
+        batch = {b.remote_rank: b for b in batch_request_ids(plan, *zip(*ids, strict=True))}
+        want: dict[int, list[tuple[int, int]]] = {}
+        per: dict[int, list[int]] = {}
+        for i, (lids, rids) in enumerate(ids):
+            singles = {r.remote_rank: r for r in request_ids(plan, lids, rids)}
+            for rank in singles.keys() | batch.keys():
+                one = singles.get(rank)
+                per.setdefault(rank, [0] * reads)[i] = 0 if one is None else one.num_bytes
+                if one is not None:
+                    pairs = zip(one.local_desc_ids.tolist(), one.remote_desc_ids.tolist())
+                    want.setdefault(rank, []).extend(pairs)
+        assert batch.keys() == want.keys()
+        for rank, b in batch.items():
+            got = list(zip(b.local_desc_ids.tolist(), b.remote_desc_ids.tolist(), strict=True))
+            assert sorted(got) == sorted(want[rank])
+            assert list(b.read_bytes) == per[rank]
+            assert b.num_bytes == sum(per[rank])

@@ -98,16 +98,74 @@ class Consumer:
     async def read_batch(self, batch: ReadBatch) -> tuple[ReadOutcome, ...]:
         """One outcome per read of ``batch``, in order; a refused read fails only itself.
 
-        The reads are accepted concurrently: each is validated in turn, then their posts reach
-        the agent thread in one burst (one wake-up of the loop for all of them)."""
-
-        async def one(cmd: ReadCommand) -> ReadOutcome:
+        The batch is accepted as a unit: each read is validated and its id taken, then the reads
+        of each ready peer are posted together, one READ per remote rank for all of them (one
+        hop to the agent thread per peer, not per read). Reads of a peer not handshaken yet are
+        admitted and wait for the handshake as a single Read does."""
+        try:
+            local = self._peers.require_local()
+        except KvSidecarError as exc:
+            return tuple(exc for _ in batch.reads)
+        outcomes: list[ReadOutcome | None] = [None] * len(batch.reads)
+        ready: dict[int, tuple[Peer, list[tuple[int, ReadCommand, int]]]] = {}
+        for i, cmd in enumerate(batch.reads):
+            t0 = time.perf_counter()
             try:
-                return await self.read(cmd)
+                peer = self._peers.peer(cmd.remote_engine_id)
+                if peer is None:  # admitted: waits for the handshake in the background
+                    outcomes[i] = await self.read(cmd)
+                    continue
+                validate_request_ids(
+                    local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry
+                )
+                ticket = self._reads.ids.take(cmd.request_id)
             except KvSidecarError as exc:
-                return exc
+                outcomes[i] = exc
+                continue
+            self._reads.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
+            ready.setdefault(id(peer), (peer, []))[1].append((i, cmd, ticket))
 
-        return tuple(await asyncio.gather(*(one(cmd) for cmd in batch.reads)))
+        async def group(peer: Peer, items: list[tuple[int, ReadCommand, int]]) -> None:
+            try:
+                posted = await self._post_many(local, peer, items)
+            except KvSidecarError as exc:
+                for i, _, _ in items:
+                    outcomes[i] = exc
+                return
+            for (i, _, _), one in zip(items, posted, strict=True):
+                outcomes[i] = one
+
+        await asyncio.gather(*(group(peer, items) for peer, items in ready.values()))
+        return tuple(o for o in outcomes if o is not None)
+
+    async def _post_many(
+        self, local: LocalEngine, peer: Peer, items: list[tuple[int, ReadCommand, int]]
+    ) -> tuple[ReadPosted, ...]:
+        """Post taken reads of one peer together under the guard; on failure every id goes
+        back (nothing was posted)."""
+        me = (local.geometry.engine_id, local.geometry.tp_rank)
+        cmds = tuple(cmd for _, cmd, _ in items)
+        deadlines = tuple(
+            self._read_deadline_s if c.deadline_s is None else c.deadline_s for c in cmds
+        )
+
+        async def post() -> tuple[ReadPosted, ...]:
+            try:
+                return await self._guard.run(
+                    peer,
+                    "posting a READ",
+                    lambda: self._reads.post_many(cmds, peer, deadline_s=deadlines, consumer=me),
+                    local=local,
+                )
+            except BaseException:
+                for _, cmd, ticket in items:
+                    self._reads.ids.give_back(cmd.request_id, ticket)
+                raise
+
+        # Shielded: a cancelled RPC must not orphan READs the backend already posted.
+        posted = await shielded(post())
+        self._on_posted()
+        return posted
 
     async def _post(
         self,

@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from kvsidecar.engine.backend.contract import TransferBackend, XferHandle, XferState
+from kvsidecar.engine.backend.contract import TransferBackend, XferState
 from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import ReadCommand
@@ -31,28 +32,42 @@ from kvsidecar.engine.reads.report import ReadReport
 from kvsidecar.engine.reads.state import Admitted, InFlightRead, Phase, Xfer
 from kvsidecar.engine.stats import PhaseHistograms, ReadPhase, TransferStats
 from kvsidecar.errors import BackendError, KvSidecarError
-from kvsidecar.plan import request_ids
 from kvsidecar.plan.claims import read_claim
+from kvsidecar.plan.request import batch_request_ids
 from kvsidecar.types import FailReason, ReadPosted
 from kvsidecar.wire.peer import Outcome
 
 log = RateLimited(logging.getLogger(__name__))  # per-request lines: rate-limited
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Posted:
+    """The READs of reads posted together: the transfers (one per remote rank read from), and per
+    read the bytes it reads from each of them (0: it reads nothing there)."""
+
+    xfers: tuple[Xfer, ...]
+    read_bytes: tuple[tuple[int, ...], ...]  # [xfer][read]
+
+
 async def _post_reads(
-    backend: TransferBackend, cmd: ReadCommand, peer: Peer, report: ReadReport
-) -> tuple[list[Xfer], int]:
-    """One READ per read rank of the peer's plan: (transfers, bytes). On any failure every READ
-    already posted is released before the error propagates."""
+    backend: TransferBackend, cmds: Sequence[ReadCommand], peer: Peer, report: ReadReport
+) -> Posted:
+    """One READ per read rank of the peer's plan for all of ``cmds`` together. On any failure
+    every READ already posted is released before the error propagates."""
     xfers: list[Xfer] = []
-    total = 0
+    per_read: list[tuple[int, ...]] = []
     t0 = time.perf_counter()
-    by_rank = {r.remote_rank: r for r in request_ids(peer.plan, cmd.local_ids, cmd.remote_ids)}
+    by_rank = {
+        b.remote_rank: b
+        for b in batch_request_ids(
+            peer.plan, [c.local_ids for c in cmds], [c.remote_ids for c in cmds]
+        )
+    }
     report.phases.observe(ReadPhase.IDS, time.perf_counter() - t0)
     try:
         for link in peer.links.values():
             ids = by_rank.get(link.rank)
-            if ids is None:  # notify-only rank, or nothing to read (full prefix hit)
+            if ids is None:  # notify-only rank, or nothing to read (full prefix hits)
                 continue
             assert link.local_dlist is not None
             assert link.remote_dlist is not None
@@ -61,6 +76,7 @@ async def _post_reads(
             )
             state = XferState.DONE if handle.done_at_post else XferState.PROC
             xfers.append(Xfer(rank=link.rank, handle=handle, state=state))
+            per_read.append(ids.read_bytes)
             if handle.num_bytes != ids.num_bytes:
                 raise BackendError(
                     f"READ from rank {link.rank} of {peer.engine_id!r} posted "
@@ -69,13 +85,12 @@ async def _post_reads(
             report.descriptors.observe(len(ids.local_desc_ids))
             for phase, seconds in handle.phases:
                 report.phases.observe(phase, seconds)
-            total += ids.num_bytes
     except BaseException:
         for x in xfers:
             with contextlib.suppress(Exception):
                 await backend.release_xfer(x.handle)
         raise
-    return xfers, total
+    return Posted(xfers=tuple(xfers), read_bytes=tuple(per_read))
 
 
 class InFlightReads:
@@ -100,7 +115,7 @@ class InFlightReads:
         self._reads: dict[str, InFlightRead] = {}
         self._waiting: dict[str, Admitted] = {}  # accepted, waiting for their peer's handshake
         self.ids = ReadIds(remember_ids)  # a read posted at once takes its id here first
-        self._to_release: list[XferHandle] = []  # completed, not yet released
+        self._to_release: list[Xfer] = []  # completed, not yet released
         self._report = ReadReport(events)
         self.phases: PhaseHistograms = self._report.phases
 
@@ -146,45 +161,68 @@ class InFlightReads:
         deadline_s: float,
         consumer: tuple[str, int],
     ) -> ReadPosted:
-        """Post READs for every read rank of the peer's plan (``cmd``'s id taken: ``take`` or
-        ``admit``) and tell the others CONSUMED; it fails ``deadline_s`` s from its call unless
-        done. ``consumer``: this engine's id and rank. Bytes posted must equal bytes planned
-        (BackendError otherwise, nothing left behind); an admitted read stays waiting if it raises."""
-        admitted = self._waiting.get(cmd.request_id)
+        """``post_many`` of one read."""
+        (posted,) = await self.post_many((cmd,), peer, deadline_s=(deadline_s,), consumer=consumer)
+        return posted
+
+    async def post_many(
+        self,
+        cmds: Sequence[ReadCommand],
+        peer: Peer,
+        *,
+        deadline_s: Sequence[float],
+        consumer: tuple[str, int],
+    ) -> tuple[ReadPosted, ...]:
+        """Post one READ per read rank of the peer's plan for all of ``cmds`` together (each id
+        taken: ``take`` or ``admit``) and tell the others CONSUMED; read ``i`` fails
+        ``deadline_s[i]`` s from its call unless done. ``consumer``: this engine's id and rank.
+        Bytes posted must equal bytes planned (BackendError otherwise, nothing left behind);
+        admitted reads stay waiting if it raises. The reads share the transfers: a failed READ
+        fails every read posted with it."""
         posting = time.perf_counter()
-        xfers, total = await _post_reads(self._backend, cmd, peer, self._report)
-        self._waiting.pop(cmd.request_id, None)
-        read = InFlightRead(
-            cmd=cmd,
-            peer=peer,
-            xfers=xfers,
-            bytes=total,
-            started=posting if admitted is None else admitted.started,
-            deadline_s=deadline_s,
-            deadline=(self._clock() if admitted is None else admitted.at) + deadline_s,
-            consumer=consumer,
-            claim=read_claim(cmd.local_ids, cmd.remote_ids),
-            unconfirmed={x.rank for x in xfers},
-        )
-        # READs first: if one could not be posted, no notify-only rank has been told.
-        quiet = self._confirmer.not_reading(read)
-        self._report.post_duration.observe(time.perf_counter() - posting)
-        if admitted is None:
-            self._report.started += 1
-        if not xfers:  # full prefix hit: nothing was read, nothing to confirm
-            self.ids.end(cmd.request_id)
-            self._report.success(read)
-        else:
-            self._reads[cmd.request_id] = read
-            if all(x.state is XferState.DONE for x in xfers):  # completed inside the post (cma)
-                self._read_done(read)
-        return ReadPosted(reads_posted=len(xfers), notifications_sent=quiet, bytes=total)
+        posted = await _post_reads(self._backend, cmds, peer, self._report)
+        took = time.perf_counter() - posting
+        now = self._clock()
+        out = []
+        for i, cmd in enumerate(cmds):
+            admitted = self._waiting.pop(cmd.request_id, None)
+            xfers = [x for x, per in zip(posted.xfers, posted.read_bytes, strict=True) if per[i]]
+            read = InFlightRead(
+                cmd=cmd,
+                peer=peer,
+                xfers=xfers,
+                bytes=sum(per[i] for per in posted.read_bytes),
+                started=posting if admitted is None else admitted.started,
+                deadline_s=deadline_s[i],
+                deadline=(now if admitted is None else admitted.at) + deadline_s[i],
+                consumer=consumer,
+                claim=read_claim(cmd.local_ids, cmd.remote_ids),
+                unconfirmed={x.rank for x in xfers},
+            )
+            for x in xfers:
+                x.reads.append(read)
+            # READs first: if one could not be posted, no notify-only rank has been told.
+            quiet = self._confirmer.not_reading(read)
+            self._report.post_duration.observe(took)
+            if admitted is None:
+                self._report.started += 1
+            if not xfers:  # full prefix hit: nothing was read, nothing to confirm
+                self.ids.end(cmd.request_id)
+                self._report.success(read)
+            else:
+                self._reads[cmd.request_id] = read
+                if all(x.state is XferState.DONE for x in xfers):  # completed in the post (cma)
+                    self._read_done(read)
+            out.append(
+                ReadPosted(reads_posted=len(xfers), notifications_sent=quiet, bytes=read.bytes)
+            )
+        return tuple(out)
 
     def _read_done(self, read: InFlightRead) -> None:
         """Every READ of ``read`` is DONE: release its handles (next tick) and tell every rank it
         read from; with confirmation, wait for their answers, else report it now."""
         read.done_at = time.perf_counter()
-        self._to_release.extend(x.handle for x in read.xfers)
+        self._to_release.extend(read.xfers)
         read.xfers = []
         self._confirmer.read_done(read, confirm=self.confirm)
         if self.confirm:
@@ -239,16 +277,25 @@ class InFlightReads:
         await self.release_completed()
         if not self._reads:
             return set()
-        pending = [
-            (r, x) for r in self._reads.values() for x in r.xfers if x.state is XferState.PROC
-        ]
-        states = await self._backend.poll([x.handle for _, x in pending]) if pending else ()
+        pending = list(
+            {
+                id(x): x
+                for r in self._reads.values()
+                for x in r.xfers
+                if x.state is XferState.PROC and not x.released
+            }.values()
+        )
+        states = await self._backend.poll([x.handle for x in pending]) if pending else ()
         blamed: set[str] = set()
         fault: str | None = None
-        for (read, x), state in zip(pending, states, strict=True):
+        for x, state in zip(pending, states, strict=True):
             x.state = state
-            if state is XferState.ERR and read.failure is None:
-                fault = fault or (local.memory_fault() if local is not None else None)
+            if state is not XferState.ERR:
+                continue
+            fault = fault or (local.memory_fault() if local is not None else None)
+            for read in x.reads:
+                if read.failure is not None:
+                    continue
                 if fault is not None:
                     read.failure = (FailReason.LOCAL_MEMORY, f"local memory failed: {fault}")
                 else:
@@ -259,6 +306,8 @@ class InFlightReads:
                     blamed.add(read.peer.engine_id)
         now = self._clock()
         for read in list(self._reads.values()):
+            if self._reads.get(read.cmd.request_id) is not read:
+                continue  # closed meanwhile with a read it shared a READ with
             in_proc = any(x.state is XferState.PROC for x in read.xfers)
             if now >= read.deadline and (in_proc or read.phase is Phase.CONFIRMING):
                 what = "reading from" if in_proc else "waiting for the confirmation of"
@@ -279,12 +328,19 @@ class InFlightReads:
 
     async def release_completed(self) -> None:
         """Release the handles of reads whose READs are all done."""
-        handles, self._to_release = self._to_release, []
-        for handle in handles:
-            try:
-                await self._backend.release_xfer(handle)
-            except KvSidecarError as exc:
-                log.error("releasing a completed READ handle failed: %s", exc)
+        xfers, self._to_release = self._to_release, []
+        for x in xfers:
+            await self._release(x)
+
+    async def _release(self, x: Xfer) -> None:
+        """Give ``x``'s handle back to the backend, once whoever asks."""
+        if x.released:
+            return
+        x.released = True
+        try:
+            await self._backend.release_xfer(x.handle)
+        except KvSidecarError as exc:
+            log.error("releasing a READ handle failed: %s", exc)
 
     # --- failing --------------------------------------------------------------------------------
 
@@ -308,15 +364,24 @@ class InFlightReads:
         self.ids.clear()
 
     async def _close(self, read: InFlightRead) -> None:
-        """Release every handle of a failed read, then report it. Exactly once per read."""
+        """Release every handle of a failed read, then report it. Exactly once per read. A READ
+        it shares with reads posted with it and still in progress is cancelled for them too:
+        they fail with the same reason."""
         if self._reads.pop(read.cmd.request_id, None) is None:
             return
+        assert read.failure is not None
+        siblings = [
+            r
+            for x in read.xfers
+            if x.state is XferState.PROC and not x.released
+            for r in x.reads
+            if r is not read and self._reads.get(r.cmd.request_id) is r
+        ]
         for x in read.xfers:
-            try:
-                await self._backend.release_xfer(x.handle)
-            except KvSidecarError as exc:
-                log.error("releasing READ handle of %r failed: %s", read.cmd.request_id, exc)
+            await self._release(x)
         read.xfers = []
         self.ids.end(read.cmd.request_id)
-        assert read.failure is not None
         self._report.failure(read.cmd, *read.failure)
+        for r in siblings:
+            r.failure = r.failure or read.failure
+            await self._close(r)

@@ -1,9 +1,11 @@
 """The values behind an in-flight read: its transfers, its phase, and when it was accepted.
 
-A read posts one READ per remote rank it reads from. When every READ is DONE its handles are
-released and it tells each of those ranks READ_DONE over PeerService; with confirmed reads it then
-waits (``Phase.CONFIRMING``) until every one of them answered ACCEPTED. Notify-only ranks get a
-CONSUMED right after the READs are posted.
+A read posts one READ per remote rank it reads from; the reads of one batch posted together
+share those READs (one transfer per remote rank for all of them, ``Xfer.reads``). When every READ
+of a read is DONE it tells each of those ranks READ_DONE over PeerService; with confirmed reads it
+then waits (``Phase.CONFIRMING``) until every one of them answered ACCEPTED. Notify-only ranks get
+a CONSUMED right after the READs are posted. A transfer's handle is released once, when it left
+PROC (or when the reads sharing it fail), whichever read gets there first.
 """
 
 from __future__ import annotations
@@ -23,14 +25,19 @@ class Phase(enum.Enum):
     CONFIRMING = "confirming"  #: every READ done; waiting for the producer ranks' confirmation
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, eq=False)
 class Xfer:
+    """One posted READ from remote rank ``rank``, shared by ``reads`` (the reads of a batch posted
+    together; one read alone otherwise)."""
+
     rank: int
     handle: XferHandle
     state: XferState = XferState.PROC
+    released: bool = False  #: its handle went back to the backend (exactly once)
+    reads: list[InFlightRead] = field(default_factory=list)
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, eq=False)
 class InFlightRead:
     """One Read between its post and its event (owned by ``InFlightReads``)."""
 
