@@ -11,7 +11,7 @@ VLLM_VENV    := .venv-vllm
 VLLM_VERSION := 0.32.0
 VLLM_STAMP   := $(VLLM_VENV)/.stamp-vllm-$(VLLM_VERSION)
 
-.PHONY: setup tools setup-vllm test-vllm demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend bench-scale bench-handshakes clean
+.PHONY: setup tools setup-vllm test-vllm demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend bench-scale bench-handshakes bench-vllm clean
 
 setup: $(STAMP)
 
@@ -118,6 +118,11 @@ bench-scale: setup
 
 bench-handshakes: setup
 	$(BIN)/python -m benchmarks.bench_handshakes
+
+# kvsidecar's vLLM connector against vLLM's NixlConnector on real vLLM CPU engines (docs/vllm.md,
+# "Measuring against NixlConnector"); options: make bench-vllm ARGS="--rounds 4 --out run.json".
+bench-vllm: setup-vllm
+	$(VLLM_VENV)/bin/python -m benchmarks.bench_vllm $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

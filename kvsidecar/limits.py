@@ -28,17 +28,22 @@ MAX_COMPAT_EXTRA = 64  # Compat.extra entries
 MAX_IDS_PER_GROUP = 1 << 20  # block ids per group of one request
 MAX_REQUEST_IDS = 4096  # request ids in one heartbeat
 MAX_NOTIFICATIONS = 4096  # notifications in one PeerService.Notify call
+MAX_BATCH_READS = 4096  # reads in one ReadBatch or Step
+MAX_STEP_ITEMS = 4096  # holds, releases, CONSUMEDs and HEARTBEATs in one Step (each list)
 MAX_DEADLINE_S = 3600.0  # Read.deadline_s
 MAX_LEASE_S = 86400.0  # Hold.lease_s (as --lease-s)
 MAX_GRACE_S = 3600.0  # DrainRequest.grace_s (as --grace-period-s)
 MAX_STATUS_EVENTS = 65536  # Status.max_events
 MAX_AGENT_METADATA = 64 << 20  # bytes of a peer's NIXL agent metadata
 MAX_DIGEST_BYTES = 64  # a READ_DONE's read_blocks_digest
+MAX_BOARD_BUCKETS = 1 << 24  # buckets of a producer's hold board (GetAgent.board_buckets)
 MIN_TOKEN, MAX_TOKEN = 16, 256  # characters of an engine-chosen hold token
 
 __all__ = [
     "MAX_AGENT_METADATA",
+    "MAX_BATCH_READS",
     "MAX_BLOCKS_PER_ID",
+    "MAX_BOARD_BUCKETS",
     "MAX_COMPAT_EXTRA",
     "MAX_DEADLINE_S",
     "MAX_DIGEST_BYTES",
@@ -56,6 +61,7 @@ __all__ = [
     "MAX_SPANS",
     "MAX_SPANS_PER_VIEW",
     "MAX_STATUS_EVENTS",
+    "MAX_STEP_ITEMS",
     "MAX_TOKEN",
     "MAX_TP_SIZE",
     "MAX_VIEWS",

@@ -188,7 +188,39 @@ class EngineCollector(Collector):
             "Notifications whose PeerService call failed.",
             c.notifications_undelivered,
         )
+        for result, doc in (
+            ("confirmed", "confirmed by reading their hold board"),
+            ("missed", "asked over PeerService: their board did not show the hold"),
+            ("no_slot", "asked over PeerService: no landing slot for a board check was free"),
+        ):
+            yield _counter(
+                f"kvsidecar_board_{result}",
+                f"Producer ranks of a read {doc}.",
+                t.board_checks.get(result, 0),
+            )
+        yield _labelled(
+            "kvsidecar_transfers_completed",
+            "Transfers (READs and board READs) by where their completion was first seen: inside "
+            "the post (post: same-host copies), by the agent thread watching transfers in "
+            "progress (agent), or by the poller's 1 ms tick (poll).",
+            "seen_by",
+            t.completions,
+        )
+        yield _counter(
+            "kvsidecar_confirm_retries",
+            "Confirmations asked again after a PENDING answer (the producer's HOLD had not "
+            "arrived yet).",
+            t.confirm_retries,
+        )
         # Producer side: holds and the notifications that complete them.
+        for name, doc, value in (
+            ("holds_published", "Holds published on this sidecar's hold board.", p.holds_published),
+            ("board_full", "Holds not published on the hold board: their bucket had no free "
+             "word (their consumers confirm over PeerService).", p.board_full),
+            ("confirmations_pending", "Confirmations answered PENDING: their HOLD had not "
+             "arrived yet (engines registered with trailing_holds).", p.confirmations_pending),
+        ):  # fmt: skip
+            yield _counter(f"kvsidecar_{name}", doc, value)
         yield _counter(
             "kvsidecar_notifications_received",
             "Consumer notifications received.",
@@ -257,7 +289,7 @@ class EngineCollector(Collector):
             )
         yield _labelled(
             "kvsidecar_session_commands",
-            "Commands received on engine Session streams, by kind (read, read_batch, notify).",
+            "Commands received on engine Session streams, by kind (read, read_batch, notify, step).",
             "kind",
             s.sessions.commands,
         )

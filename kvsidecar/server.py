@@ -1,10 +1,9 @@
 """Composition root and lifecycle of one sidecar process.
 
 ``Sidecar(settings)`` stores its settings; ``start()`` binds every listener (EngineService on a Unix
-socket and optionally loopback TCP, PeerService on TCP, HTTP for metrics/health) and returns the bound
-addresses; ``stop(grace_s)`` turns readiness off, stops accepting, waits for in-flight work up to the
-grace period and releases every resource. ``run(settings)`` wires that to SIGTERM/SIGINT.
-"""
+socket and optionally loopback TCP, PeerService on TCP, HTTP for metrics/health) and returns the
+bound addresses; ``stop(grace_s)`` turns readiness off, stops accepting, waits for in-flight work up
+to the grace period and releases everything. ``run(settings)`` wires that to SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -179,6 +178,7 @@ class Sidecar:
             handshake_timeout_s=s.handshake_timeout_s,
             shm_roots=s.shm_roots,
             confirm_reads=s.confirm_reads,
+            hold_board=s.hold_board,
             tls=self._tls.current if self._tls is not None else None,
             max_queued_events=s.max_queued_events,
             handshake_concurrency=s.handshake_concurrency,

@@ -131,6 +131,13 @@ class Settings(BaseSettings):
         "one PeerService round trip less per read, but a producer restart or an ended hold can "
         "be reported as success).",
     )
+    hold_board: bool = Field(
+        default=True,
+        description="Publish live holds on a hold board in registered memory, and confirm reads "
+        "by READing the producer's board (one small READ instead of a PeerService round trip; "
+        "ranks without a board, or whose board does not show the hold, are asked as before). "
+        "Off: every confirmation is a PeerService round trip.",
+    )
     metrics_listen: str = Field(
         default="127.0.0.1:9464", description="HTTP address for /metrics, /healthz, /readyz."
     )

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "Event",
     "FailReason",
+    "NotifyDone",
     "PeerInfo",
     "PeerState",
     "PlanInfo",
@@ -24,6 +25,7 @@ __all__ = [
     "Registered",
     "SendDone",
     "SidecarStatus",
+    "StepDone",
 ]
 
 
@@ -111,6 +113,30 @@ class ReadPosted:
     notifications_sent: int
     bytes: int
     handshaking: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NotifyDone:
+    """What one hold, release, CONSUMED or HEARTBEAT of a Step did: the hold's ``token``
+    (holds), notifications sent to producer ranks and how many they refused (CONSUMED,
+    HEARTBEAT)."""
+
+    token: str = field(default="", repr=False)
+    notifications_sent: int = 0
+    notifications_refused: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepDone:
+    """What a Step did: one outcome per item of each list, in the order sent. An item that
+    failed is its error, a ``kvsidecar.errors.KvSidecarError`` of its status (an error names
+    the list and the index, e.g. ``reads[3]: ...``); one item failing never fails another."""
+
+    holds: tuple[NotifyDone | Exception, ...] = ()
+    releases: tuple[NotifyDone | Exception, ...] = ()
+    reads: tuple[ReadPosted | Exception, ...] = ()
+    consumed: tuple[NotifyDone | Exception, ...] = ()
+    heartbeats: tuple[NotifyDone | Exception, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

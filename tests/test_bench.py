@@ -238,13 +238,14 @@ def test_format_and_targets_of_a_synthetic_report() -> None:
     )
     met = {t.name: t.met for t in report.targets}
     # added 150 us; 1 MiB batch 0.925, single 0.8; 16 MiB 0.975; DONE->event 200 us;
-    # accepted 1.5 ms; idle 2.5 %; loaded 540/450 = 1.2; memcpy 0.32
-    assert list(met.values()) == [False, True, True, True, False, True, False, False, False]
+    # accepted 1.5 ms; idle 2.5 %; loaded 540/450 = 1.2; memcpy 0.32 (issue 26's goals: batch
+    # >= 0.95, single >= 0.9, 64 reads accepted <= 1 ms)
+    assert list(met.values()) == [False, False, False, True, False, False, False, False, False]
     assert math.isclose(report.targets[0].value or 0, 150.0)
     assert math.isclose(report.targets[3].value or 0, 3.9 / 4.0)
     text = format_table(report)
     assert "[MISS] added latency per Read over raw NIXL" in text
-    assert "[ok  ] 1 MiB requests: ReadBatch of 32 / raw NIXL >= 0.9: 0.93" in text
+    assert "[MISS] 1 MiB requests: ReadBatch of 32 / raw NIXL >= 0.95: 0.93" in text
     assert "mean -" in text
     assert "hop 20  post 100" in text
     json.dumps(report.as_dict(), allow_nan=False)

@@ -10,7 +10,14 @@ A local cluster of real sidecars to test an integration against is in ``kvsideca
 
 from kvsidecar.client.aio import AsyncSidecarClient
 from kvsidecar.client.export import SharedMemoryExport, export_cuda_tensor, export_cupy_array
-from kvsidecar.client.requests import BlockIdGroups, ReadSpec
+from kvsidecar.client.requests import (
+    BlockIdGroups,
+    ConsumedSpec,
+    HeartbeatSpec,
+    HoldSpec,
+    ReadSpec,
+    StepSpec,
+)
 from kvsidecar.client.sync import SidecarClient
 from kvsidecar.client.tensors import (
     attention_view_from_tensor,
@@ -25,6 +32,7 @@ from kvsidecar.types import (
     EngineRole,
     Event,
     FailReason,
+    NotifyDone,
     PeerInfo,
     PeerState,
     PlanInfo,
@@ -35,11 +43,13 @@ from kvsidecar.types import (
     Registered,
     SendDone,
     SidecarStatus,
+    StepDone,
 )
 
 __all__ = [
     "AsyncSidecarClient",
     "BlockIdGroups",
+    "ConsumedSpec",
     "DiscoveredEngine",
     "DiscoveryInfo",
     "DiscoveryState",
@@ -47,6 +57,9 @@ __all__ = [
     "EngineRole",
     "Event",
     "FailReason",
+    "HeartbeatSpec",
+    "HoldSpec",
+    "NotifyDone",
     "PeerInfo",
     "PeerState",
     "PlanInfo",
@@ -60,6 +73,8 @@ __all__ = [
     "SharedMemoryExport",
     "SidecarClient",
     "SidecarStatus",
+    "StepDone",
+    "StepSpec",
     "attention_view_from_tensor",
     "export_cuda_tensor",
     "export_cupy_array",

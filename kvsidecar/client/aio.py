@@ -6,8 +6,8 @@ async with AsyncSidecarClient("/run/kvsidecar/engine.sock") as sc:
         ...
 
 ``watch()`` opens the sidecar's Session stream (Watch on a sidecar without it): while it is open,
-``read``, ``read_batch``, ``hold``, ``release``, ``consumed`` and ``heartbeat`` travel on that
-stream as commands instead of unary calls (``kvsidecar.client.session``).
+``read``, ``read_batch``, ``step``, ``hold``, ``release``, ``consumed`` and ``heartbeat`` travel on
+that stream as commands instead of unary calls (``kvsidecar.client.session``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from kvsidecar.client import requests
-from kvsidecar.client.requests import BlockIdGroups, ReadSpec
+from kvsidecar.client.requests import BlockIdGroups, ReadSpec, StepSpec
 from kvsidecar.client.session import AsyncSession
 from kvsidecar.errors import KvSidecarError, UnimplementedError
 from kvsidecar.memory.types import MemorySpec
@@ -33,6 +33,7 @@ from kvsidecar.types import (
     ReadPosted,
     Registered,
     SidecarStatus,
+    StepDone,
 )
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire import engine as wire
@@ -99,10 +100,12 @@ class AsyncSidecarClient:
         takeover: bool = False,
         role: EngineRole = EngineRole.BOTH,
         engine_pid: int = 0,
+        trailing_holds: bool = False,
     ) -> Registered:
         """Register the engine's memory and geometry. ``takeover`` replaces a registration whose
         Watch stream is still open (otherwise refused: FailedPreconditionError). ``engine_pid``:
-        this process (``os.getpid()``) when a memory is ``unlink_after_exit``."""
+        this process (``os.getpid()``) when a memory is ``unlink_after_exit``. ``trailing_holds``:
+        this engine hands out hold tokens before their HOLD reaches the sidecar (docs/confirmation.md)."""
         request = requests.register(
             engine_id=engine_id,
             tp_rank=tp_rank,
@@ -117,6 +120,7 @@ class AsyncSidecarClient:
             takeover=takeover,
             role=role,
             engine_pid=engine_pid,
+            trailing_holds=trailing_holds,
         )
         return wire.registered_from_proto(await self._call(self._stub.RegisterEngine, request))
 
@@ -167,6 +171,12 @@ class AsyncSidecarClient:
         return requests.read_results(
             await self._command(self._stub.ReadBatch, "read_batch", requests.read_batch(reads))
         )
+
+    async def step(self, spec: StepSpec) -> StepDone:
+        """See ``SidecarClient.step``. One message on the open Session stream (steps sent from
+        one task reach the sidecar in the order sent), else a unary call."""
+        request = requests.step(spec)
+        return requests.step_results(await self._command(self._stub.Step, "step", request))
 
     async def hold(
         self,

@@ -15,7 +15,7 @@ from kvsidecar import errors
 from kvsidecar.memory.types import MemorySpec
 from kvsidecar.plan import View
 from kvsidecar.plan.compat import CompatItems
-from kvsidecar.types import EngineRole, ReadPosted
+from kvsidecar.types import EngineRole, NotifyDone, ReadPosted, StepDone
 from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.engine import read_posted_from_proto, role_to_proto
 from kvsidecar.wire.geometry import (
@@ -44,6 +44,50 @@ class ReadSpec:
     endpoint: str = ""
     deadline_s: float = 0.0
     token: str = field(default="", repr=False)  #: the producer's hold token
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HoldSpec:
+    """One hold of a ``step`` (the arguments of ``hold``)."""
+
+    request_id: str
+    block_ids: BlockIdGroups = ()
+    lease_s: float = 0.0
+    token: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumedSpec:
+    """One CONSUMED of a ``step`` (the arguments of ``consumed``)."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    endpoints: tuple[str, ...] = ()
+    endpoint: str = ""
+    token: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatSpec:
+    """One HEARTBEAT of a ``step`` (the arguments of ``heartbeat``: ``holds`` maps each remote
+    request id to its hold token)."""
+
+    remote_engine_id: str
+    holds: Mapping[str, str] = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepSpec:
+    """What an engine sends its sidecar for one scheduler step (``step``): holds, releases (the
+    request ids), reads, CONSUMEDs and heartbeats. The sidecar applies the holds, then the
+    releases, before anything else, then accepts the reads as one batch beside the CONSUMEDs and
+    heartbeats; each item has its own outcome."""
+
+    holds: Sequence[HoldSpec] = ()
+    releases: Sequence[str] = ()
+    reads: Sequence[ReadSpec] = ()
+    consumed: Sequence[ConsumedSpec] = ()
+    heartbeats: Sequence[HeartbeatSpec] = ()
 
 
 def target_for(socket_or_target: str) -> str:
@@ -89,8 +133,14 @@ def read_results(
     pb: engine_pb2.ReadBatchResponse,
 ) -> tuple[ReadPosted | errors.KvSidecarError, ...]:
     """Per read of a batch: what was posted, or the error it got (in request order)."""
+    return _read_outcomes(pb.results)
+
+
+def _read_outcomes(
+    results: Sequence[engine_pb2.ReadResult],
+) -> tuple[ReadPosted | errors.KvSidecarError, ...]:
     out: list[ReadPosted | errors.KvSidecarError] = []
-    for r in pb.results:
+    for r in results:
         if r.code == 0:
             out.append(read_posted_from_proto(r.posted))
         else:
@@ -113,6 +163,7 @@ def register(
     takeover: bool = False,
     role: EngineRole = EngineRole.BOTH,
     engine_pid: int = 0,
+    trailing_holds: bool = False,
 ) -> engine_pb2.RegisterEngineRequest:
     compat = CompatItems(model=model, dtype=dtype, extra=tuple(sorted((extra or {}).items())))
     return engine_pb2.RegisterEngineRequest(
@@ -127,6 +178,7 @@ def register(
         takeover=takeover,
         role=role_to_proto(role),
         engine_pid=engine_pid,
+        trailing_holds=trailing_holds,
     )
 
 
@@ -201,6 +253,47 @@ def heartbeat(remote_engine_id: str, holds: Mapping[str, str]) -> engine_pb2.Not
             remote_request_ids=list(holds),
             remote_tokens=list(holds.values()),
         )
+    )
+
+
+def step(spec: StepSpec) -> engine_pb2.StepRequest:
+    return engine_pb2.StepRequest(
+        holds=[hold(h.request_id, h.block_ids, h.lease_s, h.token).hold for h in spec.holds],
+        releases=[engine_pb2.Release(request_id=r) for r in spec.releases],
+        reads=[read(r) for r in spec.reads],
+        consumed=[
+            consumed(
+                c.remote_engine_id, c.remote_request_id, c.endpoints, c.endpoint, c.token
+            ).consumed
+            for c in spec.consumed
+        ],
+        heartbeats=[heartbeat(b.remote_engine_id, b.holds).heartbeat for b in spec.heartbeats],
+    )
+
+
+def _notify_results(
+    results: Sequence[engine_pb2.NotifyResult],
+) -> tuple[NotifyDone | errors.KvSidecarError, ...]:
+    return tuple(
+        error_from_number(r.code, r.message)
+        if r.code
+        else NotifyDone(
+            token=r.done.token,
+            notifications_sent=r.done.notifications_sent,
+            notifications_refused=r.done.notifications_refused,
+        )
+        for r in results
+    )
+
+
+def step_results(pb: engine_pb2.StepResponse) -> StepDone:
+    """Per item of each list of a step: what it did, or the error it got (in the order sent)."""
+    return StepDone(
+        holds=_notify_results(pb.holds),
+        releases=_notify_results(pb.releases),
+        reads=_read_outcomes(pb.reads),
+        consumed=_notify_results(pb.consumed),
+        heartbeats=_notify_results(pb.heartbeats),
     )
 
 

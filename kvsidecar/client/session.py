@@ -1,7 +1,7 @@
 """The asyncio client's side of a Session stream: commands out, replies and events in.
 
 ``AsyncSidecarClient.watch()`` opens one (falling back to Watch on a sidecar without Session); while
-it is open the client's Read, ReadBatch and Notify calls travel on it. A reader task takes every
+it is open the client's Read, ReadBatch, Notify and Step calls travel on it. A reader task takes every
 message off the stream as it arrives, so a command's reply never waits for the engine to consume
 events (an engine may await a read inside its event loop body). Events wait in a bounded queue:
 past ``MAX_QUEUED_EVENTS`` unconsumed events the oldest is dropped and counted in
@@ -64,8 +64,10 @@ class AsyncSession:
         self._reader = asyncio.create_task(self._read())
 
     async def command(self, **kind: Any) -> engine_pb2.SessionReply:
-        """Send one command (``read=``, ``read_batch=`` or ``notify=`` a request) and wait for its
-        reply; a reply with a non-OK code raises its kvsidecar error."""
+        """Send one command (``read=``, ``read_batch=``, ``notify=`` or ``step=`` a request) and
+        wait for its reply; a reply with a non-OK code raises its kvsidecar error. Commands are
+        written in the order of the calls (nothing awaits before the write lock, which serves
+        its waiters first come, first served), and the sidecar starts them in that order."""
         if self.closed:
             raise self._error or SessionClosedError("the Session stream is closed")
         cid = next(self._ids)

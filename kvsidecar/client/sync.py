@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from kvsidecar.client import requests
-from kvsidecar.client.requests import BlockIdGroups, ReadSpec
+from kvsidecar.client.requests import BlockIdGroups, ReadSpec, StepSpec
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory.types import MemorySpec
 from kvsidecar.plan import View
@@ -31,6 +31,7 @@ from kvsidecar.types import (
     ReadPosted,
     Registered,
     SidecarStatus,
+    StepDone,
 )
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire import engine as wire
@@ -77,10 +78,12 @@ class SidecarClient:
         takeover: bool = False,
         role: EngineRole = EngineRole.BOTH,
         engine_pid: int = 0,
+        trailing_holds: bool = False,
     ) -> Registered:
         """Register the engine's memory and geometry. ``takeover`` replaces a registration whose
         Watch stream is still open (otherwise refused: FailedPreconditionError). ``engine_pid``:
-        this process (``os.getpid()``) when a memory is ``unlink_after_exit``."""
+        this process (``os.getpid()``) when a memory is ``unlink_after_exit``. ``trailing_holds``:
+        this engine hands out hold tokens before their HOLD reaches the sidecar (docs/confirmation.md)."""
         request = requests.register(
             engine_id=engine_id,
             tp_rank=tp_rank,
@@ -95,6 +98,7 @@ class SidecarClient:
             takeover=takeover,
             role=role,
             engine_pid=engine_pid,
+            trailing_holds=trailing_holds,
         )
         return wire.registered_from_proto(self._call(self._stub.RegisterEngine, request))
 
@@ -142,6 +146,13 @@ class SidecarClient:
         """Several reads in one call; per read, what was posted or the error it got (a failing
         read never affects the others). Completions arrive as events, as for ``read``."""
         return requests.read_results(self._call(self._stub.ReadBatch, requests.read_batch(reads)))
+
+    def step(self, spec: StepSpec) -> StepDone:
+        """One engine scheduler step in one call (``StepSpec``): the sidecar applies its holds,
+        then its releases, at once, then accepts its reads as one batch beside its CONSUMEDs and
+        heartbeats. Per item, what it did or the error it got (one failing never affects the
+        others); accepted reads end with one event each, as for ``read``."""
+        return requests.step_results(self._call(self._stub.Step, requests.step(spec)))
 
     def hold(
         self,

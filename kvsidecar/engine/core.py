@@ -26,22 +26,27 @@ from kvsidecar.engine.model import (
     Hold,
     Notified,
     NotifyCommand,
+    NotifyOutcome,
     PeerTls,
     Planned,
     ReadCommand,
     Registration,
     Release,
+    StepCommand,
+    Stepped,
 )
-from kvsidecar.engine.parts import Parts
+from kvsidecar.engine.parts import BoardMemory, Parts
 from kvsidecar.engine.peers.registry import PeerRegistry
+from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.batch import ReadBatch, ReadOutcome
 from kvsidecar.engine.stats import CommandKind, EngineStats, ReadPhase, SessionCounters
 from kvsidecar.engine.tasks import shielded
-from kvsidecar.errors import NotFoundError, ShuttingDownError
+from kvsidecar.errors import KvSidecarError, NotFoundError, ShuttingDownError
 from kvsidecar.types import Event, PeerInfo, ReadPosted, Registered, SidecarStatus
 from kvsidecar.wire.peer import AgentInfo, EngineDirectory, Outcome, PeerNotification
 
 log = logging.getLogger(__name__)
+_bugs = RateLimited(log)  # a bug may fail one item of every step
 
 
 class EngineCore:
@@ -75,6 +80,11 @@ class EngineCore:
         self.peer_endpoint = ""
 
     @property
+    def board_memory(self) -> BoardMemory:
+        """This sidecar's own registered memory (hold board, landing slots), for introspection."""
+        return self._p.boards
+
+    @property
     def peers(self) -> PeerRegistry:
         """The peer registry, for introspection (tests): callers act through the core."""
         return self._peers
@@ -82,7 +92,7 @@ class EngineCore:
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._poller.start()
+        await self._p.start()
 
     @property
     def idle(self) -> bool:
@@ -166,6 +176,10 @@ class EngineCore:
             return tuple(refused for _ in batch.reads)
         return await self._consumer.read_batch(batch)
 
+    async def step(self, cmd: StepCommand) -> Stepped:
+        """One engine scheduler step, on the Notify and ReadBatch paths (see ``_step``)."""
+        return await _step(cmd, self._now, self.read_batch, self.notify)
+
     def rejected(self, code: str) -> None:
         """Count a Read refused before posting, by its gRPC status name."""
         self._consumer.rejected(code)
@@ -199,22 +213,25 @@ class EngineCore:
 
     async def notify(self, cmd: NotifyCommand) -> Notified:
         """HOLD and RELEASE (producer), CONSUMED and HEARTBEAT (consumer)."""
-        if isinstance(cmd, Hold):
-            self.require_local()
-            if self.draining:
-                raise ShuttingDownError("sidecar is shutting down; no new holds")
-            token = self._producer.hold(cmd)
-            self._poller.wake()
-            return Notified(token=token)
-        if isinstance(cmd, Release):
-            self._producer.release(cmd.request_id)
-            return Notified()
+        if isinstance(cmd, Hold | Release):
+            return self._now(cmd)
         if isinstance(cmd, Consumed):
             sent, refused = await self._consumer.consumed(cmd)
         else:
-            assert isinstance(cmd, Heartbeat)
             sent, refused = await self._consumer.heartbeat(cmd)
         return Notified(sent=sent, refused=refused)
+
+    def _now(self, cmd: Hold | Release) -> Notified:
+        """A HOLD or RELEASE, applied at once (nothing can come between it and its effect)."""
+        if isinstance(cmd, Release):
+            self._producer.release(cmd.request_id)
+            return Notified()
+        self.require_local()
+        if self.draining:
+            raise ShuttingDownError("sidecar is shutting down; no new holds")
+        token = self._producer.hold(cmd)
+        self._poller.wake()
+        return Notified(token=token)
 
     # --- producer side: what other sidecars ask -------------------------------------------------
 
@@ -235,7 +252,11 @@ class EngineCore:
         local.check_serves(engine_id, tp_rank)
         async with self._p.serving.slot():
             metadata = await self._backend.local_metadata()
-        return local.agent_info(metadata=metadata, agent_name=self._backend.agent_name)
+        return local.agent_info(
+            metadata=metadata,
+            agent_name=self._backend.agent_name,
+            board=(self._p.boards.address, self._p.boards.buckets),
+        )
 
     def directory(self, engine_id: str) -> EngineDirectory:
         """Every rank's PeerService endpoint of this engine (GetEngine)."""
@@ -274,3 +295,59 @@ class EngineCore:
             agent_name=self._backend.agent_name,
             peer_endpoint=self.peer_endpoint,
         )
+
+
+async def _step(
+    cmd: StepCommand,
+    now: Callable[[Hold | Release], Notified],
+    read_batch: Callable[[ReadBatch], Awaitable[tuple[ReadOutcome, ...]]],
+    notify: Callable[[Consumed | Heartbeat], Awaitable[Notified]],
+) -> Stepped:
+    """One outcome per item of ``cmd``, in order; an item that fails fails alone.
+
+    The holds, then the releases, apply before the first ``await``: a Session starts its commands
+    in arrival order, so nothing that arrives after the step (a later command's RELEASE, a
+    consumer's READ_DONE) is handled before them. Then the reads are accepted as one ``ReadBatch``
+    (its task started first) beside the CONSUMEDs and HEARTBEATs, which may wait for a handshake
+    or a producer's answer and so never delay the reads' acceptance."""
+    holds = tuple(_applied(now, h) for h in cmd.holds)
+    releases = tuple(_applied(now, r) for r in cmd.releases)
+    notes: tuple[Consumed | Heartbeat, ...] = (*cmd.consumed, *cmd.heartbeats)
+    if not notes:
+        reads = await read_batch(ReadBatch(cmd.reads)) if cmd.reads else ()
+        return Stepped(holds=holds, releases=releases, reads=reads)
+
+    async def notified() -> list[NotifyOutcome]:
+        return await asyncio.gather(*(_settled(notify(n)) for n in notes))
+
+    reads, done = await asyncio.gather(read_batch(ReadBatch(cmd.reads)), notified())
+    cut = len(cmd.consumed)
+    return Stepped(
+        holds=holds,
+        releases=releases,
+        reads=reads,
+        consumed=tuple(done[:cut]),
+        heartbeats=tuple(done[cut:]),
+    )
+
+
+def _applied(apply: Callable[[Hold | Release], Notified], cmd: Hold | Release) -> NotifyOutcome:
+    """A step's hold or release, applied now: its outcome, never its exception."""
+    try:
+        return apply(cmd)
+    except KvSidecarError as exc:
+        return exc
+    except Exception as exc:  # a bug fails this item, never the step
+        _bugs.exception("a step's %s failed", type(cmd).__name__)
+        return KvSidecarError(f"internal error: {exc!r}")
+
+
+async def _settled(call: Awaitable[Notified]) -> NotifyOutcome:
+    """A step's CONSUMED or HEARTBEAT: its outcome, never its exception."""
+    try:
+        return await call
+    except KvSidecarError as exc:
+        return exc
+    except Exception as exc:  # a bug fails this item, never the step
+        _bugs.exception("a step's notification failed")
+        return KvSidecarError(f"internal error: {exc!r}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from kvsidecar.engine.backend.contract import MemoryRegistration, TransferBackend
 from kvsidecar.engine.model import Registration
 from kvsidecar.errors import GeometryError, MemoryImportError, NotFoundError, NotRegisteredError
-from kvsidecar.memory import HostShmSpec, ImportedMemory, import_memory
+from kvsidecar.memory import ImportedMemory, import_memory
 from kvsidecar.memory.host_shm import HostShmMemory
 from kvsidecar.plan import EngineGeometry
 from kvsidecar.plan.compat import PROTOCOL_VERSION, CompatItems, span_signature
@@ -136,14 +136,12 @@ class LocalEngine:
         try:
             for i, (mid, spec) in enumerate(registration.memories):
                 try:
-                    roots = tuple(str(r) for r in shm_roots)
-                    if isinstance(spec, HostShmSpec):  # prefaults its mapping (~55 ms/GiB)
-                        mem = await asyncio.to_thread(import_memory, spec, allowed_roots=roots)
-                    else:  # CUDA IPC stays on the thread that registers it
-                        mem = import_memory(spec, allowed_roots=roots)
+                    mem = import_memory(spec, allowed_roots=tuple(str(r) for r in shm_roots))
                 except MemoryImportError as exc:
                     raise MemoryImportError(f"memories[{i}] ({mid!r}): {exc}") from None
                 try:
+                    if isinstance(mem, HostShmMemory):  # page tables now: ~55 ms/GiB, off the loop
+                        await asyncio.to_thread(mem.prefault)
                     reg = await backend.register_memory(mem)
                 except BaseException:
                     mem.close()
@@ -190,8 +188,11 @@ class LocalEngine:
                 f"{engine_id!r} rank {tp_rank}"
             )
 
-    def agent_info(self, *, metadata: bytes, agent_name: str) -> AgentInfo:
-        """The record remote sidecars read this rank by (``metadata``: the NIXL agent's)."""
+    def agent_info(
+        self, *, metadata: bytes, agent_name: str, board: tuple[int, int] = (0, 0)
+    ) -> AgentInfo:
+        """The record remote sidecars read this rank by (``metadata``: the NIXL agent's;
+        ``board``: the hold board's address and buckets, (0, 0) for none)."""
         return AgentInfo(
             protocol_version=PROTOCOL_VERSION,
             compat_digest=self.digest,
@@ -202,6 +203,8 @@ class LocalEngine:
             view_bases=self.view_bases,
             compat=self.registration.compat,
             mem_type=self.mem_type.name,
+            board_address=board[0],
+            board_buckets=board[1],
         )
 
     def directory(self, engine_id: str) -> EngineDirectory:

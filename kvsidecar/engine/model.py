@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory import MemorySpec
 from kvsidecar.plan import EngineGeometry, PeerPlan
 from kvsidecar.plan.compat import CompatItems
-from kvsidecar.types import EngineRole
+from kvsidecar.types import EngineRole, ReadPosted
 
 IdArrays = tuple[npt.NDArray[np.int64], ...]
 
@@ -35,7 +36,8 @@ class PeerTls:
 class CoreConfig:
     """``lease_s``: default hold lease; ``read_deadline_s``: default Read deadline;
     ``handshake_timeout_s``: bound on one call to a remote sidecar (all seconds).
-    ``confirm_reads``: RECV_DONE only after the producer confirmed. ``tls``: ``None`` only when
+    ``confirm_reads``: RECV_DONE only after the producer confirmed (``hold_board``: by READing
+    its hold board where it can, see ``plan.board``). ``tls``: ``None`` only when
     PeerService is explicitly configured insecure. ``max_queued_events``: events kept per queue
     for an engine that does not read them (oldest dropped past it). ``handshake_concurrency``
     and ``serve_handshake_concurrency``: admission control, per sidecar and per target."""
@@ -45,6 +47,7 @@ class CoreConfig:
     handshake_timeout_s: float
     shm_roots: tuple[Path, ...]
     confirm_reads: bool = True
+    hold_board: bool = True  # publish holds on a board; confirm reads by reading boards
     tls: PeerTls | None = None
     max_queued_events: int = 65536  # per event queue (Watch stream, Status buffer)
     handshake_concurrency: int = 16  # handshakes this sidecar runs at once
@@ -62,6 +65,7 @@ class Registration:
     takeover: bool = False  # replace a registration whose engine is still live
     role: EngineRole = EngineRole.BOTH
     engine_pid: int = 0  # the engine process (0: unknown); see HostShmSpec.unlink_after_exit
+    trailing_holds: bool = False  # tokens may reach consumers before their HOLD (proto comment)
 
     @property
     def engine_id(self) -> str:
@@ -148,6 +152,36 @@ class Notified:
     token: str = field(default="", repr=False)
     sent: int = 0
     refused: int = 0
+
+
+#: what became of one hold, release, CONSUMED or HEARTBEAT of a step
+NotifyOutcome = Notified | KvSidecarError
+#: what became of one read of a step (as of a ReadBatch: ``reads.batch.ReadOutcome``)
+StepReadOutcome = ReadPosted | KvSidecarError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepCommand:
+    """One engine scheduler step (a Step call or Session command): the holds and releases are
+    applied first, in that order, before anything awaits; then the reads are accepted as one
+    ReadBatch while the CONSUMEDs and HEARTBEATs run beside them (``EngineCore.step``)."""
+
+    holds: tuple[Hold, ...] = ()
+    releases: tuple[Release, ...] = ()
+    reads: tuple[ReadCommand, ...] = ()  # one ReadBatch (a leaf imports no wing's batch value)
+    consumed: tuple[Consumed, ...] = ()
+    heartbeats: tuple[Heartbeat, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stepped:
+    """What a step did: one outcome per item of each list of its ``StepCommand``, in order."""
+
+    holds: tuple[NotifyOutcome, ...] = ()
+    releases: tuple[NotifyOutcome, ...] = ()
+    reads: tuple[StepReadOutcome, ...] = ()
+    consumed: tuple[NotifyOutcome, ...] = ()
+    heartbeats: tuple[NotifyOutcome, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

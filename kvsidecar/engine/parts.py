@@ -7,26 +7,105 @@ through the guard, the consumer wakes the poller. ``EngineCore`` is the face in 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvsidecar.engine.admission import Admission
-from kvsidecar.engine.backend.contract import TransferBackend
+from kvsidecar.engine.backend.contract import (
+    DlistHandle,
+    MemoryRegistration,
+    MemType,
+    TransferBackend,
+    XferHandle,
+)
 from kvsidecar.engine.events import EventHub
+from kvsidecar.engine.holds.board import HoldBoard
 from kvsidecar.engine.holds.producer import Producer
 from kvsidecar.engine.model import CoreConfig, Endpoints
 from kvsidecar.engine.peers.handshake import Handshakes
 from kvsidecar.engine.peers.link import PeerLink
 from kvsidecar.engine.peers.registry import Peer, PeerRegistry
 from kvsidecar.engine.poller import Poller
+from kvsidecar.engine.reads.boards import BOARD_SLOTS, BoardSlots
 from kvsidecar.engine.reads.confirm import Confirmer
 from kvsidecar.engine.reads.consumer import Consumer
 from kvsidecar.engine.reads.guard import PeerGuard
 from kvsidecar.engine.reads.inflight import InFlightReads
 from kvsidecar.engine.registrar import Registrar
 from kvsidecar.engine.stats import EngineStats, SessionCounters
+from kvsidecar.errors import KvSidecarError
+from kvsidecar.memory.region import OwnedRegion
+from kvsidecar.plan.board import BUCKET_BYTES, DEFAULT_BUCKETS
 from kvsidecar.types import SidecarStatus
 from kvsidecar.wire.peer import Outcome
+
+log = logging.getLogger(__name__)
+
+
+class BoardMemory:
+    """The sidecar's own registered memory: the hold board it publishes live holds on and the
+    slots it reads other boards into (``plan.board``). ``open`` once, ``aclose`` once."""
+
+    def __init__(self, backend: TransferBackend, buckets: int = DEFAULT_BUCKETS) -> None:
+        self._backend = backend
+        self._buckets = buckets
+        self._regions: list[tuple[OwnedRegion, MemoryRegistration]] = []
+        self._dlist: DlistHandle | None = None  # the landing slots, one descriptor each
+        self.address = 0  #: the board's address (0: none)
+        self.buckets = 0
+
+    async def _region(self, size: int) -> OwnedRegion:
+        region = OwnedRegion(size)
+        try:
+            reg = await self._backend.register_memory(region)
+        except BaseException:
+            region.close()
+            raise
+        self._regions.append((region, reg))
+        return region
+
+    async def open(self, *, slots: bool) -> tuple[HoldBoard, BoardSlots | None]:
+        board = await self._region(self._buckets * BUCKET_BYTES)
+        self.address, self.buckets = board.base_address, self._buckets
+        landing = None
+        if slots:
+            region = await self._region(BOARD_SLOTS * BUCKET_BYTES)
+            rows = np.array(
+                [[region.base_address, BUCKET_BYTES, 0, BUCKET_BYTES, BOARD_SLOTS]], dtype=np.uint64
+            )
+            self._dlist = await self._backend.prep_local_dlist(rows, MemType.DRAM)
+            landing = BoardSlots(region.words(), self._dlist)
+        return HoldBoard(board.words()), landing
+
+    @property
+    def regions(self) -> tuple[tuple[int, int], ...]:
+        """[start, end) of every region registered here."""
+        return tuple((r.base_address, r.base_address + r.size) for r, _ in self._regions)
+
+    @property
+    def landing(self) -> DlistHandle | None:
+        """The landing slots' prepared list (``None`` without one)."""
+        return self._dlist
+
+    async def aclose(self) -> None:
+        """Release the landing list, deregister and unmap (callers stopped every transfer)."""
+        self.address = self.buckets = 0
+        if self._dlist is not None:
+            dlist, self._dlist = self._dlist, None
+            try:
+                await self._backend.release_dlist(dlist)
+            except KvSidecarError as exc:
+                log.error("releasing the board landing list failed: %s", exc)
+        regions, self._regions = self._regions, []
+        for region, reg in reversed(regions):
+            try:
+                await self._backend.deregister_memory(reg)
+            except KvSidecarError as exc:
+                log.error("deregistering board memory failed: %s", exc)
+            region.close()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +125,7 @@ class Parts:
     serving: Admission  # GetAgent calls served to other sidecars
     consumer: Consumer
     registrar: Registrar
+    boards: BoardMemory
 
     @classmethod
     def build(
@@ -73,8 +153,18 @@ class Parts:
         confirmer = Confirmer(
             link=link, resolve=resolve, invalidate=invalidate, unreachable=unreachable
         )
+
+        def guarded(
+            peer: Peer, what: str, op: Callable[[], Awaitable[tuple[XferHandle, ...]]]
+        ) -> Awaitable[tuple[XferHandle, ...]]:
+            return guard.run(peer, what, op)
+
         reads = InFlightReads(
-            backend=backend, events=events, confirmer=confirmer, confirm=config.confirm_reads
+            backend=backend,
+            events=events,
+            confirmer=confirmer,
+            confirm=config.confirm_reads,
+            guarded=guarded,
         )
         producer = Producer(lease_s=config.lease_s, events=events)
         guard = PeerGuard(peers=peers, transfers=reads)
@@ -122,7 +212,19 @@ class Parts:
             serving=serving,
             consumer=consumer,
             registrar=registrar,
+            boards=BoardMemory(backend),
         )
+
+    async def start(self) -> None:
+        """With ``hold_board``, register the hold board (and, with confirmed reads, the landing
+        slots) before any peer can fetch this agent's metadata; start the poller."""
+        if self.config.hold_board:
+            board, slots = await self.boards.open(slots=self.config.confirm_reads)
+            self.producer.board = board
+            if slots is not None:
+                self.reads.use_boards(slots)
+        self.reads.watch()
+        self.poller.start()
 
     async def aclose(self) -> None:
         """Fail what is left, release peers, memory and channels; stop the poller (in order)."""
@@ -132,6 +234,9 @@ class Parts:
         await self.poller.aclose()
         await self.confirmer.aclose()
         await self.link.aclose()
+        await self.reads.aclose()
+        self.producer.board = HoldBoard(None)
+        await self.boards.aclose()
 
     def stats(self, sessions: SessionCounters) -> EngineStats:
         local = self.registrar.local

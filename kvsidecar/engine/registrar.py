@@ -99,6 +99,8 @@ class Registrar:
             self._local = local
             self.reclaimer.watch(registration.engine_pid, local.reclaimable())
             self._peers.bind(local)
+            self._producer.epoch = local.epoch  # the registration its holds are published under
+            self._producer.trailing_holds = registration.trailing_holds
             self._events.rebind(local.epoch)
         await self._on_registered(True)
         g = local.geometry

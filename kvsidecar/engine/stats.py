@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvsidecar.engine.admission import AdmissionStats
 from kvsidecar.types import PeerState
@@ -109,6 +109,7 @@ class CommandKind(enum.Enum):
     READ = "read"
     READ_BATCH = "read_batch"
     NOTIFY = "notify"
+    STEP = "step"
 
 
 class SessionCounters:
@@ -146,6 +147,13 @@ class TransferStats:
     confirm_duration: HistogramSnapshot  # every READ done -> every producer rank confirmed
     descriptors: HistogramSnapshot
     phases: Mapping[ReadPhase, HistogramSnapshot]
+    #: producer ranks a read confirmed by reading their hold board (``confirmed``), asked over
+    #: PeerService after the board did not show the hold (``missed``) or for want of a landing
+    #: slot (``no_slot``)
+    board_checks: Mapping[str, int] = field(default_factory=dict)
+    confirm_retries: int = 0  # confirmations asked again after a PENDING answer
+    #: transfers (READs, board READs) by where their completion was first seen: post, agent, poll
+    completions: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,6 +179,9 @@ class ProducerStats:
     stale_notifications: int  # unknown, ended, expired or stale-epoch requests
     duplicate_notifications: int
     bad_notifications: int  # wrong tokens, and NIXL notifications (nothing legitimate sends them)
+    holds_published: int = 0  # holds published on the hold board
+    board_full: int = 0  # holds not published: their bucket had no free word
+    confirmations_pending: int = 0  # confirmations answered PENDING (HOLD not there yet)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -229,4 +240,10 @@ class EngineStats:
             "events_discarded": self.events_discarded,
             "handshakes": sum(self.peers.handshakes.values()),
             "kv_files_reclaimed": self.kv_files_reclaimed,
+            "board_confirmed": t.board_checks.get("confirmed", 0),
+            "board_missed": t.board_checks.get("missed", 0),
+            "board_no_slot": t.board_checks.get("no_slot", 0),
+            "confirm_retries": t.confirm_retries,
+            "holds_published": p.holds_published,
+            "confirmations_pending": p.confirmations_pending,
         }

@@ -5,11 +5,11 @@ it is a regular file under an allowed root and at least as large as requested, a
 ``MAP_SHARED`` read/write so that bytes a remote READ lands are visible to the engine. The sidecar
 never unlinks the file: the engine owns it.
 
-The mapping is prefaulted (``MAP_POPULATE``): a fresh mapping has no page-table entries, and a
-same-host (cma) READ from or into it then takes a page fault per 4 KiB page the first time,
-which measured 2.2 GB/s cold against 6.4 GB/s warm for 1 MiB reads (the engine touched every
-page already; only the sidecar's mapping was cold). Prefaulting costs about 55 ms per GiB at
-import, off the event loop (``EngineCore`` imports in a worker thread).
+``HostShmMemory.prefault`` fills in the mapping's page tables (``MADV_POPULATE_WRITE``): a fresh
+mapping has none, and a same-host (cma) READ from or into it then takes a page fault per 4 KiB
+page the first time, which measured 2.2 GB/s cold against 6.4 GB/s warm for 1 MiB reads (the
+engine touched every page already; only the sidecar's mapping was cold). It costs about 55 ms
+per GiB; the engine core runs it in a worker thread after mapping on the loop's thread.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import stat
 import threading
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvsidecar.errors import MemoryImportError
 from kvsidecar.memory.types import DEFAULT_SHM_ROOTS, HostShmSpec, MemType
 
-# Linux only (the CPU path runs there); elsewhere the mapping is simply faulted on use.
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (not in Python 3.11's mmap module)
 
 
 class HostShmMemory:
@@ -92,6 +93,20 @@ class HostShmMemory:
         if now < self._spec.size:
             return f"{self._spec.path} is now {now} bytes; {self._spec.size} are registered"
         return None
+
+    def prefault(self) -> None:
+        """Fill in the mapping's page tables now, so that no READ pays a fault per page. Where
+        the kernel has no ``MADV_POPULATE_WRITE`` every page is touched once instead (a read,
+        which maps shared memory writable). Safe from another thread until ``close()``."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._map.madvise(_MADV_POPULATE_WRITE)
+            except OSError:
+                pages = np.frombuffer(self._map, dtype=np.uint8)[:: mmap.PAGESIZE]
+                int(pages.sum(dtype=np.uint64))
+                del pages
 
     def close(self) -> None:
         """Unmap the file (never unlinks it). Safe to call more than once."""
@@ -171,7 +186,7 @@ def import_host_shm(
             mapping = mmap.mmap(
                 fd,
                 length,
-                flags=mmap.MAP_SHARED | _POPULATE,
+                flags=mmap.MAP_SHARED,
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
         except OSError as exc:

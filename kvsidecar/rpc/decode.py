@@ -7,7 +7,9 @@ registered, the id is free, the plan covers the ids). Errors name the field and 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kvsidecar.engine.model import (
     Consumed,
@@ -18,9 +20,11 @@ from kvsidecar.engine.model import (
     ReadCommand,
     Registration,
     Release,
+    StepCommand,
 )
-from kvsidecar.errors import InvalidArgumentError
+from kvsidecar.errors import InvalidArgumentError, KvSidecarError
 from kvsidecar.limits import (
+    MAX_BATCH_READS,
     MAX_DEADLINE_S,
     MAX_GROUPS,
     MAX_ID_CHARS,
@@ -28,6 +32,7 @@ from kvsidecar.limits import (
     MAX_LEASE_S,
     MAX_MEMORIES,
     MAX_REQUEST_IDS,
+    MAX_STEP_ITEMS,
     MAX_TP_SIZE,
     check_chars,
     check_count,
@@ -82,6 +87,7 @@ def registration(request: engine_pb2.RegisterEngineRequest) -> Registration:
         takeover=request.takeover,
         role=role_from_proto(request.role),
         engine_pid=request.engine_pid,
+        trailing_holds=request.trailing_holds,
     )
     if parsed.peer_endpoints and len(parsed.peer_endpoints) != geometry.tp_size:
         raise InvalidArgumentError(
@@ -111,51 +117,126 @@ def read_command(request: engine_pb2.ReadRequest) -> ReadCommand:
 def notify_command(request: engine_pb2.NotifyRequest) -> NotifyCommand:
     kind = request.WhichOneof("kind")
     if kind == "hold":
-        h = request.hold
-        check_chars("hold.request_id", h.request_id, MAX_ID_CHARS)  # empty: the ledger says so
-        check_chars("hold.token", h.token)
-        check_token("hold.token", h.token)
-        check_duration("hold.lease_s", h.lease_s, MAX_LEASE_S)
-        check_count("hold.block_ids", h.block_ids, MAX_GROUPS)
-        for g, group in enumerate(h.block_ids):
-            check_count(f"hold.block_ids[{g}]", group.ids, MAX_IDS_PER_GROUP)
-        return Hold(
-            request_id=h.request_id,
-            block_ids=tuple(tuple(g.ids) for g in h.block_ids),
-            lease_s=h.lease_s or None,
-            token=h.token,
-        )
+        return hold(request.hold)
     if kind == "release":
-        check_id("release.request_id", request.release.request_id, MAX_ID_CHARS)
-        return Release(request_id=request.release.request_id)
+        return release(request.release)
     if kind == "consumed":
-        c = request.consumed
-        check_id("consumed.remote_engine_id", c.remote_engine_id)
-        check_id("consumed.remote_request_id", c.remote_request_id)
-        check_chars("consumed.remote_token", c.remote_token)
-        return Consumed(
-            remote_engine_id=c.remote_engine_id,
-            remote_request_id=c.remote_request_id,
-            endpoints=endpoints(c.remote_endpoints, c.remote_endpoint),
-            token=c.remote_token,
-        )
+        return consumed(request.consumed)
     if kind == "heartbeat":
-        hb = request.heartbeat
-        check_id("heartbeat.remote_engine_id", hb.remote_engine_id)
-        check_count("heartbeat.remote_request_ids", hb.remote_request_ids, MAX_REQUEST_IDS)
-        check_count("heartbeat.remote_tokens", hb.remote_tokens, MAX_REQUEST_IDS)
-        for i, rid in enumerate(hb.remote_request_ids):
-            check_id(f"heartbeat.remote_request_ids[{i}]", rid)
-        for i, token in enumerate(hb.remote_tokens):
-            check_chars(f"heartbeat.remote_tokens[{i}]", token)
-        if len(hb.remote_tokens) != len(hb.remote_request_ids):
-            raise InvalidArgumentError(
-                f"remote_tokens has {len(hb.remote_tokens)} entries for "
-                f"{len(hb.remote_request_ids)} remote_request_ids"
-            )
-        return Heartbeat(
-            remote_engine_id=hb.remote_engine_id,
-            remote_request_ids=tuple(hb.remote_request_ids),
-            tokens=tuple(hb.remote_tokens),
-        )
+        return heartbeat(request.heartbeat)
     raise InvalidArgumentError("Notify needs one of hold, release, consumed, heartbeat")
+
+
+def hold(h: engine_pb2.Hold) -> Hold:
+    check_chars("hold.request_id", h.request_id, MAX_ID_CHARS)  # empty: the ledger says so
+    check_chars("hold.token", h.token)
+    check_token("hold.token", h.token)
+    check_duration("hold.lease_s", h.lease_s, MAX_LEASE_S)
+    check_count("hold.block_ids", h.block_ids, MAX_GROUPS)
+    for g, group in enumerate(h.block_ids):
+        check_count(f"hold.block_ids[{g}]", group.ids, MAX_IDS_PER_GROUP)
+    return Hold(
+        request_id=h.request_id,
+        block_ids=tuple(tuple(g.ids) for g in h.block_ids),
+        lease_s=h.lease_s or None,
+        token=h.token,
+    )
+
+
+def release(r: engine_pb2.Release) -> Release:
+    check_id("release.request_id", r.request_id, MAX_ID_CHARS)
+    return Release(request_id=r.request_id)
+
+
+def consumed(c: engine_pb2.Consumed) -> Consumed:
+    check_id("consumed.remote_engine_id", c.remote_engine_id)
+    check_id("consumed.remote_request_id", c.remote_request_id)
+    check_chars("consumed.remote_token", c.remote_token)
+    return Consumed(
+        remote_engine_id=c.remote_engine_id,
+        remote_request_id=c.remote_request_id,
+        endpoints=endpoints(c.remote_endpoints, c.remote_endpoint),
+        token=c.remote_token,
+    )
+
+
+def heartbeat(hb: engine_pb2.Heartbeat) -> Heartbeat:
+    check_id("heartbeat.remote_engine_id", hb.remote_engine_id)
+    check_count("heartbeat.remote_request_ids", hb.remote_request_ids, MAX_REQUEST_IDS)
+    check_count("heartbeat.remote_tokens", hb.remote_tokens, MAX_REQUEST_IDS)
+    for i, rid in enumerate(hb.remote_request_ids):
+        check_id(f"heartbeat.remote_request_ids[{i}]", rid)
+    for i, token in enumerate(hb.remote_tokens):
+        check_chars(f"heartbeat.remote_tokens[{i}]", token)
+    if len(hb.remote_tokens) != len(hb.remote_request_ids):
+        raise InvalidArgumentError(
+            f"remote_tokens has {len(hb.remote_tokens)} entries for "
+            f"{len(hb.remote_request_ids)} remote_request_ids"
+        )
+    return Heartbeat(
+        remote_engine_id=hb.remote_engine_id,
+        remote_request_ids=tuple(hb.remote_request_ids),
+        tokens=tuple(hb.remote_tokens),
+    )
+
+
+#: per item of one list of a Step, in order: the error it was refused with, or None (decoded)
+Refusals = tuple[KvSidecarError | None, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodedStep:
+    """A Step request decoded: the command of every item that decodes, and per list, in order,
+    the error of each item refused alone because it does not (None where the item decoded and is
+    in ``command``)."""
+
+    command: StepCommand
+    holds: Refusals
+    releases: Refusals
+    reads: Refusals
+    consumed: Refusals
+    heartbeats: Refusals
+
+
+_T = TypeVar("_T")
+_M = TypeVar("_M")
+
+
+def _each(
+    field: str, items: Sequence[_M], bound: int, decode: Callable[[_M], _T]
+) -> tuple[tuple[_T, ...], Refusals]:
+    """Decode every item of one list of a Step; an item that does not decode is refused alone."""
+    check_count(field, items, bound)
+    decoded: list[_T] = []
+    refused: list[KvSidecarError | None] = []
+    for item in items:
+        try:
+            decoded.append(decode(item))
+            refused.append(None)
+        except KvSidecarError as exc:
+            refused.append(exc)
+    return tuple(decoded), tuple(refused)
+
+
+def step_command(
+    request: engine_pb2.StepRequest,
+    read: Callable[[engine_pb2.ReadRequest], ReadCommand] = read_command,
+) -> DecodedStep:
+    """Every list bounded (past a bound the whole Step is refused), every item decoded on its
+    own. ``read``: how a read is decoded (the servicer times it)."""
+    holds, held = _each("holds", request.holds, MAX_STEP_ITEMS, hold)
+    releases, released = _each("releases", request.releases, MAX_STEP_ITEMS, release)
+    reads, read_refused = _each("reads", request.reads, MAX_BATCH_READS, read)
+    consumed_, notified = _each("consumed", request.consumed, MAX_STEP_ITEMS, consumed)
+    beats, beaten = _each("heartbeats", request.heartbeats, MAX_STEP_ITEMS, heartbeat)
+    command = StepCommand(
+        holds=holds, releases=releases, reads=reads, consumed=consumed_, heartbeats=beats
+    )
+    return DecodedStep(
+        command=command,
+        holds=held,
+        releases=released,
+        reads=read_refused,
+        consumed=notified,
+        heartbeats=beaten,
+    )

@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
 
 from kvsidecar.engine.core import EngineCore
-from kvsidecar.engine.model import Endpoints, ReadCommand
+from kvsidecar.engine.model import Endpoints, Notified, NotifyOutcome, ReadCommand
 from kvsidecar.engine.reads.batch import ReadBatch
 from kvsidecar.engine.stats import ReadPhase
-from kvsidecar.errors import InvalidArgumentError, KvSidecarError
-from kvsidecar.limits import MAX_GRACE_S, MAX_STATUS_EVENTS, check_duration, check_max
+from kvsidecar.errors import KvSidecarError
+from kvsidecar.limits import (
+    MAX_BATCH_READS,
+    MAX_GRACE_S,
+    MAX_STATUS_EVENTS,
+    check_count,
+    check_duration,
+    check_max,
+)
 from kvsidecar.rpc import decode
 from kvsidecar.rpc.session import Session
 from kvsidecar.rpc.status import errors_to_status, status_for, status_message
@@ -38,8 +45,6 @@ from kvsidecar.wire.engine import (
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 4096  # reads per ReadBatch call
-
 
 class Drainer(Protocol):
     """What serves Drain: the server, which owns readiness and the grace period."""
@@ -51,10 +56,10 @@ class Drainer(Protocol):
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Every EngineService method: RegisterEngine, Handshake, Plan, Read, ReadBatch, Notify,
-    Status, Watch, Session, Drain and Peers.
+    Step, Status, Watch, Session, Drain and Peers.
 
-    ``read_one``, ``read_batch`` and ``notify`` are Read, ReadBatch and Notify raising
-    ``KvSidecarError`` (the unary handlers map it to a status, a Session to its reply)."""
+    ``read_one``, ``read_batch``, ``notify`` and ``step`` are Read, ReadBatch, Notify and Step
+    raising ``KvSidecarError`` (the unary handlers map it to a status, a Session to its reply)."""
 
     def __init__(
         self, core: EngineCore, drainer: Drainer, discovery: Callable[[], DiscoveryInfo]
@@ -107,22 +112,32 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.ReadBatchResponse:
         """Decode every read (an entry that does not decode is refused alone), hand the rest to
         the engine as one batch, and answer one result per entry, in order."""
-        if len(request.reads) > MAX_BATCH:
-            raise InvalidArgumentError(
-                f"reads has {len(request.reads)} entries (at most {MAX_BATCH} per ReadBatch)"
-            )
-        outcomes: list[ReadPosted | KvSidecarError | None] = []
+        check_count("reads", request.reads, MAX_BATCH_READS)
+        refused: list[KvSidecarError | None] = []
         commands: list[ReadCommand] = []
         for read in request.reads:
             try:
                 commands.append(self._decode_read(read))
-                outcomes.append(None)
+                refused.append(None)
             except KvSidecarError as exc:
-                outcomes.append(exc)
-        done = iter(await self._core.read_batch(ReadBatch(tuple(commands))))
+                refused.append(exc)
+        done = await self._core.read_batch(ReadBatch(tuple(commands)))
+        return engine_pb2.ReadBatchResponse(
+            results=self._read_results(request.reads, refused, done)
+        )
+
+    def _read_results(
+        self,
+        reads: Sequence[engine_pb2.ReadRequest],
+        refused: Sequence[KvSidecarError | None],
+        done: Sequence[ReadPosted | KvSidecarError],
+    ) -> list[engine_pb2.ReadResult]:
+        """One ReadResult per read, in order: ``refused`` (None: decoded) merged with ``done``
+        (the engine's outcome of each decoded read); every refusal is counted by its code."""
+        outcomes = iter(done)
         results = []
-        for i, (read, outcome) in enumerate(zip(request.reads, outcomes, strict=True)):
-            outcome = next(done) if outcome is None else outcome
+        for i, (read, error) in enumerate(zip(reads, refused, strict=True)):
+            outcome = next(outcomes) if error is None else error
             if isinstance(outcome, KvSidecarError):
                 self._core.rejected(status_for(outcome).name)
                 results.append(
@@ -138,12 +153,23 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                         request_id=read.request_id, posted=read_posted_to_proto(outcome)
                     )
                 )
-        return engine_pb2.ReadBatchResponse(results=results)
+        return results
 
     async def notify(self, request: engine_pb2.NotifyRequest) -> engine_pb2.NotifyResponse:
-        done = await self._core.notify(decode.notify_command(request))
-        return engine_pb2.NotifyResponse(
-            token=done.token, notifications_sent=done.sent, notifications_refused=done.refused
+        return _notified(await self._core.notify(decode.notify_command(request)))
+
+    async def step(self, request: engine_pb2.StepRequest) -> engine_pb2.StepResponse:
+        """Decode every item (one that does not decode is refused alone), run the rest as one
+        engine step and answer one result per item of each list, in order. Nothing awaits before
+        the engine applies the step's holds and releases (see ``EngineCore.step``)."""
+        decoded = decode.step_command(request, self._decode_read)
+        done = await self._core.step(decoded.command)
+        return engine_pb2.StepResponse(
+            holds=_notify_results("holds", decoded.holds, done.holds),
+            releases=_notify_results("releases", decoded.releases, done.releases),
+            reads=self._read_results(request.reads, decoded.reads, done.reads),
+            consumed=_notify_results("consumed", decoded.consumed, done.consumed),
+            heartbeats=_notify_results("heartbeats", decoded.heartbeats, done.heartbeats),
         )
 
     @errors_to_status
@@ -161,6 +187,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.NotifyRequest, context: Any
     ) -> engine_pb2.NotifyResponse:
         return await self.notify(request)
+
+    @errors_to_status
+    async def Step(self, request: engine_pb2.StepRequest, context: Any) -> engine_pb2.StepResponse:
+        return await self.step(request)
 
     @errors_to_status
     async def Peers(
@@ -206,3 +236,30 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 yield message
         except KvSidecarError as exc:  # another stream holds the lock
             await context.abort(status_for(exc), status_message(exc))
+
+
+def _notified(done: Notified) -> engine_pb2.NotifyResponse:
+    return engine_pb2.NotifyResponse(
+        token=done.token, notifications_sent=done.sent, notifications_refused=done.refused
+    )
+
+
+def _notify_results(
+    field: str, refused: Sequence[KvSidecarError | None], done: Sequence[NotifyOutcome]
+) -> list[engine_pb2.NotifyResult]:
+    """One NotifyResult per item of a Step's ``field`` list, in order: ``refused`` (None:
+    decoded) merged with ``done`` (the engine's outcome of each decoded item)."""
+    outcomes = iter(done)
+    results = []
+    for i, error in enumerate(refused):
+        outcome = next(outcomes) if error is None else error
+        if isinstance(outcome, KvSidecarError):
+            results.append(
+                engine_pb2.NotifyResult(
+                    code=status_for(outcome).value[0],
+                    message=status_message(KvSidecarError(f"{field}[{i}]: {outcome}")),
+                )
+            )
+        else:
+            results.append(engine_pb2.NotifyResult(done=_notified(outcome)))
+    return results

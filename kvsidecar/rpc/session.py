@@ -4,8 +4,11 @@ Both hold the engine's liveness lock (``EngineCore.stream``): while one is open 
 was opened for stays; when it drops for any reason but a newer registration or the sidecar's own
 shutdown, the registration is released.
 
-A Session runs each command as a task, started in the order received (so a HOLD and a later
-RELEASE of the same request apply in that order) and answered when done, possibly out of order.
+A Session runs each command as a task, started in the order received, and answers it when done,
+possibly out of order. A task runs up to its first wait before the next one starts, and a HOLD or
+RELEASE (a Notify's, or a Step's, which applies its holds and then its releases first) takes
+effect before anything awaits: so a HOLD and a later RELEASE of the same request apply in that
+order, and a consumer's notification handled after a Step started finds the step's holds.
 ``max_in_flight`` bounds the commands accepted and not yet answered: at the bound the stream's
 reader stops taking messages, and gRPC flow control pushes back on the engine. A command's reply
 is queued beside the events; the stream sends replies first, then events, in the order each
@@ -39,7 +42,7 @@ MAX_SESSION_IN_FLIGHT = 256  # commands accepted and not yet answered, per Sessi
 
 
 class Commands(Protocol):
-    """What a Session command runs: the EngineService's Read, ReadBatch and Notify, raising
+    """What a Session command runs: the EngineService's Read, ReadBatch, Notify and Step, raising
     ``KvSidecarError`` instead of setting a status."""
 
     def read_one(self, request: engine_pb2.ReadRequest) -> Awaitable[engine_pb2.ReadResponse]: ...
@@ -49,6 +52,8 @@ class Commands(Protocol):
     ) -> Awaitable[engine_pb2.ReadBatchResponse]: ...
 
     def notify(self, request: engine_pb2.NotifyRequest) -> Awaitable[engine_pb2.NotifyResponse]: ...
+
+    def step(self, request: engine_pb2.StepRequest) -> Awaitable[engine_pb2.StepResponse]: ...
 
 
 class Session:
@@ -148,9 +153,12 @@ class Session:
             elif kind == "notify":
                 self._core.session_ran(CommandKind.NOTIFY)
                 reply.notify.CopyFrom(await self._commands.notify(command.notify))
+            elif kind == "step":
+                self._core.session_ran(CommandKind.STEP)
+                reply.step.CopyFrom(await self._commands.step(command.step))
             else:
                 raise InvalidArgumentError(
-                    f"SessionCommand {command.id} needs one of read, read_batch, notify"
+                    f"SessionCommand {command.id} needs one of read, read_batch, notify, step"
                 )
         except KvSidecarError as exc:
             reply.code, reply.message = status_for(exc).value[0], status_message(exc)

@@ -95,6 +95,7 @@ class LocalCluster:
     tls: bool = True  # PeerService with mutual TLS from a throwaway CA (else --peer-insecure)
     decode_shape: toy.ModelShape | None = None  # the decode engine's, if its layout differs
     session: bool = True  # engines use Session streams (else Watch and unary calls)
+    trailing_holds: bool = False  # engines register with trailing_holds (docs/confirmation.md)
     # In every shm file's name: the creating process's pid first, so that a test can tell its own.
     tag: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
     certificates: PeerCertificates | None = None
@@ -189,6 +190,7 @@ class LocalCluster:
             num_groups=self.shape.num_groups,
             role=EngineRole.PRODUCER if rank.engine_id == PREFILL else EngineRole.CONSUMER,
             takeover=takeover,
+            trailing_holds=self.trailing_holds,
         )
         rank.watcher = asyncio.get_running_loop().create_task(self._watch(rank))
 

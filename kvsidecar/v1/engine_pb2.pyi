@@ -217,6 +217,7 @@ class SessionCommand(_message.Message):
     READ_FIELD_NUMBER: _builtins.int
     READ_BATCH_FIELD_NUMBER: _builtins.int
     NOTIFY_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Chosen by the engine and echoed in the reply (unique among the session's unanswered commands)."""
     @_builtins.property
@@ -225,6 +226,8 @@ class SessionCommand(_message.Message):
     def read_batch(self) -> Global___ReadBatchRequest: ...
     @_builtins.property
     def notify(self) -> Global___NotifyRequest: ...
+    @_builtins.property
+    def step(self) -> Global___StepRequest: ...
     def __init__(
         self,
         *,
@@ -232,12 +235,13 @@ class SessionCommand(_message.Message):
         read: Global___ReadRequest | None = ...,
         read_batch: Global___ReadBatchRequest | None = ...,
         notify: Global___NotifyRequest | None = ...,
+        step: Global___StepRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "notify", b"notify", "read", b"read", "read_batch", b"read_batch"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "notify", b"notify", "read", b"read", "read_batch", b"read_batch", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "id", b"id", "notify", b"notify", "read", b"read", "read_batch", b"read_batch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "id", b"id", "notify", b"notify", "read", b"read", "read_batch", b"read_batch", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["read", "read_batch", "notify"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["read", "read_batch", "notify", "step"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 
@@ -253,6 +257,7 @@ class SessionReply(_message.Message):
     READ_FIELD_NUMBER: _builtins.int
     READ_BATCH_FIELD_NUMBER: _builtins.int
     NOTIFY_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """The command's id."""
     code: _builtins.int
@@ -265,6 +270,8 @@ class SessionReply(_message.Message):
     def read_batch(self) -> Global___ReadBatchResponse: ...
     @_builtins.property
     def notify(self) -> Global___NotifyResponse: ...
+    @_builtins.property
+    def step(self) -> Global___StepResponse: ...
     def __init__(
         self,
         *,
@@ -274,12 +281,13 @@ class SessionReply(_message.Message):
         read: Global___ReadResponse | None = ...,
         read_batch: Global___ReadBatchResponse | None = ...,
         notify: Global___NotifyResponse | None = ...,
+        step: Global___StepResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["notify", b"notify", "read", b"read", "read_batch", b"read_batch", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["notify", b"notify", "read", b"read", "read_batch", b"read_batch", "result", b"result", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "id", b"id", "message", b"message", "notify", b"notify", "read", b"read", "read_batch", b"read_batch", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "id", b"id", "message", b"message", "notify", b"notify", "read", b"read", "read_batch", b"read_batch", "result", b"result", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["read", "read_batch", "notify"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["read", "read_batch", "notify", "step"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -326,6 +334,7 @@ class RegisterEngineRequest(_message.Message):
     TAKEOVER_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     ENGINE_PID_FIELD_NUMBER: _builtins.int
+    TRAILING_HOLDS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Engine identity, the same on every rank of the engine.
     Non-empty, at most 1024 characters.
@@ -350,6 +359,14 @@ class RegisterEngineRequest(_message.Message):
     engine_pid: _builtins.int
     """The engine process's pid as the sidecar sees it (same PID namespace; 0 = unknown). The
     sidecar watches it (pidfd) only to unlink memories marked host_shm.unlink_after_exit.
+    """
+    trailing_holds: _builtins.bool
+    """The engine may hand a hold's token to consumers before its HOLD reaches this sidecar (vLLM's
+    connector does: the scheduler returns the transfer parameters, the worker's I/O thread sends
+    the step's HOLDs after), and keeps those blocks unchanged from then until SEND_DONE, RELEASE
+    or a refused HOLD. A consumer's confirmation that arrives before its HOLD is then answered
+    PENDING (the consumer asks again until its read's deadline) instead of UNKNOWN_REQUEST (the
+    read fails at once). docs/confirmation.md has the argument.
     """
     @_builtins.property
     def views(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.View]:
@@ -381,10 +398,11 @@ class RegisterEngineRequest(_message.Message):
         takeover: _builtins.bool = ...,
         role: Global___EngineRole.ValueType = ...,
         engine_pid: _builtins.int = ...,
+        trailing_holds: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "engine_id", b"engine_id", "engine_pid", b"engine_pid", "memories", b"memories", "num_groups", b"num_groups", "peer_endpoints", b"peer_endpoints", "role", b"role", "takeover", b"takeover", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "engine_id", b"engine_id", "engine_pid", b"engine_pid", "memories", b"memories", "num_groups", b"num_groups", "peer_endpoints", b"peer_endpoints", "role", b"role", "takeover", b"takeover", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "trailing_holds", b"trailing_holds", "views", b"views"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -979,6 +997,145 @@ class NotifyResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NotifyResponse: _TypeAlias = NotifyResponse  # noqa: Y015
+
+@_typing.final
+class StepRequest(_message.Message):
+    """One engine scheduler step: what the engine's producer and consumer sides send its sidecar at the
+    start of the step, in one message (a Session command, or the unary Step call).
+
+    Order: the holds are applied first, then the releases, in list order, both at once when the
+    command starts and before it waits for anything. Session commands start in the order sent, so
+    a RELEASE in a later command (or in this one) never overtakes a HOLD of this one, and a
+    consumer's notification handled after this command started finds its holds. Then the reads are
+    accepted as one batch (as ReadBatch: each validated and accepted on its own, none waits for a
+    handshake), while the CONSUMEDs and HEARTBEATs run beside them (they may wait for a handshake or
+    a producer's answer; they never delay the reads' acceptance). The reply comes once every item
+    has its outcome.
+
+    Every item has its own outcome, in StepResponse, in the order of its list; one item failing
+    (its decoding included) never fails another item or the step. Only a list past its bound fails
+    the whole Step (INVALID_ARGUMENT). While the sidecar drains, the holds and reads are refused
+    with UNAVAILABLE (as Notify(hold) and ReadBatch are); releases, CONSUMEDs and HEARTBEATs still
+    apply.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDS_FIELD_NUMBER: _builtins.int
+    RELEASES_FIELD_NUMBER: _builtins.int
+    READS_FIELD_NUMBER: _builtins.int
+    CONSUMED_FIELD_NUMBER: _builtins.int
+    HEARTBEATS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def holds(self) -> _containers.RepeatedCompositeFieldContainer[Global___Hold]:
+        """Producer: keep blocks for consumers (each as Notify(hold)). At most 4096."""
+
+    @_builtins.property
+    def releases(self) -> _containers.RepeatedCompositeFieldContainer[Global___Release]:
+        """Producer: drop holds now (each as Notify(release)). At most 4096."""
+
+    @_builtins.property
+    def reads(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReadRequest]:
+        """Consumer: reads, accepted as one ReadBatch; each ends with exactly one Event if accepted.
+        At most 4096.
+        """
+
+    @_builtins.property
+    def consumed(self) -> _containers.RepeatedCompositeFieldContainer[Global___Consumed]:
+        """Consumer: notification-only (each as Notify(consumed)). At most 4096."""
+
+    @_builtins.property
+    def heartbeats(self) -> _containers.RepeatedCompositeFieldContainer[Global___Heartbeat]:
+        """Consumer: extend producer leases (each as Notify(heartbeat)). At most 4096."""
+
+    def __init__(
+        self,
+        *,
+        holds: _abc.Iterable[Global___Hold] | None = ...,
+        releases: _abc.Iterable[Global___Release] | None = ...,
+        reads: _abc.Iterable[Global___ReadRequest] | None = ...,
+        consumed: _abc.Iterable[Global___Consumed] | None = ...,
+        heartbeats: _abc.Iterable[Global___Heartbeat] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed", b"consumed", "heartbeats", b"heartbeats", "holds", b"holds", "reads", b"reads", "releases", b"releases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepRequest: _TypeAlias = StepRequest  # noqa: Y015
+
+@_typing.final
+class NotifyResult(_message.Message):
+    """The outcome of one hold, release, CONSUMED or HEARTBEAT of a Step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """gRPC status code of this item (0 = OK: done is set)."""
+    message: _builtins.str
+    """The error message when code != 0 (names the list, the index, the field and the value)."""
+    @_builtins.property
+    def done(self) -> Global___NotifyResponse:
+        """What the item did, as Notify answers it: the hold's token (holds); notifications sent and
+        refused by the producers (CONSUMED, HEARTBEAT).
+        """
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        done: Global___NotifyResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "done", b"done", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NotifyResult: _TypeAlias = NotifyResult  # noqa: Y015
+
+@_typing.final
+class StepResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDS_FIELD_NUMBER: _builtins.int
+    RELEASES_FIELD_NUMBER: _builtins.int
+    READS_FIELD_NUMBER: _builtins.int
+    CONSUMED_FIELD_NUMBER: _builtins.int
+    HEARTBEATS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def holds(self) -> _containers.RepeatedCompositeFieldContainer[Global___NotifyResult]:
+        """One result per item of each list of the StepRequest, in its order."""
+
+    @_builtins.property
+    def releases(self) -> _containers.RepeatedCompositeFieldContainer[Global___NotifyResult]: ...
+    @_builtins.property
+    def reads(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReadResult]: ...
+    @_builtins.property
+    def consumed(self) -> _containers.RepeatedCompositeFieldContainer[Global___NotifyResult]: ...
+    @_builtins.property
+    def heartbeats(self) -> _containers.RepeatedCompositeFieldContainer[Global___NotifyResult]: ...
+    def __init__(
+        self,
+        *,
+        holds: _abc.Iterable[Global___NotifyResult] | None = ...,
+        releases: _abc.Iterable[Global___NotifyResult] | None = ...,
+        reads: _abc.Iterable[Global___ReadResult] | None = ...,
+        consumed: _abc.Iterable[Global___NotifyResult] | None = ...,
+        heartbeats: _abc.Iterable[Global___NotifyResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed", b"consumed", "heartbeats", b"heartbeats", "holds", b"holds", "reads", b"reads", "releases", b"releases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
 
 @_typing.final
 class RecvDone(_message.Message):

@@ -69,6 +69,11 @@ class EngineServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.NotifyRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.NotifyResponse.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/Step',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.StepRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/kvsidecar.v1.EngineService/Status',
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.StatusRequest.SerializeToString,
@@ -154,6 +159,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Step(self, request, context):
+        """One engine scheduler step in one message: its HOLDs, RELEASEs, Reads, CONSUMEDs and
+        HEARTBEATs (see StepRequest for the order they apply in). Engines with a Session stream send
+        it as a SessionCommand (one message per step); this unary form is for engines without one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Read state and counters; with drain_events also take queued events (the polling alternative
         to Watch). Never takes events unless asked.
@@ -172,15 +186,17 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches
-        and Notifies as SessionCommands, the sidecar answers each with a SessionReply carrying the
-        command's id and streams the engine's events between them. Saves a call per command (a
+        """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches,
+        Notifies and Steps as SessionCommands, the sidecar answers each with a SessionReply carrying
+        the command's id and streams the engine's events between them. Saves a call per command (a
         message on an open stream costs a fraction of a unary call). Opening it takes the liveness lock
         exactly as Watch does (one Watch or Session at a time; when it drops, the registration is
         released; a newer RegisterEngine ends it with OK). Commands start in the order sent and run
-        concurrently, so replies may come out of order. At most 256 commands run at once per session:
-        past that the sidecar stops reading the stream until one finishes, and gRPC flow control
-        pushes back on the engine. A command's failure is its reply's code and message (the status the
+        concurrently, so replies may come out of order; a command's work up to its first wait (a
+        Step's HOLDs and RELEASEs, a Notify's HOLD or RELEASE) is done before the next command
+        starts, so a RELEASE never overtakes an earlier HOLD of the same request. At most 256
+        commands run at once per session: past that the sidecar stops reading the stream until one
+        finishes, and gRPC flow control pushes back on the engine. A command's failure is its reply's code and message (the status the
         unary RPC would end with) and never ends the session; an undecodable message ends it with
         INVALID_ARGUMENT.
         """
@@ -240,6 +256,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Notify,
                     request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.NotifyRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_engine__pb2.NotifyResponse.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.StepRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.StepResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -434,6 +455,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/Notify',
             kvsidecar_dot_v1_dot_engine__pb2.NotifyRequest.SerializeToString,
             kvsidecar_dot_v1_dot_engine__pb2.NotifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/Step',
+            kvsidecar_dot_v1_dot_engine__pb2.StepRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,

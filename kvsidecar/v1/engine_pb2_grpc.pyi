@@ -60,6 +60,11 @@ class EngineServiceStub:
     """
     Notify: _grpc.UnaryUnaryMultiCallable[_engine_pb2.NotifyRequest, _engine_pb2.NotifyResponse]
     """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer)."""
+    Step: _grpc.UnaryUnaryMultiCallable[_engine_pb2.StepRequest, _engine_pb2.StepResponse]
+    """One engine scheduler step in one message: its HOLDs, RELEASEs, Reads, CONSUMEDs and
+    HEARTBEATs (see StepRequest for the order they apply in). Engines with a Session stream send
+    it as a SessionCommand (one message per step); this unary form is for engines without one.
+    """
     Status: _grpc.UnaryUnaryMultiCallable[_engine_pb2.StatusRequest, _engine_pb2.StatusResponse]
     """Read state and counters; with drain_events also take queued events (the polling alternative
     to Watch). Never takes events unless asked.
@@ -70,15 +75,17 @@ class EngineServiceStub:
     a newer RegisterEngine ends it with OK, which does not count as the engine going away.
     """
     Session: _grpc.StreamStreamMultiCallable[_engine_pb2.SessionCommand, _engine_pb2.SessionMessage]
-    """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches
-    and Notifies as SessionCommands, the sidecar answers each with a SessionReply carrying the
-    command's id and streams the engine's events between them. Saves a call per command (a
+    """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches,
+    Notifies and Steps as SessionCommands, the sidecar answers each with a SessionReply carrying
+    the command's id and streams the engine's events between them. Saves a call per command (a
     message on an open stream costs a fraction of a unary call). Opening it takes the liveness lock
     exactly as Watch does (one Watch or Session at a time; when it drops, the registration is
     released; a newer RegisterEngine ends it with OK). Commands start in the order sent and run
-    concurrently, so replies may come out of order. At most 256 commands run at once per session:
-    past that the sidecar stops reading the stream until one finishes, and gRPC flow control
-    pushes back on the engine. A command's failure is its reply's code and message (the status the
+    concurrently, so replies may come out of order; a command's work up to its first wait (a
+    Step's HOLDs and RELEASEs, a Notify's HOLD or RELEASE) is done before the next command
+    starts, so a RELEASE never overtakes an earlier HOLD of the same request. At most 256
+    commands run at once per session: past that the sidecar stops reading the stream until one
+    finishes, and gRPC flow control pushes back on the engine. A command's failure is its reply's code and message (the status the
     unary RPC would end with) and never ends the session; an undecodable message ends it with
     INVALID_ARGUMENT.
     """
@@ -127,6 +134,11 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """
     Notify: _aio.UnaryUnaryMultiCallable[_engine_pb2.NotifyRequest, _engine_pb2.NotifyResponse]  # type: ignore[assignment]
     """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer)."""
+    Step: _aio.UnaryUnaryMultiCallable[_engine_pb2.StepRequest, _engine_pb2.StepResponse]  # type: ignore[assignment]
+    """One engine scheduler step in one message: its HOLDs, RELEASEs, Reads, CONSUMEDs and
+    HEARTBEATs (see StepRequest for the order they apply in). Engines with a Session stream send
+    it as a SessionCommand (one message per step); this unary form is for engines without one.
+    """
     Status: _aio.UnaryUnaryMultiCallable[_engine_pb2.StatusRequest, _engine_pb2.StatusResponse]  # type: ignore[assignment]
     """Read state and counters; with drain_events also take queued events (the polling alternative
     to Watch). Never takes events unless asked.
@@ -137,15 +149,17 @@ class EngineServiceAsyncStub(EngineServiceStub):
     a newer RegisterEngine ends it with OK, which does not count as the engine going away.
     """
     Session: _aio.StreamStreamMultiCallable[_engine_pb2.SessionCommand, _engine_pb2.SessionMessage]  # type: ignore[assignment]
-    """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches
-    and Notifies as SessionCommands, the sidecar answers each with a SessionReply carrying the
-    command's id and streams the engine's events between them. Saves a call per command (a
+    """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches,
+    Notifies and Steps as SessionCommands, the sidecar answers each with a SessionReply carrying
+    the command's id and streams the engine's events between them. Saves a call per command (a
     message on an open stream costs a fraction of a unary call). Opening it takes the liveness lock
     exactly as Watch does (one Watch or Session at a time; when it drops, the registration is
     released; a newer RegisterEngine ends it with OK). Commands start in the order sent and run
-    concurrently, so replies may come out of order. At most 256 commands run at once per session:
-    past that the sidecar stops reading the stream until one finishes, and gRPC flow control
-    pushes back on the engine. A command's failure is its reply's code and message (the status the
+    concurrently, so replies may come out of order; a command's work up to its first wait (a
+    Step's HOLDs and RELEASEs, a Notify's HOLD or RELEASE) is done before the next command
+    starts, so a RELEASE never overtakes an earlier HOLD of the same request. At most 256
+    commands run at once per session: past that the sidecar stops reading the stream until one
+    finishes, and gRPC flow control pushes back on the engine. A command's failure is its reply's code and message (the status the
     unary RPC would end with) and never ends the session; an undecodable message ends it with
     INVALID_ARGUMENT.
     """
@@ -229,6 +243,17 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         """HOLD / RELEASE (producer), CONSUMED / HEARTBEAT (consumer)."""
 
     @_abc_1.abstractmethod
+    def Step(
+        self,
+        request: _engine_pb2.StepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.StepResponse, _abc.Awaitable[_engine_pb2.StepResponse]]:
+        """One engine scheduler step in one message: its HOLDs, RELEASEs, Reads, CONSUMEDs and
+        HEARTBEATs (see StepRequest for the order they apply in). Engines with a Session stream send
+        it as a SessionCommand (one message per step); this unary form is for engines without one.
+        """
+
+    @_abc_1.abstractmethod
     def Status(
         self,
         request: _engine_pb2.StatusRequest,
@@ -255,15 +280,17 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_engine_pb2.SessionCommand],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_engine_pb2.SessionMessage], _abc.AsyncIterator[_engine_pb2.SessionMessage]]:
-        """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches
-        and Notifies as SessionCommands, the sidecar answers each with a SessionReply carrying the
-        command's id and streams the engine's events between them. Saves a call per command (a
+        """Watch and the per-request RPCs on one long-lived stream: the engine sends Reads, ReadBatches,
+        Notifies and Steps as SessionCommands, the sidecar answers each with a SessionReply carrying
+        the command's id and streams the engine's events between them. Saves a call per command (a
         message on an open stream costs a fraction of a unary call). Opening it takes the liveness lock
         exactly as Watch does (one Watch or Session at a time; when it drops, the registration is
         released; a newer RegisterEngine ends it with OK). Commands start in the order sent and run
-        concurrently, so replies may come out of order. At most 256 commands run at once per session:
-        past that the sidecar stops reading the stream until one finishes, and gRPC flow control
-        pushes back on the engine. A command's failure is its reply's code and message (the status the
+        concurrently, so replies may come out of order; a command's work up to its first wait (a
+        Step's HOLDs and RELEASEs, a Notify's HOLD or RELEASE) is done before the next command
+        starts, so a RELEASE never overtakes an earlier HOLD of the same request. At most 256
+        commands run at once per session: past that the sidecar stops reading the stream until one
+        finishes, and gRPC flow control pushes back on the engine. A command's failure is its reply's code and message (the status the
         unary RPC would end with) and never ends the session; an undecodable message ends it with
         INVALID_ARGUMENT.
         """

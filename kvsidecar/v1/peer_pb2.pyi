@@ -89,6 +89,8 @@ class GetAgentResponse(_message.Message):
     COMPAT_FIELD_NUMBER: _builtins.int
     NUM_GROUPS_FIELD_NUMBER: _builtins.int
     MEM_TYPE_FIELD_NUMBER: _builtins.int
+    BOARD_ADDRESS_FIELD_NUMBER: _builtins.int
+    BOARD_BUCKETS_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """Version of the sidecar-to-sidecar protocol; a mismatch is reported as incompatible."""
     compat_digest: _builtins.str
@@ -108,6 +110,14 @@ class GetAgentResponse(_message.Message):
     """Number of KV-cache groups the engine's block ids are organised in."""
     mem_type: _builtins.str
     """NIXL memory type of the engine's memory: "DRAM" or "VRAM"."""
+    board_address: _builtins.int
+    """The hold board (protocol 3): board_buckets buckets of 8 little-endian 64-bit words (64 bytes)
+    at board_address, DRAM registered with the NIXL agent above. While a hold is live one word of
+    its bucket holds its marker (kvsidecar/plan/board.py); a consumer READs the bucket after its
+    READs of the request to confirm them without a Notify round trip. board_buckets 0: no board
+    (every READ_DONE is confirmed over Notify). At most 2^24 buckets.
+    """
+    board_buckets: _builtins.int
     @_builtins.property
     def views(self) -> _containers.RepeatedCompositeFieldContainer[Global___RemoteView]: ...
     @_builtins.property
@@ -129,10 +139,12 @@ class GetAgentResponse(_message.Message):
         compat: _geometry_pb2.Compat | None = ...,
         num_groups: _builtins.int = ...,
         mem_type: _builtins.str = ...,
+        board_address: _builtins.int = ...,
+        board_buckets: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "compat", b"compat", "compat_digest", b"compat_digest", "engine_id", b"engine_id", "epoch", b"epoch", "mem_type", b"mem_type", "nixl_agent_metadata", b"nixl_agent_metadata", "num_groups", b"num_groups", "protocol_version", b"protocol_version", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "board_address", b"board_address", "board_buckets", b"board_buckets", "compat", b"compat", "compat_digest", b"compat_digest", "engine_id", b"engine_id", "epoch", b"epoch", "mem_type", b"mem_type", "nixl_agent_metadata", b"nixl_agent_metadata", "num_groups", b"num_groups", "protocol_version", b"protocol_version", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -359,6 +371,12 @@ class PeerNotifyResponse(_message.Message):
         block ids: the consumer read blocks the hold does not cover (another request's, unheld,
         or shifted). Not counted; the consumer fails the read.
         """
+        PENDING: PeerNotifyResponse._Outcome.ValueType  # 8
+        """A READ_DONE that asked for confirmation before its HOLD arrived, at a producer whose engine
+        registered with trailing_holds (it hands out a hold's token before its HOLD reaches the
+        sidecar and keeps the blocks unchanged meanwhile): not counted; ask again later, until the
+        read's deadline.
+        """
 
     class Outcome(_Outcome, metaclass=_OutcomeEnumTypeWrapper): ...
     OUTCOME_UNSPECIFIED: PeerNotifyResponse.Outcome.ValueType  # 0
@@ -384,6 +402,12 @@ class PeerNotifyResponse(_message.Message):
     """A READ_DONE whose read_block_counts / read_blocks_digest are not the tail of the hold's
     block ids: the consumer read blocks the hold does not cover (another request's, unheld,
     or shifted). Not counted; the consumer fails the read.
+    """
+    PENDING: PeerNotifyResponse.Outcome.ValueType  # 8
+    """A READ_DONE that asked for confirmation before its HOLD arrived, at a producer whose engine
+    registered with trailing_holds (it hands out a hold's token before its HOLD reaches the
+    sidecar and keeps the blocks unchanged meanwhile): not counted; ask again later, until the
+    read's deadline.
     """
 
     EPOCH_FIELD_NUMBER: _builtins.int

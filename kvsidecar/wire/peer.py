@@ -13,8 +13,10 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvsidecar.errors import InvalidArgumentError
 from kvsidecar.limits import (
     MAX_AGENT_METADATA,
+    MAX_BOARD_BUCKETS,
     MAX_DIGEST_BYTES,
     MAX_GROUPS,
     MAX_ID_CHARS,
@@ -71,6 +73,8 @@ class AgentInfo:
     view_bases: Mapping[str, tuple[int, int]]
     compat: CompatItems
     mem_type: str
+    board_address: int = 0  #: the hold board's address in the producer (0: no board)
+    board_buckets: int = 0  #: its buckets (``plan.board``)
 
     @property
     def engine_id(self) -> str:
@@ -107,6 +111,8 @@ def agent_info_to_proto(info: AgentInfo) -> peer_pb2.GetAgentResponse:
         compat=compat_to_proto(info.compat),
         num_groups=g.num_groups,
         mem_type=info.mem_type,
+        board_address=info.board_address,
+        board_buckets=info.board_buckets,
     )
 
 
@@ -117,6 +123,12 @@ def agent_info_from_proto(pb: peer_pb2.GetAgentResponse) -> AgentInfo:
     check_chars("agent_name", pb.agent_name)
     check_chars("compat_digest", pb.compat_digest)
     check_chars("mem_type", pb.mem_type)
+    if pb.board_buckets > MAX_BOARD_BUCKETS:
+        raise InvalidArgumentError(
+            f"board_buckets={pb.board_buckets} is more than {MAX_BOARD_BUCKETS}"
+        )
+    if pb.board_buckets and not pb.board_address:
+        raise InvalidArgumentError(f"board_buckets={pb.board_buckets} with board_address=0")
     return AgentInfo(
         protocol_version=pb.protocol_version,
         compat_digest=pb.compat_digest,
@@ -133,6 +145,8 @@ def agent_info_from_proto(pb: peer_pb2.GetAgentResponse) -> AgentInfo:
         view_bases={rv.view.name: (rv.base_address, rv.device_id) for rv in pb.views},
         compat=compat_from_proto(pb.compat),
         mem_type=pb.mem_type,
+        board_address=pb.board_address if pb.board_buckets else 0,
+        board_buckets=pb.board_buckets,
     )
 
 
@@ -156,6 +170,7 @@ class Outcome(enum.Enum):
     WRONG_TOKEN = 5  #: the token does not match the hold's
     EXTRA_CONSUMER = 6  #: the hold already heard from every consumer it expected
     WRONG_BLOCKS = 7  #: a READ_DONE whose blocks read are not the tail of the hold's block ids
+    PENDING = 8  #: a confirmation before its HOLD, at an engine with trailing holds: ask again
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

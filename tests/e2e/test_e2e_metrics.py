@@ -38,6 +38,12 @@ COUNTER_FAMILIES = {
     "events_discarded": "kvsidecar_events_discarded",
     "handshakes": "kvsidecar_handshakes",
     "kv_files_reclaimed": "kvsidecar_kv_files_reclaimed",
+    "board_confirmed": "kvsidecar_board_confirmed",
+    "board_missed": "kvsidecar_board_missed",
+    "board_no_slot": "kvsidecar_board_no_slot",
+    "confirm_retries": "kvsidecar_confirm_retries",
+    "holds_published": "kvsidecar_holds_published",
+    "confirmations_pending": "kvsidecar_confirmations_pending",
 }
 
 

@@ -126,8 +126,10 @@ async def test_hung_producer_is_quarantined_after_its_first_deadline(
 ) -> None:
     """The producer's sidecar stops answering (SIGSTOP): the first read fails at its deadline
     and quarantines the peer, so the next Read is refused at once instead of waiting out another
-    deadline; once it answers again, reads work after the backoff."""
-    async with local_cluster(SHAPE, 1, 1) as cluster:
+    deadline; once it answers again, reads work after the backoff. (Without hold boards: a board
+    would confirm that first read by READing the stopped process's memory, which stays readable
+    on one host; then its READ_DONE, unanswered, quarantines the peer.)"""
+    async with local_cluster(SHAPE, 1, 1, sidecar_args=("--no-hold-board",)) as cluster:
         pids, dids = request_ids(SHAPE, [1, 2], [3, 4])
         await transfer(cluster, "warm", pids, dids)
         producer, consumer = cluster.prefill[0], cluster.decode[0]
@@ -168,8 +170,10 @@ async def test_a_restarted_engine_gets_no_event_of_the_dead_registration(
     local_cluster: ClusterFactory,
 ) -> None:
     """The consumer engine dies with 20 reads in flight (kill -9 drops its Watch). Its sidecar
-    fails them; the new incarnation (which reuses the request ids) sees none of those events."""
-    async with local_cluster(SHAPE, 1, 1) as cluster:
+    fails them; the new incarnation (which reuses the request ids) sees none of those events.
+    (Without hold boards: the reads wait in flight for a stopped producer's confirmation; a board
+    would confirm them by READing the stopped process's memory.)"""
+    async with local_cluster(SHAPE, 1, 1, sidecar_args=("--no-hold-board",)) as cluster:
         pids, dids = request_ids(SHAPE, [1, 2], [3, 4])
         await transfer(cluster, "warm", pids, dids)
         producer, consumer = cluster.prefill[0], cluster.decode[0]

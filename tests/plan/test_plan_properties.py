@@ -170,7 +170,9 @@ def test_batch_ids_are_the_requests_ids_together(
                 one = singles.get(rank)
                 per.setdefault(rank, [0] * reads)[i] = 0 if one is None else one.num_bytes
                 if one is not None:
-                    pairs = zip(one.local_desc_ids.tolist(), one.remote_desc_ids.tolist())
+                    pairs = zip(
+                        one.local_desc_ids.tolist(), one.remote_desc_ids.tolist(), strict=True
+                    )
                     want.setdefault(rank, []).extend(pairs)
         assert batch.keys() == want.keys()
         for rank, b in batch.items():

@@ -180,7 +180,7 @@ async def test_read_during_reregistration(
     assert status.counters["reads_failed"] >= 1
     assert status.counters["events_discarded"] >= 1
     assert "A" not in {e.request_id for e in status.events}
-    assert len(decode.backend.regions()) == 1
+    assert len(_engine_regions(decode)) == 1
 
 
 @pytest.mark.parametrize(
@@ -208,7 +208,7 @@ async def test_handshake_while_reregistration_releases_peers(
     assert isinstance(outcome, (PlanInfo, errors.FailedPreconditionError)), outcome
     status = await decode.client.status()
     assert (status.engine_id, status.epoch, status.ready) == ("decode", registered.epoch, True)
-    assert len(decode.backend.regions()) == 1  # only the new registration's memory
+    assert len(_engine_regions(decode)) == 1  # only the new registration's memory
     await _read_eventually(pair, "after")
 
 
@@ -340,13 +340,19 @@ async def test_cancelled_abandon_keeps_the_orphaned_handshake_tracked(
     assert peers.peers() == ()
 
 
+def _engine_regions(node: Node) -> list[tuple[int, int]]:
+    """Registered regions that are not the sidecar's own (its hold board and landing slots)."""
+    own = set(node.sidecar.core.board_memory.regions)
+    return [r for r in node.backend.regions() if r not in own]
+
+
 def _owned_handles(node: Node) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Ids of the agents and prepared lists the registered peers own (what the backend must hold)."""
     links = [link for peer in node.sidecar.core.peers.peers() for link in peer.links.values()]
     agents = sorted(link.agent.id for link in links)
-    dlists = sorted(
-        h.id for link in links for h in (link.local_dlist, link.remote_dlist) if h is not None
-    )
+    lists = [h for link in links for h in (link.local_dlist, link.remote_dlist, link.board_dlist)]
+    lists.append(node.sidecar.core.board_memory.landing)  # the sidecar's own, for board checks
+    dlists = sorted(h.id for h in lists if h is not None)
     return tuple(agents), tuple(dlists)
 
 

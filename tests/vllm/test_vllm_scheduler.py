@@ -286,6 +286,19 @@ def status(sc: sidecar_proc.SidecarProcess) -> SidecarStatus:
         return client.status()
 
 
+def until_status(
+    sc: sidecar_proc.SidecarProcess, what: str, ok: Callable[[SidecarStatus], bool]
+) -> SidecarStatus:
+    """The worker's Step reaches its sidecar from the connector's I/O thread, after
+    ``start_load_kv`` returned: wait (bounded) for its effect."""
+    deadline = time.monotonic() + 10
+    while not ok(now := status(sc)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within 10 s: {what} ({now})")
+        time.sleep(0.01)
+    return now
+
+
 def no_zero(groups: Any) -> bool:
     return all(b != 0 for g in groups for b in g)
 
@@ -519,7 +532,8 @@ def test_failed_read_under_the_load_failure_policy(
     assert not failed
     assert not invalid
     assert sc.requests["D"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert status(sidecar).reads_handshaking == 1  # posted; it fails once the handshake does
+    # posted; it fails once the handshake does
+    until_status(sidecar, "the read waits for its handshake", lambda s: s.reads_handshaking == 1)
 
     req = sc.requests["D"]
     failed, invalid, outs = until_read_ends(sc, conn, "D")
@@ -596,7 +610,7 @@ def test_hybrid_model_failed_read_fails_the_request(
     sc.add_request(sched.request(sc, LONG, params=kv.to_params(), request_id="D"))
     worker_step(sc, conn)
     assert sc.requests["D"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert status(sidecar).reads_handshaking == 1
+    until_status(sidecar, "the read waits for its handshake", lambda s: s.reads_handshaking == 1)
     # Regression: the failed read was also reported as invalid_block_ids, which vLLM refuses
     # (RuntimeError, engine down) for models with more than one KV-cache group.
     failed, _, outs = until_read_ends(sc, conn, "D")
@@ -627,11 +641,12 @@ def test_start_step_does_not_wait_for_a_dead_peer(
         t0 = time.perf_counter()
         engine.worker.start_step(StepWork(loads=(load,)))
         elapsed = time.perf_counter() - t0
-        during = status(sidecar)
         print(json.dumps({"start_step_dead_peer_ms": round(elapsed * 1000, 2)}))
-        # It returned while the read still waits for the handshake (the structural property; the
-        # wall-clock figure is printed, not asserted).
-        assert during.reads_handshaking == 1
+        # It returned before the read ended: the read waits for the handshake (the structural
+        # property; the wall-clock figure is printed, not asserted).
+        during = until_status(
+            sidecar, "the read waits for its handshake", lambda s: s.reads_handshaking == 1
+        )
         assert during.reads_in_flight == 1
         results = [engine.worker.take_results(())]
         assert results == [StepResults()]  # nothing has ended yet
@@ -668,9 +683,12 @@ def refusing_peer() -> str:
 
 
 def until_quiet(conn: KvSidecarConnector, sidecar: sidecar_proc.SidecarProcess) -> None:
-    """Until the sidecar has ended every read (the notify-only ones included)."""
+    """Until the sidecar has ended every read (the notify-only ones included) and the worker
+    has seen each end (the I/O thread delivers them after ``start_load_kv`` returned)."""
+    assert conn._worker is not None
+    worker = conn._worker
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 10
-    while status(sidecar).reads_in_flight and time.monotonic() < deadline:
+    while (status(sidecar).reads_in_flight or worker._quiet) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert status(sidecar).reads_in_flight == 0
 
@@ -785,6 +803,7 @@ def test_a_load_of_blocks_the_hold_does_not_cover_is_reported_failed(tmp_path: P
                 holds=(Hold(request_id="p-A", block_ids=((1, 2, 3),), token="t" * 24, lease_s=60),)
             )
         )
+        until_status(procs[0], "the hold is applied", lambda s: s.holds_active == 1)
         worker = WorkerSide(
             socket=procs[1].addresses["engine_socket"], engine_id="decode", tp_rank=0, tp_size=1
         )

@@ -10,10 +10,16 @@ from pathlib import Path
 
 
 def make_tiny_llama(
-    out: Path, *, layers: int = 2, sliding_window: int = 0, seed: int = 1234
+    out: Path,
+    *,
+    layers: int = 2,
+    sliding_window: int = 0,
+    seed: int = 1234,
+    max_positions: int = 512,
 ) -> Path:
     """Write the model to ``out`` (once) and return it. ``sliding_window`` > 0 makes every odd
-    layer a sliding-window layer (a hybrid model: two KV-cache groups in vLLM)."""
+    layer a sliding-window layer (a hybrid model: two KV-cache groups in vLLM);
+    ``max_positions``: the longest sequence it takes (vLLM's largest ``max_model_len``)."""
     if (out / "config.json").exists():
         return out
     import torch
@@ -28,7 +34,7 @@ def make_tiny_llama(
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=1,

@@ -62,6 +62,7 @@ class AgentThread:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._accepting = False
+        self._idle: Callable[[], float | None] | None = None
 
     def start(self) -> None:
         if self._thread is not None:
@@ -75,12 +76,30 @@ class AgentThread:
         """Whether the caller runs on the agent thread."""
         return threading.current_thread() is self._thread
 
+    def set_idle(self, idle: Callable[[], float | None] | None) -> None:
+        """Run ``idle()`` on the thread whenever no call is queued; it returns how long to wait
+        for a call before running it again (seconds), or ``None`` to wait for the next call.
+        Exceptions it raises are dropped (it must handle its own)."""
+        self._idle = idle
+
+    def _next_job(self) -> _Job | None:
+        while True:
+            idle = self._idle
+            wait = None
+            if idle is not None:
+                with contextlib.suppress(Exception):
+                    wait = idle()
+            try:
+                return self._jobs.get() if wait is None else self._jobs.get(timeout=wait)
+            except queue.Empty:
+                continue
+
     def _work(self) -> None:
         # Every job queued by the time one finishes runs before the loop is woken, and their
         # results go back in one call_soon_threadsafe per loop: the loop's wake-up (a self-pipe
         # write and a GIL hand-over) is paid once per burst, not once per call.
         while True:
-            job = self._jobs.get()
+            job = self._next_job()
             done: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]] = []
             while job is not None:
                 fn, loop, fut, timing = job

@@ -13,7 +13,7 @@ of block ``b`` of row ``i`` is ``sum(count_<i) + b``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -108,6 +108,20 @@ class XferTelemetry:
     xfer_duration_us: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ReadPair:
+    """One READ to post: ``remote[remote_ids[k]]`` into ``local[local_ids[k]]``."""
+
+    local: DlistHandle
+    local_ids: npt.ArrayLike
+    remote: DlistHandle
+    remote_ids: npt.ArrayLike
+
+
+#: what ``TransferBackend.set_completion_sink`` calls: READs that left PROC, with their state
+CompletionSink = Callable[[Sequence[tuple["XferHandle", "XferState"]]], None]
+
+
 class Notification(NamedTuple):
     """A notification received from ``agent`` (its agent name)."""
 
@@ -169,6 +183,23 @@ class TransferBackend(Protocol):
         """Create and post a READ of ``remote[remote_ids[k]]`` into ``local[local_ids[k]]``; the
         remote agent receives ``notification`` once it completes (nothing when it is empty).
         Failing to post raises (and leaves no handle behind)."""
+        ...
+
+    def set_completion_sink(self, sink: CompletionSink | None) -> None:
+        """Have ``sink`` called on the event loop (the one running now) with READs that left
+        PROC since their post, as soon as the backend sees it, instead of waiting for the next
+        ``poll``. Optional: a backend may never call it (callers keep polling, which stays the
+        authority on every state); ``None`` stops it."""
+        ...
+
+    async def post_reads(
+        self, reads: Sequence[ReadPair], *, then: Sequence[ReadPair] = ()
+    ) -> tuple[tuple[XferHandle, ...], tuple[XferHandle, ...]]:
+        """Post every READ of ``reads`` (no notification) in one call; then, only if every one
+        of them completed while being posted (``done_at_post``), the READs of ``then``, which
+        must not start before ``reads`` ended. Returns (the handles of ``reads``, in order; the
+        handles of ``then``, or ``()`` when they were not posted). If any post fails, every READ
+        posted by the call is released before the error propagates."""
         ...
 
     async def poll(self, xfers: Sequence[XferHandle]) -> tuple[XferState, ...]:

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 import numpy.typing as npt
 
 from kvsidecar.engine.backend.contract import (
+    CompletionSink,
     DlistHandle,
     DlistSide,
     MemoryRegistration,
     Notification,
+    ReadPair,
     RemoteAgent,
     XferHandle,
     XferState,
@@ -282,21 +284,16 @@ class FakeBackend:
         )
         self._book.xfers[h.id] = (h, x, local.id, remote.id)
         if synchronous:
-            self._complete(x, peer)
+            _complete(x, peer, self._name)
         return h
 
-    def _complete(self, x: _Xfer, peer: FakeBackend) -> None:
-        for dst, src, n in x.copies:
-            ctypes.memmove(dst, src, n)
-        x.state = XferState.DONE
-        x.telemetry = XferTelemetry(
-            total_bytes=sum(n for _, _, n in x.copies),
-            desc_count=len(x.copies),
-            post_duration_us=0,
-            xfer_duration_us=0,
-        )
-        if x.notification:  # as NIXL: an empty payload sends nothing
-            peer.deliver(Notification(self._name, x.notification))
+    def set_completion_sink(self, sink: CompletionSink | None) -> None:
+        """The fake completes READs inside ``post_read`` or on ``poll``: nothing to tell."""
+
+    async def post_reads(
+        self, reads: Sequence[ReadPair], *, then: Sequence[ReadPair] = ()
+    ) -> tuple[tuple[XferHandle, ...], tuple[XferHandle, ...]]:
+        return await _post_reads(self, reads, then=then)
 
     def deliver(self, notification: Notification) -> None:
         """Called by a peer on this fabric: queue a notification for ``drain_notifications``."""
@@ -347,3 +344,42 @@ class FakeBackend:
     async def drain_notifications(self) -> tuple[Notification, ...]:
         got, self._inbox = tuple(self._inbox), []
         return got
+
+
+def _complete(x: _Xfer, peer: FakeBackend, name: str) -> None:
+    """Copy every descriptor of ``x`` now; notify ``peer`` (from agent ``name``) if asked."""
+    for dst, src, n in x.copies:
+        ctypes.memmove(dst, src, n)
+    x.state = XferState.DONE
+    x.telemetry = XferTelemetry(
+        total_bytes=sum(n for _, _, n in x.copies),
+        desc_count=len(x.copies),
+        post_duration_us=0,
+        xfer_duration_us=0,
+    )
+    if x.notification:  # as NIXL: an empty payload sends nothing
+        peer.deliver(Notification(name, x.notification))
+
+
+async def _post_reads(
+    backend: FakeBackend, reads: Sequence[ReadPair], *, then: Sequence[ReadPair] = ()
+) -> tuple[tuple[XferHandle, ...], tuple[XferHandle, ...]]:
+    """``TransferBackend.post_reads`` in terms of ``post_read``."""
+    posted: list[XferHandle] = []
+    first = 0
+    try:
+        for r in reads:
+            posted.append(
+                await backend.post_read(r.local, r.local_ids, r.remote, r.remote_ids, b"")
+            )
+        first = len(posted)
+        if then and all(h.done_at_post for h in posted):
+            for r in then:
+                posted.append(
+                    await backend.post_read(r.local, r.local_ids, r.remote, r.remote_ids, b"")
+                )
+    except BaseException:
+        for h in posted:
+            await backend.release_xfer(h)
+        raise
+    return tuple(posted[:first]), tuple(posted[first:])

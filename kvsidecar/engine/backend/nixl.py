@@ -10,7 +10,9 @@ loaded first in the metadata checker process (``sandbox``), never straight into 
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -24,16 +26,18 @@ import numpy.typing as npt
 
 from kvsidecar.engine.backend.agent_thread import AgentThread, CallTiming
 from kvsidecar.engine.backend.contract import (
+    CompletionSink,
     DlistHandle,
     MemoryRegistration,
     Notification,
+    ReadPair,
     RemoteAgent,
     XferHandle,
     XferState,
     XferTelemetry,
 )
 from kvsidecar.engine.backend.handles import StridedRows
-from kvsidecar.engine.backend.nixl_agent import NixlAgent
+from kvsidecar.engine.backend.nixl_agent import NixlAgent, post_chain
 from kvsidecar.engine.backend.nixl_support import (
     variant_candidates,
 )
@@ -223,6 +227,41 @@ class NixlBackend:
         )
         hops = ((ReadPhase.HOP, timing.hop), (ReadPhase.BACK, timing.back))
         return dataclasses.replace(h, phases=(*h.phases, *hops))
+
+    async def post_reads(
+        self, reads: Sequence[ReadPair], *, then: Sequence[ReadPair] = ()
+    ) -> tuple[tuple[XferHandle, ...], tuple[XferHandle, ...]]:
+        agent = self._require_agent("post_reads")
+        timing = CallTiming()
+        first, second = await self._thread.call(
+            lambda: post_chain(agent, reads, then), what="post_reads", timing=timing
+        )
+        # The hops are the call's: counted once, on its first handle.
+        hops = ((ReadPhase.HOP, timing.hop), (ReadPhase.BACK, timing.back))
+        if first:
+            first = (dataclasses.replace(first[0], phases=(*first[0].phases, *hops)), *first[1:])
+        return first, second
+
+    def set_completion_sink(self, sink: CompletionSink | None) -> None:
+        """Call ``sink`` on the running event loop with READs that completed (``DONE`` or
+        ``ERR``) while the agent thread watched them between calls (see
+        ``NixlAgent.check_watched``); ``None`` stops it."""
+        if sink is None:
+            self._thread.set_idle(None)
+            return
+        loop = asyncio.get_running_loop()
+
+        def idle() -> float | None:
+            agent = self._agent
+            if agent is None or self._closed:
+                return None
+            done, wait = agent.watched.check(agent)
+            if done:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
+                    loop.call_soon_threadsafe(sink, done)
+            return wait
+
+        self._thread.set_idle(idle)
 
     async def poll(self, xfers: Sequence[XferHandle]) -> tuple[XferState, ...]:
         if not xfers:

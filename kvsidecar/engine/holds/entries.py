@@ -37,6 +37,7 @@ class LedgerCounters:
     wrong_token: int = 0  # notifications (or early ones at HOLD) whose token was not the hold's
     unknown: int = 0  # notifications that required a live hold and found none
     wrong_blocks: int = 0  # reads (or early ones at HOLD) of blocks the hold does not cover
+    pending: int = 0  # confirmations answered PENDING: no HOLD yet, and holds may trail tokens
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class Counts:
     wrong_token: int = 0
     unknown: int = 0
     wrong_blocks: int = 0
+    pending: int = 0
 
 
 class NotificationOutcome(enum.Enum):
@@ -66,6 +68,7 @@ class NotificationOutcome(enum.Enum):
     WRONG_TOKEN = enum.auto()  # held, but the token is not the hold's; not counted
     UNKNOWN = enum.auto()  # ``require_hold`` and no hold (nor an ended one) of that id
     WRONG_BLOCKS = enum.auto()  # held, but the blocks read are not the hold's; not counted
+    PENDING = enum.auto()  # ``require_hold``, no hold yet, holds may trail: ask again; not kept
 
 
 @dataclass(slots=True, kw_only=True)

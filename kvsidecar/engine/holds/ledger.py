@@ -143,14 +143,15 @@ class ProducerLedger:
         token: str = "",
         require_hold: bool = False,
         claim: ReadClaim | None = None,
+        trailing: bool = False,
     ) -> tuple[NotificationOutcome, SendDone | None]:
-        """Count ``consumer``'s read (or notify-only) of ``request_id`` under the hold's ``token``.
-
+        """Count ``consumer``'s read (or notify-only) of ``request_id`` under the hold's ``token``:
         ``expected_consumers`` is the total number of consumers this producer rank should hear from.
         ``require_hold``: only a live hold may count it (no early entry: the consumer waits for this
         answer to report its read). ``claim``: the blocks a read covered (``None``: a notify-only
         consumer, which read nothing); a claim that the hold's block ids do not cover is refused
-        (WRONG_BLOCKS) and not counted. The outcome and, for ``COMPLETED``, the SendDone."""
+        (WRONG_BLOCKS) and not counted. ``trailing``: a ``require_hold`` one with no hold (and none
+        ended) is PENDING. The outcome and, for ``COMPLETED``, the SendDone."""
         if not request_id:
             return self._stale_one(request_id, "empty request id")
         if expected_consumers < 1:
@@ -167,6 +168,9 @@ class ProducerLedger:
             self._n.wrong_blocks += 1
             self._warn(request_id, "%s read blocks the hold does not cover", consumer)
             return NotificationOutcome.WRONG_BLOCKS, None
+        if entry is None and require_hold and trailing:  # the HOLD may come: ask again
+            self._n.pending += 1
+            return NotificationOutcome.PENDING, None
         if entry is None and require_hold:
             self._n.unknown += 1
             self._warn(request_id, "notification from %s for no hold", consumer)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 
 from kvsidecar.engine.events import EventHub
+from kvsidecar.engine.holds.board import HoldBoard
 from kvsidecar.engine.holds.ledger import ConsumerId, NotificationOutcome, ProducerLedger
 from kvsidecar.engine.model import Hold
 from kvsidecar.engine.ratelog import RateLimited
@@ -35,6 +36,7 @@ _OUTCOMES = {
     NotificationOutcome.WRONG_TOKEN: Outcome.WRONG_TOKEN,
     NotificationOutcome.UNKNOWN: Outcome.UNKNOWN_REQUEST,
     NotificationOutcome.WRONG_BLOCKS: Outcome.WRONG_BLOCKS,
+    NotificationOutcome.PENDING: Outcome.PENDING,
 }
 #: A READ_DONE without a claim covers no block (a read reports what it read).
 _NO_CLAIM = ReadClaim(counts=(), digest=b"")
@@ -43,9 +45,14 @@ _NO_CLAIM = ReadClaim(counts=(), digest=b"")
 class Producer:
     """Holds and their completion for the current registration."""
 
-    def __init__(self, *, lease_s: float, events: EventHub) -> None:
+    def __init__(self, *, lease_s: float, events: EventHub, board: HoldBoard | None = None) -> None:
+        """``board``: where live holds are published for consumers to check with one READ."""
         self.ledger = ProducerLedger(default_lease_s=lease_s, clock=time.monotonic)
         self._events = events
+        self.board = board if board is not None else HoldBoard(None)
+        self.epoch = 0  #: the registration's epoch (set by the registrar)
+        #: the engine hands out tokens before their HOLD arrives (``Registration.trailing_holds``)
+        self.trailing_holds = False
         self._received = 0
         self._refused: dict[str, int] = {}
         self._nixl_ignored = 0
@@ -57,22 +64,26 @@ class Producer:
 
     def hold(self, cmd: Hold) -> str:
         """Start a lease (``cmd.lease_s`` seconds; ``None`` = the ledger's default) under
-        ``cmd.token`` (empty: a new random one). Returns the token; may complete at once when
-        notifications with that token arrived first."""
+        ``cmd.token`` (empty: a new random one) and publish it on the board under the
+        registration's ``epoch``. Returns the token; may complete at once when notifications with that
+        token arrived first."""
         token = cmd.token or secrets.token_urlsafe(24)
-        self._finish(
-            self.ledger.hold(
-                cmd.request_id, lease_s=cmd.lease_s, block_ids=cmd.block_ids, token=token
-            )
+        done = self.ledger.hold(
+            cmd.request_id, lease_s=cmd.lease_s, block_ids=cmd.block_ids, token=token
         )
+        if done is None:
+            self.board.publish(cmd.request_id, token=token, epoch=self.epoch, held=cmd.block_ids)
+        self._finish(done)
         return token
 
     def release(self, request_id: str) -> None:
         if not self.ledger.release(request_id):
             raise NotFoundError(f"request_id={request_id!r} is not held")
+        self.board.withdraw(request_id)
 
     def drop_all(self) -> int:
         """The engine is gone: forget every hold (no SEND_DONE)."""
+        self.board.clear()
         return self.ledger.drop_all()
 
     def reap(self) -> None:
@@ -87,7 +98,7 @@ class Producer:
         out = [self._apply(n, epoch) for n in notifications]
         for n, outcome in zip(notifications, out, strict=True):
             self._received += 1
-            if outcome is not Outcome.ACCEPTED:
+            if outcome not in (Outcome.ACCEPTED, Outcome.PENDING):  # PENDING: asked again
                 self._refused[outcome.name.lower()] = self._refused.get(outcome.name.lower(), 0) + 1
                 self._log.warning(
                     "refused %s for %r from %s rank %d: %s",
@@ -113,6 +124,7 @@ class Producer:
             consumer=ConsumerId(engine_id=n.consumer_engine_id, rank=n.consumer_rank),
             token=n.token,
             require_hold=n.confirm,
+            trailing=self.trailing_holds,
             claim=(n.claim or _NO_CLAIM) if n.kind is NotificationKind.READ_DONE else None,
         )
         self._finish(done)
@@ -143,8 +155,14 @@ class Producer:
             + refused.get("unknown_request", 0),
             duplicate_notifications=ledger.duplicate_notifications,
             bad_notifications=ledger.wrong_token + self._nixl_ignored,
+            holds_published=self.board.published,
+            board_full=self.board.full,
+            confirmations_pending=ledger.pending,
         )
 
     def _finish(self, done: SendDone | None) -> None:
+        """A hold ended: withdrawn from the board first (a consumer's check must fail from now
+        on), then SEND_DONE tells the engine it may free the blocks."""
         if done is not None:
+            self.board.withdraw(done.request_id)
             self._events.emit(done)

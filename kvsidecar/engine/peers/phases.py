@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvsidecar.engine.backend.contract import MemType
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Endpoints
@@ -25,6 +27,7 @@ from kvsidecar.errors import (
     PeerUnavailableError,
 )
 from kvsidecar.plan import EngineGeometry, build_peer_plan
+from kvsidecar.plan.board import BUCKET_BYTES
 from kvsidecar.plan.compat import PROTOCOL_VERSION, compatibility_mismatches
 from kvsidecar.plan.tp import needed_remote_ranks
 from kvsidecar.wire.peer import AgentInfo
@@ -170,6 +173,13 @@ async def attach(registry: PeerRegistry, local: LocalEngine, fetched: Fetched) -
                 link.remote_dlist = await backend.prep_remote_dlist(
                     agent, rank_plan.remote_rows, MemType[info.mem_type or "DRAM"]
                 )
+                if info.board_buckets:  # one descriptor per bucket of its hold board
+                    rows = np.array(
+                        [[info.board_address, BUCKET_BYTES, 0, BUCKET_BYTES, info.board_buckets]],
+                        dtype=np.uint64,
+                    )
+                    link.board_dlist = await backend.prep_remote_dlist(agent, rows, MemType.DRAM)
+                    link.board_buckets = info.board_buckets
     except BaseException:
         await registry.release(peer)
         raise

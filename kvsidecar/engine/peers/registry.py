@@ -42,6 +42,9 @@ class RankLink:
     plan: RankPlan
     local_dlist: DlistHandle | None = None
     remote_dlist: DlistHandle | None = None
+    #: the rank's hold board, one descriptor per bucket (None: it has none; see plan.board)
+    board_dlist: DlistHandle | None = None
+    board_buckets: int = 0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -265,7 +268,7 @@ class PeerRegistry:
             return
         peer.released = True
         for link in peer.links.values():
-            for handle in (link.local_dlist, link.remote_dlist):
+            for handle in (link.local_dlist, link.remote_dlist, link.board_dlist):
                 if handle is not None:
                     try:
                         await self._backend.release_dlist(handle)
@@ -273,7 +276,7 @@ class PeerRegistry:
                         log.error(
                             "releasing a descriptor list of %r failed: %s", peer.engine_id, exc
                         )
-            link.local_dlist = link.remote_dlist = None
+            link.local_dlist = link.remote_dlist = link.board_dlist = None
             try:
                 await self._backend.remove_remote_agent(link.agent)
             except KvSidecarError as exc:

@@ -82,7 +82,12 @@ class Outgoing:
 
 
 def _about(
-    read: InFlightRead, kind: NotificationKind, links: Iterable[RankLink], *, confirm: bool
+    read: InFlightRead,
+    kind: NotificationKind,
+    links: Iterable[RankLink],
+    *,
+    confirm: bool,
+    wait: bool = True,
 ) -> list[Outgoing]:
     cmd = read.cmd
     return [
@@ -99,7 +104,7 @@ def _about(
                 confirm=confirm,
                 claim=read.claim if kind is NotificationKind.READ_DONE else None,
             ),
-            request_id=cmd.request_id if confirm else "",
+            request_id=cmd.request_id if confirm and wait else "",
         )
         for link in links
     ]
@@ -130,11 +135,21 @@ class Confirmer:
 
     # --- what a read tells its producer ranks ---------------------------------------------------
 
-    def read_done(self, read: InFlightRead, *, confirm: bool) -> None:
-        """Every READ of ``read`` is done: READ_DONE to each rank it read from; with ``confirm``
-        their outcomes come back through ``resolve``."""
-        links = (link for link in read.peer.links.values() if link.rank in read.unconfirmed)
-        self.send(_about(read, NotificationKind.READ_DONE, links, confirm=confirm))
+    def read_done(
+        self,
+        read: InFlightRead,
+        *,
+        confirm: bool,
+        ranks: Iterable[int] | None = None,
+        wait: bool = True,
+    ) -> None:
+        """Every READ of ``read`` is done: READ_DONE to each rank it read from that is still
+        unconfirmed (or to ``ranks``); with ``confirm`` and ``wait`` their outcomes come back
+        through ``resolve`` (without ``wait``: the ranks a board check confirmed, told so that
+        they count the consumer; nobody waits for their answer)."""
+        chosen = read.unconfirmed if ranks is None else set(ranks)
+        links = (link for link in read.peer.links.values() if link.rank in chosen)
+        self.send(_about(read, NotificationKind.READ_DONE, links, confirm=confirm, wait=wait))
 
     def not_reading(self, read: InFlightRead) -> int:
         """``read``'s READs are posted: CONSUMED to every rank of the plan it does not read from
@@ -256,7 +271,7 @@ class Confirmer:
         for n, outcome in zip(notes, outcomes, strict=True):
             kind = n.kind.name.lower()
             self.sent[kind] = self.sent.get(kind, 0) + 1
-            if outcome is not Outcome.ACCEPTED:
+            if outcome not in (Outcome.ACCEPTED, Outcome.PENDING):  # PENDING: asked again
                 self.refused[outcome.name.lower()] = self.refused.get(outcome.name.lower(), 0) + 1
         return epoch, outcomes
 

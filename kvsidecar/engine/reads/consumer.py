@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Consumed, Heartbeat, ReadCommand
@@ -107,7 +107,7 @@ class Consumer:
         except KvSidecarError as exc:
             return tuple(exc for _ in batch.reads)
         outcomes: list[ReadOutcome | None] = [None] * len(batch.reads)
-        ready: dict[int, tuple[Peer, list[tuple[int, ReadCommand, int]]]] = {}
+        ready: dict[int, tuple[Peer, list[tuple[int, ReadCommand, int | None]]]] = {}
         for i, cmd in enumerate(batch.reads):
             t0 = time.perf_counter()
             try:
@@ -125,7 +125,7 @@ class Consumer:
             self._reads.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
             ready.setdefault(id(peer), (peer, []))[1].append((i, cmd, ticket))
 
-        async def group(peer: Peer, items: list[tuple[int, ReadCommand, int]]) -> None:
+        async def group(peer: Peer, items: list[tuple[int, ReadCommand, int | None]]) -> None:
             try:
                 posted = await self._post_many(local, peer, items)
             except KvSidecarError as exc:
@@ -139,10 +139,11 @@ class Consumer:
         return tuple(o for o in outcomes if o is not None)
 
     async def _post_many(
-        self, local: LocalEngine, peer: Peer, items: list[tuple[int, ReadCommand, int]]
+        self, local: LocalEngine, peer: Peer, items: Sequence[tuple[int, ReadCommand, int | None]]
     ) -> tuple[ReadPosted, ...]:
-        """Post taken reads of one peer together under the guard; on failure every id goes
-        back (nothing was posted)."""
+        """Post reads of one peer together under the guard; on failure every id taken for the
+        post (a ticket) goes back: nothing was posted. An admitted read (no ticket) stays
+        waiting."""
         me = (local.geometry.engine_id, local.geometry.tp_rank)
         cmds = tuple(cmd for _, cmd, _ in items)
         deadlines = tuple(
@@ -159,7 +160,8 @@ class Consumer:
                 )
             except BaseException:
                 for _, cmd, ticket in items:
-                    self._reads.ids.give_back(cmd.request_id, ticket)
+                    if ticket is not None:
+                        self._reads.ids.give_back(cmd.request_id, ticket)
                 raise
 
         # Shielded: a cancelled RPC must not orphan READs the backend already posted.
@@ -175,26 +177,9 @@ class Consumer:
         deadline_s: float,
         ticket: int | None = None,
     ) -> ReadPosted:
-        """Post under the guard. ``ticket``: the read's id was taken for this post (not admitted)
-        and goes back if the post fails."""
-        me = (local.geometry.engine_id, local.geometry.tp_rank)
-
-        async def post() -> ReadPosted:
-            try:
-                return await self._guard.run(
-                    peer,
-                    "posting a READ",
-                    lambda: self._reads.post(cmd, peer, deadline_s=deadline_s, consumer=me),
-                    local=local,
-                )
-            except BaseException:
-                if ticket is not None:  # nothing was posted: the id is free again
-                    self._reads.ids.give_back(cmd.request_id, ticket)
-                raise
-
-        # Shielded: a cancelled RPC must not orphan a READ the backend already posted.
-        posted = await shielded(post())
-        self._on_posted()
+        """Post one read under the guard (``ticket``: its id was taken for this post, not
+        admitted, and goes back if the post fails)."""
+        (posted,) = await self._post_many(local, peer, [(0, cmd, ticket)])
         return posted
 
     async def _read_after_handshake(

@@ -1,102 +1,46 @@
-"""In-flight reads: post one READ per remote rank, poll, confirm, enforce deadlines, report once.
+"""In-flight reads: post their READs, follow them to their one event, enforce deadlines.
 
 A request completes with ``RecvDone`` when every sibling READ is DONE and (with confirmed reads,
-the default) every producer rank read from has confirmed that the request's hold was live under the
-token and epoch the consumer named. If a READ fails, the siblings are still awaited (until the
+the default) every producer rank read from has confirmed that the request's hold was live, under
+the token and epoch the consumer named, after the READs: by its hold board (``boards``: one small
+READ, posted right behind the READs) or, where the board does not show the hold, by answering a
+READ_DONE (docs/confirmation.md). If a READ fails, the siblings are still awaited (until the
 deadline) and every handle is released before ``RecvFailed`` names the local block ids that may
-hold garbage; a refused confirmation fails the read as STALE. The producer hears READ_DONE only for
-READs that completed; a failed read is never reported to it (its lease expires).
+hold garbage; a refused confirmation fails the read as STALE. The producer hears READ_DONE only
+for READs that completed; a failed read is never reported to it (its lease expires).
 
-Notifications to producers go to the ``Confirmer`` as soon as they are due; their outcomes come
-back through ``resolve``. Request ids are taken and ended in ``ReadIds``, the one place that knows
-whether an id may be used.
+The reads of a batch share their transfers (``post``: one READ per remote rank for all of them);
+``Transfers`` owns the handles. Notifications go to the ``Confirmer``; their outcomes come back
+through ``resolve``. Request ids are taken and ended in ``ReadIds``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from kvsidecar.engine.backend.contract import TransferBackend, XferState
+from kvsidecar.engine.backend.contract import TransferBackend, XferHandle, XferState
 from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers.registry import Peer
-from kvsidecar.engine.ratelog import RateLimited
+from kvsidecar.engine.reads.boards import BoardSlots, Guarded, LaterChecks, attach, confirmed
+from kvsidecar.engine.reads.book import ReadBook
 from kvsidecar.engine.reads.confirm import Confirmer
-from kvsidecar.engine.reads.ids import REMEMBERED_IDS, ReadIds
-from kvsidecar.engine.reads.report import ReadReport
-from kvsidecar.engine.reads.state import Admitted, InFlightRead, Phase, Xfer
-from kvsidecar.engine.stats import PhaseHistograms, ReadPhase, TransferStats
-from kvsidecar.errors import BackendError, KvSidecarError
-from kvsidecar.plan.claims import read_claim
-from kvsidecar.plan.request import batch_request_ids
+from kvsidecar.engine.reads.ids import REMEMBERED_IDS
+from kvsidecar.engine.reads.post import post_reads
+from kvsidecar.engine.reads.state import InFlightRead, Phase, Xfer, refusal, started_read
 from kvsidecar.types import FailReason, ReadPosted
 from kvsidecar.wire.peer import Outcome
 
-log = RateLimited(logging.getLogger(__name__))  # per-request lines: rate-limited
+_RETRY_MIN_S, _RETRY_MAX_S = 0.001, 0.05  # asking again after PENDING: 1 ms doubling to 50 ms
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Posted:
-    """The READs of reads posted together: the transfers (one per remote rank read from), and per
-    read the bytes it reads from each of them (0: it reads nothing there)."""
-
-    xfers: tuple[Xfer, ...]
-    read_bytes: tuple[tuple[int, ...], ...]  # [xfer][read]
-
-
-async def _post_reads(
-    backend: TransferBackend, cmds: Sequence[ReadCommand], peer: Peer, report: ReadReport
-) -> Posted:
-    """One READ per read rank of the peer's plan for all of ``cmds`` together. On any failure
-    every READ already posted is released before the error propagates."""
-    xfers: list[Xfer] = []
-    per_read: list[tuple[int, ...]] = []
-    t0 = time.perf_counter()
-    by_rank = {
-        b.remote_rank: b
-        for b in batch_request_ids(
-            peer.plan, [c.local_ids for c in cmds], [c.remote_ids for c in cmds]
-        )
-    }
-    report.phases.observe(ReadPhase.IDS, time.perf_counter() - t0)
-    try:
-        for link in peer.links.values():
-            ids = by_rank.get(link.rank)
-            if ids is None:  # notify-only rank, or nothing to read (full prefix hits)
-                continue
-            assert link.local_dlist is not None
-            assert link.remote_dlist is not None
-            handle = await backend.post_read(
-                link.local_dlist, ids.local_desc_ids, link.remote_dlist, ids.remote_desc_ids, b""
-            )
-            state = XferState.DONE if handle.done_at_post else XferState.PROC
-            xfers.append(Xfer(rank=link.rank, handle=handle, state=state))
-            per_read.append(ids.read_bytes)
-            if handle.num_bytes != ids.num_bytes:
-                raise BackendError(
-                    f"READ from rank {link.rank} of {peer.engine_id!r} posted "
-                    f"{handle.num_bytes} bytes, the plan needs {ids.num_bytes}"
-                )
-            report.descriptors.observe(len(ids.local_desc_ids))
-            for phase, seconds in handle.phases:
-                report.phases.observe(phase, seconds)
-    except BaseException:
-        for x in xfers:
-            with contextlib.suppress(Exception):
-                await backend.release_xfer(x.handle)
-        raise
-    return Posted(xfers=tuple(xfers), read_bytes=tuple(per_read))
-
-
-class InFlightReads:
-    """Owns every accepted read until its event, and its transfer handles (released exactly
-    once). ``confirm``: RECV_DONE only once every producer rank read from confirmed. ``phases``:
-    where Read time goes (the RPC layer and the consumer observe their phases there too)."""
+class InFlightReads(ReadBook):
+    """Owns every accepted read until its event. ``confirm``: RECV_DONE only once every producer
+    rank read from confirmed. ``guarded``: runs a backend call under the peer guard (needed to
+    check boards after the post). ``phases``: where Read time goes."""
 
     def __init__(
         self,
@@ -107,63 +51,26 @@ class InFlightReads:
         confirm: bool = True,
         remember_ids: int = REMEMBERED_IDS,
         clock: Callable[[], float] = time.monotonic,
+        guarded: Guarded | None = None,
     ) -> None:
-        self._backend = backend
+        super().__init__(backend=backend, events=events, remember_ids=remember_ids, clock=clock)
         self._confirmer = confirmer
+        self._guarded = guarded
         self.confirm = confirm
-        self._clock = clock
-        self._reads: dict[str, InFlightRead] = {}
-        self._waiting: dict[str, Admitted] = {}  # accepted, waiting for their peer's handshake
-        self.ids = ReadIds(remember_ids)  # a read posted at once takes its id here first
-        self._to_release: list[Xfer] = []  # completed, not yet released
-        self._report = ReadReport(events)
-        self.phases: PhaseHistograms = self._report.phases
 
-    def stats(self) -> TransferStats:
-        return self._report.stats(len(self), len(self._waiting))
-
-    def __len__(self) -> int:
-        """Reads accepted and not yet ended (waiting for a handshake, reading or confirming)."""
-        return len(self._reads) + len(self._waiting)
-
-    @property
-    def idle(self) -> bool:
-        """No read in flight and no handle waiting to be released."""
-        return not self._reads and not self._waiting and not self._to_release
-
-    # --- accepting ------------------------------------------------------------------------------
-
-    def admit(self, cmd: ReadCommand) -> None:
-        """Accept ``cmd`` before its peer is ready: its id is taken, it counts as in flight, and
-        it ends through ``post`` or ``fail_waiting``."""
-        self.ids.take(cmd.request_id)
-        self._waiting[cmd.request_id] = Admitted(
-            cmd=cmd, started=time.perf_counter(), at=self._clock()
-        )
-        self._report.started += 1
-
-    def waiting(self, request_id: str) -> bool:
-        return request_id in self._waiting
-
-    def fail_waiting(self, request_id: str, reason: FailReason, message: str) -> None:
-        """End a waiting read with RECV_FAILED; nothing if it is no longer waiting."""
-        if (admitted := self._waiting.pop(request_id, None)) is not None:
-            self.ids.end(request_id)
-            self._report.failure(admitted.cmd, reason, message)
+    def use_boards(self, slots: BoardSlots) -> None:
+        """Confirm by checking producers' hold boards, landing their buckets in ``slots``."""
+        self.transfers.slots = slots
+        if self._guarded is not None:
+            self._later = LaterChecks(
+                backend=self._backend,
+                slots=slots,
+                guarded=self._guarded,
+                alive=lambda r: self._live(r),
+                posted=self._later_posted,
+            )
 
     # --- posting --------------------------------------------------------------------------------
-
-    async def post(
-        self,
-        cmd: ReadCommand,
-        peer: Peer,
-        *,
-        deadline_s: float,
-        consumer: tuple[str, int],
-    ) -> ReadPosted:
-        """``post_many`` of one read."""
-        (posted,) = await self.post_many((cmd,), peer, deadline_s=(deadline_s,), consumer=consumer)
-        return posted
 
     async def post_many(
         self,
@@ -177,139 +84,195 @@ class InFlightReads:
         taken: ``take`` or ``admit``) and tell the others CONSUMED; read ``i`` fails
         ``deadline_s[i]`` s from its call unless done. ``consumer``: this engine's id and rank.
         Bytes posted must equal bytes planned (BackendError otherwise, nothing left behind);
-        admitted reads stay waiting if it raises. The reads share the transfers: a failed READ
-        fails every read posted with it."""
+        admitted reads stay waiting if it raises. A failed READ fails every read posted with
+        it. With confirmed reads, the hold boards are read right behind the READs when those
+        completed while posted (same host)."""
         posting = time.perf_counter()
-        posted = await _post_reads(self._backend, cmds, peer, self._report)
-        took = time.perf_counter() - posting
-        now = self._clock()
+        slots = self.transfers.slots if self.confirm and self._later is not None else None
+        posted = await post_reads(self._backend, cmds, peer, self._report, slots)
+        took, now = time.perf_counter() - posting, self._clock()
+        self.transfers.track((*posted.xfers, *(x for x, _ in posted.boards)))
+        boards: dict[int, list[Xfer]] = {}
+        for x, indices in posted.boards:
+            for i in indices:
+                boards.setdefault(i, []).append(x)
         out = []
         for i, cmd in enumerate(cmds):
             admitted = self._waiting.pop(cmd.request_id, None)
             xfers = [x for x, per in zip(posted.xfers, posted.read_bytes, strict=True) if per[i]]
-            read = InFlightRead(
-                cmd=cmd,
-                peer=peer,
-                xfers=xfers,
+            read = started_read(
+                cmd,
+                peer,
+                xfers,
                 bytes=sum(per[i] for per in posted.read_bytes),
-                started=posting if admitted is None else admitted.started,
+                at=(posting, now) if admitted is None else (admitted.started, admitted.at),
                 deadline_s=deadline_s[i],
-                deadline=(now if admitted is None else admitted.at) + deadline_s[i],
                 consumer=consumer,
-                claim=read_claim(cmd.local_ids, cmd.remote_ids),
-                unconfirmed={x.rank for x in xfers},
             )
-            for x in xfers:
-                x.reads.append(read)
             # READs first: if one could not be posted, no notify-only rank has been told.
             quiet = self._confirmer.not_reading(read)
             self._report.post_duration.observe(took)
-            if admitted is None:
-                self._report.started += 1
+            self._report.started += admitted is None
             if not xfers:  # full prefix hit: nothing was read, nothing to confirm
                 self.ids.end(cmd.request_id)
                 self._report.success(read)
             else:
                 self._reads[cmd.request_id] = read
-                if all(x.state is XferState.DONE for x in xfers):  # completed in the post (cma)
+                if i in boards:  # its READs are done and its board READs posted behind them
+                    self._checking(read, boards[i])
+                elif all(x.state is XferState.DONE for x in xfers):  # done in the post (cma)
                     self._read_done(read)
             out.append(
                 ReadPosted(reads_posted=len(xfers), notifications_sent=quiet, bytes=read.bytes)
             )
+        self.transfers.retire(x for x, _ in posted.boards if not x.reads)
         return tuple(out)
 
+    # --- from READs done to the event -----------------------------------------------------------
+
     def _read_done(self, read: InFlightRead) -> None:
-        """Every READ of ``read`` is DONE: release its handles (next tick) and tell every rank it
-        read from; with confirmation, wait for their answers, else report it now."""
+        """Every READ of ``read`` is DONE: release its handles (next tick); with confirmation,
+        check the hold boards of the ranks that have one (later, together with every read done
+        in this turn of the loop) or ask them, else report it now."""
         read.done_at = time.perf_counter()
-        self._to_release.extend(read.xfers)
+        self.transfers.retire(read.xfers)
         read.xfers = []
+        links = read.peer.links
+        if (
+            self._later is not None
+            and self.confirm
+            and any(links[r].board_dlist is not None for r in read.unconfirmed if r in links)
+        ):
+            read.phase = Phase.CHECKING
+            self._later.due(read)
+            return
         self._confirmer.read_done(read, confirm=self.confirm)
         if self.confirm:
             read.phase = Phase.CONFIRMING
         else:
-            del self._reads[read.cmd.request_id]
-            self.ids.end(read.cmd.request_id)
-            self._report.success(read)
+            self._ended(read)
+
+    def _checking(self, read: InFlightRead, boards: list[Xfer]) -> None:
+        """``read``'s READs completed and ``boards`` were posted behind them."""
+        read.done_at = time.perf_counter()
+        self.transfers.retire(read.xfers)
+        read.xfers = []
+        read.phase, read.checks_posted = Phase.CHECKING, True
+        for x in boards:
+            attach(read, x)
+        if not any(x.state is XferState.PROC for x in boards):
+            self._checked(read)
+
+    def _later_posted(
+        self, posted: list[tuple[Xfer, list[InFlightRead]]], asked: list[InFlightRead]
+    ) -> None:
+        self.transfers.track(x for x, _ in posted)
+        for x, reads in posted:
+            for r in reads:
+                if self._live(r) and r.phase is Phase.CHECKING:
+                    attach(r, x)
+            if not x.reads:
+                self.transfers.retire([x])
+        for r in asked:
+            r.checks_posted = True
+            alive = self._live(r) and r.phase is Phase.CHECKING
+            if alive and not any(x.state is XferState.PROC for x in r.xfers):
+                self._checked(r)
+
+    def _checked(self, read: InFlightRead) -> None:
+        """``read``'s board READs are done: ranks whose board showed the hold are confirmed
+        (and still told READ_DONE, so that they count the consumer); the others are asked."""
+        slots = self.transfers.slots
+        assert slots is not None
+        matched = confirmed(slots, read)
+        self.transfers.retire(read.xfers)
+        read.xfers, read.board_slots = [], {}
+        slots.confirmed += len(matched)
+        slots.missed += len(read.unconfirmed - matched)
+        self._confirmer.read_done(read, confirm=True, ranks=tuple(matched), wait=False)
+        read.unconfirmed -= matched
+        if read.unconfirmed:
+            read.phase = Phase.CONFIRMING
+            self._confirmer.read_done(read, confirm=True)
+        else:
+            self._ended(read, confirmed=True)
 
     def resolve(self, request_id: str, rank: int, outcome: Outcome | None, detail: str) -> None:
         """Producer rank ``rank`` answered the READ_DONE of ``request_id`` (``outcome``; ``None``
         if the notification could not be delivered, ``detail`` says why). Any answer but ACCEPTED
-        fails the read: its bytes are not known to be the held ones."""
+        (or PENDING: asked again) fails the read: its bytes are not known to be the held ones."""
         read = self._reads.get(request_id)
         if read is None or read.phase is not Phase.CONFIRMING or read.failure is not None:
             return  # failed (deadline, peer lost) or re-posted meanwhile
         if outcome is Outcome.ACCEPTED:
             read.unconfirmed.discard(rank)
             if not read.unconfirmed:
-                del self._reads[request_id]
-                self.ids.end(request_id)
-                self._report.confirmed(time.perf_counter() - read.done_at)
-                self._report.success(read)
-            return
-        where = f"rank {rank} of {read.peer.engine_id!r}"
-        if outcome is None:
-            read.failure = (
-                FailReason.PEER_DISCONNECTED,
-                f"could not confirm with {where}: {detail}",
-            )
-        elif outcome is Outcome.WRONG_BLOCKS:  # the request named blocks its hold does not cover
-            read.failure = (
-                FailReason.REJECTED,
-                f"{where} refused to confirm: WRONG_BLOCKS (the remote block ids read are not "
-                f"the tail of the blocks its hold {read.cmd.remote_request_id!r} covers) {detail}",
-            )
+                self._ended(read, confirmed=True)
+        elif outcome is Outcome.PENDING:  # its HOLD is on its way: ask again (until the deadline)
+            read.retry_s = min(_RETRY_MAX_S, max(_RETRY_MIN_S, 2 * read.retry_s))
+            self.retries += 1
+            asyncio.get_running_loop().call_later(read.retry_s, self._ask_again, read, rank)
         else:
-            read.failure = (
-                FailReason.STALE,
-                f"{where} refused to confirm: {outcome.name} {detail}",
-            )
-        del self._reads[request_id]
-        self.ids.end(request_id)
-        self._report.failure(read.cmd, *read.failure)
+            read.failure = refusal(read, rank, None if outcome is None else outcome.name, detail)
+            del self._reads[request_id]
+            self.ids.end(request_id)
+            self._report.failure(read.cmd, *read.failure)
+
+    def _ask_again(self, read: InFlightRead, rank: int) -> None:
+        if self._live(read) and rank in read.unconfirmed:
+            self._confirmer.read_done(read, confirm=True, ranks=(rank,))
+
+    def _advance(self, xfers: Sequence[Xfer]) -> None:
+        """Transfers just seen DONE: the reads they finish move on."""
+        for x in xfers:
+            for read in list(x.reads):
+                if not self._live(read) or read.failure is not None:
+                    continue
+                if any(y.state is not XferState.DONE for y in read.xfers):
+                    continue
+                if read.phase is Phase.READING:
+                    self._read_done(read)
+                elif read.phase is Phase.CHECKING and read.checks_posted:
+                    self._checked(read)
 
     # --- polling --------------------------------------------------------------------------------
+
+    def completed(self, done: Sequence[tuple[XferHandle, XferState]]) -> None:
+        """The backend saw transfers complete between polls (``set_completion_sink``)."""
+        self._advance(self.transfers.completed(done))
+
+    def watch(self) -> None:
+        """Learn of completions as the backend sees them, not only from ``poll``."""
+        self._backend.set_completion_sink(self.completed)
 
     async def poll(self, local: LocalEngine | None) -> set[str]:
         """Advance every in-flight read once. Returns engine ids of peers to quarantine (a READ
         failed, or hung past its deadline). A failed READ is blamed on ``local`` instead when its
-        own memory is faulty."""
-        await self.release_completed()
+        own memory is faulty; a failed board READ fails nothing (its ranks are asked)."""
+        await self.transfers.release_retired()
         if not self._reads:
             return set()
-        pending = list(
-            {
-                id(x): x
-                for r in self._reads.values()
-                for x in r.xfers
-                if x.state is XferState.PROC and not x.released
-            }.values()
-        )
-        states = await self._backend.poll([x.handle for x in pending]) if pending else ()
+        changed = await self.transfers.poll(x for r in self._reads.values() for x in r.xfers)
         blamed: set[str] = set()
-        fault: str | None = None
-        for x, state in zip(pending, states, strict=True):
-            x.state = state
-            if state is not XferState.ERR:
-                continue
-            fault = fault or (local.memory_fault() if local is not None else None)
+        failed = [x for x in changed if x.state is XferState.ERR and not x.board]
+        fault = (local.memory_fault() if local is not None else None) if failed else None
+        for x in failed:
             for read in x.reads:
-                if read.failure is not None:
-                    continue
-                if fault is not None:
+                if read.failure is None and fault is not None:
                     read.failure = (FailReason.LOCAL_MEMORY, f"local memory failed: {fault}")
-                else:
+                elif read.failure is None:
                     read.failure = (
                         FailReason.TRANSFER_ERROR,
                         f"READ from remote rank {x.rank} of {read.peer.engine_id!r} failed",
                     )
                     blamed.add(read.peer.engine_id)
+        self._advance([x for x in changed if x.state is XferState.DONE])
         now = self._clock()
         for read in list(self._reads.values()):
-            if self._reads.get(read.cmd.request_id) is not read:
+            if not self._live(read):
                 continue  # closed meanwhile with a read it shared a READ with
             in_proc = any(x.state is XferState.PROC for x in read.xfers)
-            if now >= read.deadline and (in_proc or read.phase is Phase.CONFIRMING):
+            if now >= read.deadline and (in_proc or read.phase is not Phase.READING):
                 what = "reading from" if in_proc else "waiting for the confirmation of"
                 read.failure = read.failure or (
                     FailReason.DEADLINE_EXCEEDED,
@@ -319,69 +282,8 @@ class InFlightReads:
                 # out another deadline.
                 blamed.add(read.peer.engine_id)
                 await self._close(read)
-            elif read.phase is Phase.READING and not in_proc:
-                if read.failure is not None:
-                    await self._close(read)
-                else:
-                    self._read_done(read)
-        return blamed
-
-    async def release_completed(self) -> None:
-        """Release the handles of reads whose READs are all done."""
-        xfers, self._to_release = self._to_release, []
-        for x in xfers:
-            await self._release(x)
-
-    async def _release(self, x: Xfer) -> None:
-        """Give ``x``'s handle back to the backend, once whoever asks."""
-        if x.released:
-            return
-        x.released = True
-        try:
-            await self._backend.release_xfer(x.handle)
-        except KvSidecarError as exc:
-            log.error("releasing a READ handle failed: %s", exc)
-
-    # --- failing --------------------------------------------------------------------------------
-
-    async def fail_peer(self, peer: Peer | str, reason: FailReason, message: str) -> None:
-        """Fail (and release) every in-flight read from ``peer`` (an object, or any peer of that
-        engine id)."""
-        await self.release_completed()  # handles go before the peer's lists and agent
-        for read in list(self._reads.values()):
-            if read.peer is peer or read.peer.engine_id == peer:
-                read.failure = read.failure or (reason, message)
+            elif read.failure is not None and not in_proc:
                 await self._close(read)
-
-    async def fail_all(self, reason: FailReason, message: str) -> None:
-        """The registration ends: fail every read (waiting ones too) and forget the ids used."""
-        await self.release_completed()
-        for read in list(self._reads.values()):
-            read.failure = read.failure or (reason, message)
-            await self._close(read)
-        for request_id in list(self._waiting):
-            self.fail_waiting(request_id, reason, message)
-        self.ids.clear()
-
-    async def _close(self, read: InFlightRead) -> None:
-        """Release every handle of a failed read, then report it. Exactly once per read. A READ
-        it shares with reads posted with it and still in progress is cancelled for them too:
-        they fail with the same reason."""
-        if self._reads.pop(read.cmd.request_id, None) is None:
-            return
-        assert read.failure is not None
-        siblings = [
-            r
-            for x in read.xfers
-            if x.state is XferState.PROC and not x.released
-            for r in x.reads
-            if r is not read and self._reads.get(r.cmd.request_id) is r
-        ]
-        for x in read.xfers:
-            await self._release(x)
-        read.xfers = []
-        self.ids.end(read.cmd.request_id)
-        self._report.failure(read.cmd, *read.failure)
-        for r in siblings:
-            r.failure = r.failure or read.failure
-            await self._close(r)
+            elif read.phase is Phase.CHECKING and read.checks_posted and not in_proc:
+                self._checked(read)  # a board READ failed: its ranks are asked
+        return blamed

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from kvsidecar.engine.backend.contract import XferHandle, XferState
 from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers.registry import Peer
-from kvsidecar.plan.claims import ReadClaim
+from kvsidecar.plan.claims import ReadClaim, read_claim
 from kvsidecar.types import FailReason
 
 
 class Phase(enum.Enum):
     READING = "reading"  #: READs posted, some still in progress
-    CONFIRMING = "confirming"  #: every READ done; waiting for the producer ranks' confirmation
+    CHECKING = "checking"  #: every READ done; reading the producer ranks' hold boards
+    CONFIRMING = "confirming"  #: waiting for the producer ranks' confirmation over PeerService
 
 
 @dataclass(slots=True, kw_only=True, eq=False)
@@ -35,6 +36,8 @@ class Xfer:
     state: XferState = XferState.PROC
     released: bool = False  #: its handle went back to the backend (exactly once)
     reads: list[InFlightRead] = field(default_factory=list)
+    board: bool = False  #: a READ of hold-board buckets (not of KV): it fails no read
+    slots: tuple[int, ...] = ()  #: landing slots it writes (freed when it is released)
 
 
 @dataclass(slots=True, kw_only=True, eq=False)
@@ -54,6 +57,9 @@ class InFlightRead:
     unconfirmed: set[int] = field(default_factory=set)  # read ranks yet to answer ACCEPTED
     done_at: float = 0.0  # perf_counter when every READ was done
     failure: tuple[FailReason, str] | None = None
+    board_slots: dict[int, int] = field(default_factory=dict)  # producer rank -> landing slot
+    checks_posted: bool = False  # its board READs are posted (CHECKING)
+    retry_s: float = 0.0  # delay before asking again after a PENDING answer (grows)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,3 +70,49 @@ class Admitted:
     cmd: ReadCommand
     started: float
     at: float
+
+
+def refusal(
+    read: InFlightRead, rank: int, outcome: str | None, detail: str
+) -> tuple[FailReason, str]:
+    """Why ``read`` fails when producer rank ``rank`` answered its READ_DONE with ``outcome``
+    (an ``Outcome`` name other than ACCEPTED and PENDING; ``None``: it could not be delivered)."""
+    where = f"rank {rank} of {read.peer.engine_id!r}"
+    if outcome is None:
+        return FailReason.PEER_DISCONNECTED, f"could not confirm with {where}: {detail}"
+    if outcome == "WRONG_BLOCKS":  # the request named blocks its hold does not cover
+        return (
+            FailReason.REJECTED,
+            f"{where} refused to confirm: WRONG_BLOCKS (the remote block ids read are not the "
+            f"tail of the blocks its hold {read.cmd.remote_request_id!r} covers) {detail}",
+        )
+    return FailReason.STALE, f"{where} refused to confirm: {outcome} {detail}"
+
+
+def started_read(
+    cmd: ReadCommand,
+    peer: Peer,
+    xfers: list[Xfer],
+    *,
+    bytes: int,
+    at: tuple[float, float],
+    deadline_s: float,
+    consumer: tuple[str, int],
+) -> InFlightRead:
+    """A read whose READs ``xfers`` were just posted (it waits for each of them). ``at``: when
+    its Read was accepted (perf_counter, the transfer clock); its deadline counts from then."""
+    read = InFlightRead(
+        cmd=cmd,
+        peer=peer,
+        xfers=xfers,
+        bytes=bytes,
+        started=at[0],
+        deadline_s=deadline_s,
+        deadline=at[1] + deadline_s,
+        consumer=consumer,
+        claim=read_claim(cmd.local_ids, cmd.remote_ids),
+        unconfirmed={x.rank for x in xfers},
+    )
+    for x in xfers:
+        x.reads.append(read)
+    return read

@@ -1,0 +1,183 @@
+"""Timing subclasses of kvsidecar's vLLM connector and of vLLM's NixlConnector (``bench_vllm``).
+
+Loaded by vLLM through ``kv_connector_module_path="benchmarks.vllm_hooks"`` with
+``kv_connector="KvSidecarConnector"`` or ``"NixlConnector"``: the classes keep the real
+connectors' names, so every place where vLLM looks at the connector's name treats them as the
+real ones. Nothing in a connector changes: each worker-side hook vLLM calls on the model thread
+(``bind_connector_metadata``, ``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``,
+``wait_for_save``, ``get_transfer_results``/``get_finished``, ``get_block_ids_with_load_errors``,
+``get_kv_connector_stats``, ``get_kv_connector_kv_cache_events``, ``build_connector_worker_meta``,
+``clear_connector_metadata``, and Model Runner V2's extra ones) is wrapped by a clock that adds
+its wall time to the step's total (a hook calling another hook counts once).
+
+A step runs from ``bind_connector_metadata`` to ``clear_connector_metadata``; at its end one
+JSON line goes to the file named by ``KVSIDECAR_BENCH_HOOKS`` (in the worker process, which
+inherits the engine's environment): ``{"t": wall time at bind, "s": hook seconds, "holds": n,
+"loads": n, "hooks": {name: seconds}}``. ``holds``/``loads``: the requests the step's connector
+metadata asks this worker to keep for consumers (producer side) and to read (consumer side):
+``KvSidecarMetadata.work.holds``/``.loads`` for kvsidecar, ``reqs_to_send``/``reqs_to_recv``
+for NixlConnector. Without the variable the classes are the plain connectors.
+
+With ``KVSIDECAR_BENCH_KEEP_AFFINITY=1`` a connector's constructor leaves the CPU affinity of the
+thread that calls it (vLLM's model thread) as it found it: on a CPU host NixlConnector's worker
+pins that thread onto the last core of each NUMA node (a core it means for KV transfers), which
+on a small host is the core the other engine computes on; the benchmark gives each engine's
+compute thread its own core, for both connectors alike.
+
+This module imports vLLM: it runs only in the vLLM venv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as _NixlConnector
+
+from kvsidecar.integrations.vllm.connector import KvSidecarConnector as _KvSidecarConnector
+
+__all__ = ["ENV", "HOOKS", "KEEP_AFFINITY", "KvSidecarConnector", "NixlConnector", "step_counts"]
+
+ENV = "KVSIDECAR_BENCH_HOOKS"
+KEEP_AFFINITY = "KVSIDECAR_BENCH_KEEP_AFFINITY"
+
+# Worker-side hooks called on the model thread (V1 runner's mixin, then Model Runner V2's).
+HOOKS = (
+    "bind_connector_metadata",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events",
+    "build_connector_worker_meta",
+    "clear_connector_metadata",
+    "handle_preemptions",
+    "finish_forward",
+    "reset_capture_state",
+)
+
+
+def step_counts(meta: Any) -> tuple[int, int]:
+    """(holds, loads) a step's connector metadata carries, for either connector."""
+    work = getattr(meta, "work", None)
+    if work is not None:  # KvSidecarMetadata
+        return len(work.holds), len(work.loads)
+    return len(getattr(meta, "reqs_to_send", ()) or ()), len(
+        getattr(meta, "reqs_to_recv", ()) or ()
+    )
+
+
+class _Clock:
+    """One worker's per-step hook totals, written as JSON lines to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._depth = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._t = 0.0
+        self._s = 0.0
+        self._holds = 0
+        self._loads = 0
+        self._hooks: dict[str, float] = {}
+        self._open = False
+
+    def call(
+        self, name: str, method: Callable[..., Any], this: Any, args: tuple[Any, ...], kw: Any
+    ) -> Any:
+        if self._depth:
+            return method(this, *args, **kw)
+        if name == "bind_connector_metadata":
+            if self._open:  # no clear since the last bind: that step ends here
+                self._flush()
+            self._open = True
+            self._t = time.time()
+            self._holds, self._loads = step_counts(
+                args[0] if args else kw.get("connector_metadata")
+            )
+        self._depth += 1
+        t0 = time.perf_counter()
+        try:
+            return method(this, *args, **kw)
+        finally:
+            dt = time.perf_counter() - t0
+            self._depth -= 1
+            self._s += dt
+            self._hooks[name] = self._hooks.get(name, 0.0) + dt
+            if name == "clear_connector_metadata" and self._open:
+                self._flush()
+
+    def _flush(self) -> None:
+        record = {
+            "t": self._t,
+            "s": self._s,
+            "holds": self._holds,
+            "loads": self._loads,
+            "hooks": {k: round(v, 9) for k, v in self._hooks.items()},
+        }
+        self._file.write(json.dumps(record) + "\n")
+        self._reset()
+
+    def close(self) -> None:
+        if self._open:
+            self._flush()
+        self._file.close()
+
+
+def _wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(self: Any, *args: Any, **kw: Any) -> Any:
+        clock: _Clock | None = self.__dict__.get("_bench_clock")
+        if clock is None:
+            return method(self, *args, **kw)
+        return clock.call(name, method, self, args, kw)
+
+    timed.__name__ = name
+    timed.__qualname__ = name
+    timed.__doc__ = method.__doc__
+    return timed
+
+
+def _timed(base: type[Any]) -> type[Any]:
+    """A subclass of ``base`` named like it, whose worker instances time their hooks."""
+
+    def __init__(self: Any, vllm_config: Any, role: Any, *args: Any, **kw: Any) -> None:
+        affinity = os.sched_getaffinity(0)
+        base.__init__(self, vllm_config, role, *args, **kw)
+        if os.environ.get(KEEP_AFFINITY) == "1" and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)  # the calling thread: the model thread
+        path = os.environ.get(ENV)
+        if path and role == KVConnectorRole.WORKER:
+            self.__dict__["_bench_clock"] = _Clock(path)
+
+    def shutdown(self: Any) -> None:
+        try:
+            base.shutdown(self)
+        finally:
+            clock: _Clock | None = self.__dict__.pop("_bench_clock", None)
+            if clock is not None:
+                clock.close()
+
+    namespace: dict[str, Any] = {
+        "__init__": __init__,
+        "shutdown": shutdown,
+        "__module__": __name__,
+        "__doc__": f"{base.__name__} whose worker-side hooks are timed (see {__name__}).",
+    }
+    for name in HOOKS:
+        method = getattr(base, name, None)
+        if callable(method):
+            namespace[name] = _wrap(name, method)
+    return type(base.__name__, (base,), namespace)
+
+
+KvSidecarConnector = _timed(_KvSidecarConnector)
+NixlConnector = _timed(_NixlConnector)

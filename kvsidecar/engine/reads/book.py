@@ -1,0 +1,151 @@
+"""Which reads a registration has in flight, and how each ends: with exactly one event.
+
+``ReadBook`` is the part of the in-flight reads that every path shares: the reads by request id
+(and those admitted, waiting for a handshake), their request ids (``ReadIds``), their transfers
+(``Transfers``), and the ways a read ends: done (``_ended``) or failed, releasing its handles first
+(``_close``), alone, with its peer (``fail_peer``) or with the registration (``fail_all``).
+``InFlightReads`` adds how reads are posted and move from READs to confirmation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from kvsidecar.engine.backend.contract import TransferBackend, XferState
+from kvsidecar.engine.events import EventHub
+from kvsidecar.engine.model import ReadCommand
+from kvsidecar.engine.peers.registry import Peer
+from kvsidecar.engine.reads.boards import LaterChecks
+from kvsidecar.engine.reads.ids import ReadIds
+from kvsidecar.engine.reads.report import ReadReport
+from kvsidecar.engine.reads.state import Admitted, InFlightRead
+from kvsidecar.engine.reads.transfers import Transfers
+from kvsidecar.engine.stats import PhaseHistograms, TransferStats
+from kvsidecar.types import FailReason
+
+
+class ReadBook:
+    """The reads of one registration and their ends. One loop owns it."""
+
+    def __init__(
+        self,
+        *,
+        backend: TransferBackend,
+        events: EventHub,
+        remember_ids: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self._backend = backend
+        self._clock = clock
+        self._later: LaterChecks | None = None  # board checks after an asynchronous READ
+        self._reads: dict[str, InFlightRead] = {}
+        self._waiting: dict[str, Admitted] = {}  # accepted, waiting for their peer's handshake
+        self.ids = ReadIds(remember_ids)  # a read posted at once takes its id here first
+        self.transfers = Transfers(backend)
+        self._report = ReadReport(events)
+        self.phases: PhaseHistograms = self._report.phases
+        self.retries = 0  #: confirmations asked again after a PENDING answer
+
+    def stats(self) -> TransferStats:
+        slots = self.transfers.slots
+        return dataclasses.replace(
+            self._report.stats(len(self), len(self._waiting)),
+            board_checks={} if slots is None else slots.counts(),
+            confirm_retries=self.retries,
+            completions=dict(self.transfers.seen_done),
+        )
+
+    def __len__(self) -> int:
+        """Reads accepted and not yet ended (waiting for a handshake, reading or confirming)."""
+        return len(self._reads) + len(self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        """No read in flight and no handle waiting to be released."""
+        return not self._reads and not self._waiting and self.transfers.idle
+
+    def _live(self, read: InFlightRead) -> bool:
+        return self._reads.get(read.cmd.request_id) is read
+
+    # --- accepting ------------------------------------------------------------------------------
+
+    def admit(self, cmd: ReadCommand) -> None:
+        """Accept ``cmd`` before its peer is ready: its id is taken, it counts as in flight, and
+        it ends through ``post`` or ``fail_waiting``."""
+        self.ids.take(cmd.request_id)
+        self._waiting[cmd.request_id] = Admitted(
+            cmd=cmd, started=time.perf_counter(), at=self._clock()
+        )
+        self._report.started += 1
+
+    def waiting(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def fail_waiting(self, request_id: str, reason: FailReason, message: str) -> None:
+        """End a waiting read with RECV_FAILED; nothing if it is no longer waiting."""
+        if (admitted := self._waiting.pop(request_id, None)) is not None:
+            self.ids.end(request_id)
+            self._report.failure(admitted.cmd, reason, message)
+
+    def _ended(self, read: InFlightRead, *, confirmed: bool = False) -> None:
+        del self._reads[read.cmd.request_id]
+        self.ids.end(read.cmd.request_id)
+        if confirmed:
+            self._report.confirmed(time.perf_counter() - read.done_at)
+        self._report.success(read)
+
+    async def release_completed(self) -> None:
+        """Release the handles of transfers nobody needs any more."""
+        await self.transfers.release_retired()
+
+    # --- failing --------------------------------------------------------------------------------
+
+    async def fail_peer(self, peer: Peer | str, reason: FailReason, message: str) -> None:
+        """Fail (and release) every in-flight read from ``peer`` (an object, or any peer of that
+        engine id)."""
+        await self.release_completed()  # handles go before the peer's lists and agent
+        for read in list(self._reads.values()):
+            if read.peer is peer or read.peer.engine_id == peer:
+                read.failure = read.failure or (reason, message)
+                await self._close(read)
+
+    async def fail_all(self, reason: FailReason, message: str) -> None:
+        """The registration ends: fail every read (waiting ones too) and forget the ids used."""
+        await self.release_completed()
+        for read in list(self._reads.values()):
+            read.failure = read.failure or (reason, message)
+            await self._close(read)
+        for request_id in list(self._waiting):
+            self.fail_waiting(request_id, reason, message)
+        self.ids.clear()
+
+    async def _close(self, read: InFlightRead) -> None:
+        """Release every handle of a failed read, then report it. Exactly once per read. A READ
+        it shares with reads still waiting for it is cancelled for them too: they fail alike."""
+        if self._reads.pop(read.cmd.request_id, None) is None:
+            return
+        assert read.failure is not None
+        siblings = [
+            r
+            for x in read.xfers
+            if x.state is XferState.PROC and not x.released
+            for r in x.reads
+            if r is not read and self._reads.get(r.cmd.request_id) is r
+        ]
+        for x in read.xfers:
+            await self.transfers.release(x)
+        read.xfers = []
+        self.ids.end(read.cmd.request_id)
+        self._report.failure(read.cmd, *read.failure)
+        for r in siblings:
+            r.failure = r.failure or read.failure
+            await self._close(r)
+
+    async def aclose(self) -> None:
+        """Stop hearing of completions and checking boards (the registration is gone)."""
+        self._backend.set_completion_sink(None)
+        if self._later is not None:
+            await self._later.aclose()
+        await self.transfers.release_retired()
