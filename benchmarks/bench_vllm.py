@@ -111,6 +111,7 @@ class Settings:
     bind_d: str = "1"
     nixl_pin: str = "undo"  # "keep": leave NixlConnector's own pin of the model thread
     tiny: bool = False
+    lane: bool = False  # kvsidecar's workers drive the sidecar's lane (else the I/O thread)
 
     @property
     def max_model_len(self) -> int:
@@ -432,7 +433,11 @@ def start_pairs(s: Settings, model: Path, workdir: Path) -> dict[str, Pair]:
                     )
                     pairs[c].sidecars[side] = sc
                     # a long lease: a loaded host may take minutes between P and D
-                    extra = {"sidecar_socket": sc.addresses["engine_socket"], "lease_s": 600}
+                    extra = {
+                        "sidecar_socket": sc.addresses["engine_socket"],
+                        "lease_s": 600,
+                        "lane": s.lane,
+                    }
                 wanted.append((c, side, extra))
         for (c, side), engine in start_engines(s, model, workdir, wanted).items():
             pairs[c].engines[side] = engine
@@ -1102,6 +1107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="NixlConnector pins vLLM's model thread onto the host's last core on CPU: undo "
         "it (each engine computes on its own core, as with kvsidecar) or keep it",
     )
+    parser.add_argument(
+        "--lane",
+        action="store_true",
+        help="kvsidecar's workers drive the sidecar's lane, not the I/O thread's Session stream",
+    )
     parser.add_argument("--tiny", action="store_true", help="very small everything (tests)")
     parser.add_argument("--json", action="store_true", help="print only the JSON report")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
@@ -1124,6 +1134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bind_p=args.bind_p,
             bind_d=args.bind_d,
             nixl_pin=args.nixl_pin,
+            lane=args.lane,
         )
     if min(s.rounds, s.singles, s.batch, s.batch_len, s.steps_len, s.layers) < 1:
         parser.error(

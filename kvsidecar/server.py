@@ -16,11 +16,8 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
-from typing import cast
 
 import grpc
-from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -37,9 +34,11 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.peer_tls import PeerTlsFiles
 from kvsidecar.rpc.engine_service import EngineServicer
 from kvsidecar.rpc.handlers import service_handler
+from kvsidecar.rpc.lane import LaneServer
 from kvsidecar.rpc.peer_service import PeerServicer
 from kvsidecar.settings import DiscoveryKind, Settings, check_peer_tls, parse_host_port
 from kvsidecar.systemd import SystemdNotifier
+from kvsidecar.types import lane_path
 from kvsidecar.v1 import engine_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
@@ -96,10 +95,6 @@ def _discovery(s: Settings, core: Callable[[], EngineCore | None]) -> Discovery:
     return EtcdDiscovery(config, on_change=on_change, on_appear=prewarm)
 
 
-def _service(module: ModuleType, name: str) -> ServiceDescriptor:
-    return cast(ServiceDescriptor, module.DESCRIPTOR.services_by_name[name])
-
-
 class Sidecar:
     """One sidecar: gRPC servers, HTTP endpoint, readiness, metrics and the engine core."""
 
@@ -121,6 +116,7 @@ class Sidecar:
         self._notifier = SystemdNotifier(settings.notify_socket)
         self._engine_server: grpc.aio.Server | None = None
         self._peer_server: grpc.aio.Server | None = None
+        self._lane: LaneServer | None = None  # the engine's lane (rpc/lane.py)
         self._http: HttpEndpoint | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._socket_path: Path | None = None
@@ -219,32 +215,24 @@ class Sidecar:
         self._engine_server, self._peer_server = engine, peer
         assert self.core is not None
         core = self.core
-        engine.add_generic_rpc_handlers(
-            (
-                service_handler(
-                    EngineServicer(
-                        self.core,
-                        DrainControl(self.core, self.readiness, grace_s=s.grace_period_s),
-                        lambda: describe(self.discovery, core.peer_summaries()),
-                    ),
-                    _service(engine_pb2, "EngineService"),
-                ),
-            )
+        servicer = EngineServicer(
+            core,
+            DrainControl(core, self.readiness, grace_s=s.grace_period_s),
+            lambda: describe(self.discovery, core.peer_summaries()),
         )
+        engine.add_generic_rpc_handlers((service_handler(servicer, engine_pb2, "EngineService"),))
+        self._lane = LaneServer(Path(lane_path(str(s.engine_socket))), core, servicer)
         peer.add_generic_rpc_handlers(
-            (service_handler(PeerServicer(self.core), _service(peer_pb2, "PeerService")),)
+            (service_handler(PeerServicer(self.core), peer_pb2, "PeerService"),)
         )
         service_names = [reflection.SERVICE_NAME]
         for server in (engine, peer):
             health = health_aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health, server)
             self.readiness.attach(health)
-        reflection.enable_server_reflection(
-            ["grpc.health.v1.Health", ENGINE_SERVICE, *service_names], engine
-        )
-        reflection.enable_server_reflection(
-            ["grpc.health.v1.Health", PEER_SERVICE, *service_names], peer
-        )
+        for server, name in ((engine, ENGINE_SERVICE), (peer, PEER_SERVICE)):
+            names = ["grpc.health.v1.Health", name, *service_names]
+            reflection.enable_server_reflection(names, server)
 
         prepare_socket_path(s.engine_socket)
         bind_server(engine, f"unix:{s.engine_socket}", "engine_socket", str(s.engine_socket))
@@ -267,6 +255,7 @@ class Sidecar:
         self.core.peer_endpoint = peer_address  # before serving: every answer carries it
 
         await engine.start()
+        await self._lane.start()
         await peer.start()
         metrics_host, metrics_port = parse_host_port(s.metrics_listen)
         self._http = HttpEndpoint(metrics_host, metrics_port, self.readiness, self.metrics.render)
@@ -337,7 +326,11 @@ class Sidecar:
 
     async def _close_listeners(self, grace_s: float) -> None:
         servers = [s for s in (self._engine_server, self._peer_server) if s is not None]
-        await asyncio.gather(*(s.stop(grace_s) for s in servers), return_exceptions=True)
+        lane, self._lane = self._lane, None
+        await asyncio.gather(
+            *(s.stop(grace_s) for s in servers), *([lane.aclose()] if lane else ()),
+            return_exceptions=True,
+        )  # fmt: skip
         self._engine_server = self._peer_server = None
         if self._http is not None:
             await self._http.aclose()

@@ -26,7 +26,13 @@ __all__ = [
     "SendDone",
     "SidecarStatus",
     "StepDone",
+    "lane_path",
 ]
+
+
+def lane_path(engine_socket: str) -> str:
+    """The engine lane's Unix socket next to the sidecar's EngineService socket (``rpc.lane``)."""
+    return engine_socket + ".lane"
 
 
 class FailReason(enum.Enum):

@@ -119,10 +119,12 @@ class AsyncSession:
             if future is not None and not future.done():
                 future.set_result(message.reply)
         else:
-            if len(self._events) >= MAX_QUEUED_EVENTS:
-                self._events.popleft()
-                self.events_dropped += 1
-            self._events.append(wire.event_from_proto(message.event))
+            batch = message.events.events if message.HasField("events") else (message.event,)
+            for pb in batch:
+                if len(self._events) >= MAX_QUEUED_EVENTS:
+                    self._events.popleft()
+                    self.events_dropped += 1
+                self._events.append(wire.event_from_proto(pb))
             self._wake.set()
 
     async def _read(self) -> None:

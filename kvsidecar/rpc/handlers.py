@@ -1,7 +1,7 @@
 """Method handlers that decode requests themselves, so that undecodable bytes are the caller's
 error (INVALID_ARGUMENT, one log line at debug) instead of gRPC's UNKNOWN with a traceback.
 
-``service_handler(servicer, descriptor)`` replaces the generated ``add_*Servicer_to_server``: it
+``service_handler(servicer, module, name)`` replaces the generated ``add_*Servicer_to_server``: it
 registers every method of the service with a raw-bytes deserializer and parses the message inside
 the handler.
 """
@@ -68,9 +68,10 @@ def _bidi(impl: Callable[..., AsyncIterator[Any]], cls: type[message.Message]) -
     return handle
 
 
-def service_handler(servicer: Any, service: descriptor.ServiceDescriptor) -> grpc.GenericRpcHandler:
-    """Every (unary, server-streaming or bidirectional) method of ``service``, served by
-    ``servicer``."""
+def service_handler(servicer: Any, module: Any, name: str) -> grpc.GenericRpcHandler:
+    """Every (unary, server-streaming or bidirectional) method of service ``name`` of the
+    generated ``module`` (``engine_pb2``, ``peer_pb2``), served by ``servicer``."""
+    service: descriptor.ServiceDescriptor = module.DESCRIPTOR.services_by_name[name]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)

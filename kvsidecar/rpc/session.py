@@ -22,7 +22,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, Protocol
 
 import grpc
@@ -32,6 +32,7 @@ from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.stats import CommandKind, ReadPhase
 from kvsidecar.errors import InvalidArgumentError, KvSidecarError
 from kvsidecar.rpc.status import status_for, status_message
+from kvsidecar.types import Event
 from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.engine import event_to_proto
 
@@ -39,6 +40,19 @@ log = logging.getLogger(__name__)
 _bugs = RateLimited(log)  # a bug may fail every command
 
 MAX_SESSION_IN_FLIGHT = 256  # commands accepted and not yet answered, per Session stream
+MAX_EVENT_BATCH = 256  # events per SessionMessage, for an engine that takes batches
+EVENT_BATCHES_KEY = "kvsidecar-event-batches"  # Session call metadata: "1" takes EventBatches
+
+
+def _due(queue: asyncio.Queue[Event | None], most: int) -> tuple[list[Event], bool]:
+    """Up to ``most`` queued events, and whether the stream's end (``None``) came after them."""
+    out: list[Event] = []
+    while len(out) < most and not queue.empty():
+        event = queue.get_nowait()
+        if event is None:
+            return out, True
+        out.append(event)
+    return out, False
 
 
 class Commands(Protocol):
@@ -78,13 +92,17 @@ class Session:
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader_done = False
         self._unanswered = 0  # this stream's share of the in-flight gauge
+        # The engine takes several events per message (call metadata, see the proto).
+        self._batches = any(
+            k == EVENT_BATCHES_KEY and v == "1" for k, v in (context.invocation_metadata() or ())
+        )
 
     def _failed(self) -> bool:
         """The request stream ended with a status set (an undecodable command)."""
         code = self._context.code()  # an int in grpc.aio, a StatusCode elsewhere
         return code not in (None, 0, grpc.StatusCode.OK)
 
-    async def run(self) -> AsyncIterator[engine_pb2.SessionMessage]:
+    async def run(self) -> AsyncGenerator[engine_pb2.SessionMessage, None]:
         async with self._core.stream("Session", self._wake.set) as queue:
             await self._context.send_initial_metadata(
                 ()
@@ -96,12 +114,19 @@ class Session:
                         yield self._replies.popleft()
                         self._answered()
                     elif not queue.empty():
-                        event = queue.get_nowait()
-                        if event is None:  # a newer registration ended this stream
+                        events, ended = _due(queue, MAX_EVENT_BATCH if self._batches else 1)
+                        now = time.time()
+                        for event in events:
+                            self._core.observe(ReadPhase.REPORT, max(0.0, now - event.timestamp))
+                        if len(events) > 1:
+                            batch = engine_pb2.EventBatch(
+                                events=[event_to_proto(e) for e in events]
+                            )
+                            yield engine_pb2.SessionMessage(events=batch)
+                        elif events:
+                            yield engine_pb2.SessionMessage(event=event_to_proto(events[0]))
+                        if ended:  # a newer registration ended this stream
                             return
-                        age = max(0.0, time.time() - event.timestamp)
-                        self._core.observe(ReadPhase.REPORT, age)
-                        yield engine_pb2.SessionMessage(event=event_to_proto(event))
                     elif self._reader_done and self._failed():
                         return  # an undecodable command: the stream ends with its status
                     else:

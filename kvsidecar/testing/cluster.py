@@ -174,8 +174,9 @@ class LocalCluster:
         for rank in self.ranks:
             await self.wait_watching(rank, deadline - time.monotonic())
 
-    async def _register(self, rank: Rank, *, takeover: bool = False) -> None:
-        """Register ``rank``'s engine (its views and shm memory) and open its Watch stream."""
+    async def _register(self, rank: Rank, *, takeover: bool = False, watch: bool = True) -> None:
+        """Register ``rank``'s engine (its views and shm memory) and open its Watch stream
+        (unless ``watch`` is False: the caller holds the liveness lock another way)."""
         assert rank.client is not None
         group = self.prefill if rank.engine_id == PREFILL else self.decode
         await rank.client.register_engine(
@@ -192,7 +193,8 @@ class LocalCluster:
             takeover=takeover,
             trailing_holds=self.trailing_holds,
         )
-        rank.watcher = asyncio.get_running_loop().create_task(self._watch(rank))
+        if watch:
+            rank.watcher = asyncio.get_running_loop().create_task(self._watch(rank))
 
     async def restart_engine(
         self,
@@ -242,6 +244,22 @@ class LocalCluster:
         old.close()
         old.unlink()
         await self.wait_watching(rank)
+
+    async def unwatch(self, rank: Rank, timeout_s: float = 10.0) -> None:
+        """End ``rank``'s stream (its sidecar releases the engine, as when it dies) and register
+        the engine again with no stream: its liveness lock is free for another holder (a lane)."""
+        assert rank.client is not None
+        if rank.watcher is not None:
+            rank.watcher.cancel()
+            with contextlib.suppress(BaseException):
+                await rank.watcher
+            rank.watcher = None
+        deadline = time.monotonic() + timeout_s
+        while (await rank.client.status()).engine_id:
+            if time.monotonic() > deadline:
+                raise SidecarFailedError(self._tail(rank, "kept a dead engine's registration"))
+            await asyncio.sleep(0.01)
+        await self._register(rank, watch=False)
 
     async def wait_watching(self, rank: Rank, timeout_s: float = 10.0) -> None:
         """Bounded wait until the sidecar reports the rank's Watch stream open."""

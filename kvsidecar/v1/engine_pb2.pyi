@@ -299,25 +299,54 @@ class SessionMessage(_message.Message):
 
     REPLY_FIELD_NUMBER: _builtins.int
     EVENT_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def reply(self) -> Global___SessionReply: ...
     @_builtins.property
     def event(self) -> Global___Event: ...
+    @_builtins.property
+    def events(self) -> Global___EventBatch:
+        """Several events in one message, in order: sent only to an engine that opened the Session
+        with the call metadata "kvsidecar-event-batches: 1" (events that are due together, such
+        as a batch's RECV_DONEs, then cost one message instead of one each). At most 256 events.
+        """
+
     def __init__(
         self,
         *,
         reply: Global___SessionReply | None = ...,
         event: Global___Event | None = ...,
+        events: Global___EventBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "kind", b"kind", "reply", b"reply"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "events", b"events", "kind", b"kind", "reply", b"reply"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "kind", b"kind", "reply", b"reply"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "events", b"events", "kind", b"kind", "reply", b"reply"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["reply", "event"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["reply", "event", "events"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___SessionMessage: _TypeAlias = SessionMessage  # noqa: Y015
+
+@_typing.final
+class EventBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___Event]: ...
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___Event] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventBatch: _TypeAlias = EventBatch  # noqa: Y015
 
 @_typing.final
 class RegisterEngineRequest(_message.Message):

@@ -73,8 +73,10 @@ def sidecars(tmp_path: Path) -> Iterator[Callable[[str], sidecar_proc.SidecarPro
                 proc.stop(signal.SIGKILL)
 
 
-@pytest.fixture
-def engines() -> Iterator[Callable[..., Engine]]:
+@pytest.fixture(params=["lane", "stream"])
+def engines(request: pytest.FixtureRequest) -> Iterator[Callable[..., Engine]]:
+    """Workers on the sidecar's lane (driven by the caller's thread) or on the I/O thread's
+    Session stream: every test runs on both."""
     made: list[Engine] = []
 
     def make(
@@ -97,6 +99,7 @@ def engines() -> Iterator[Callable[..., Engine]]:
             tp_size=1,
             max_queued_steps=max_queued_steps,
             step_timeout_s=step_timeout_s,
+            lane=request.param == "lane",
         )
         engine = Engine(worker=worker, memory=memory, views=views, sidecar=sidecar)
         made.append(engine)
@@ -265,6 +268,8 @@ def test_a_full_queue_fails_the_step_at_once(
     finally:
         engine.sidecar.proc.send_signal(signal.SIGCONT)
     until(lambda: engine.status().holds_active == 2, "the first two steps' holds")
+    # The replies come back (the lane's are taken when vLLM next asks: here, with start_step).
+    until(lambda: engine.worker.pending() == 0, "the first two steps' replies")
     engine.worker.start_step(hold("d"))  # the queue drained: accepted again
     until(lambda: engine.status().holds_active == 3, "a later step's hold")
     assert engine.worker.take_results(()) == StepResults()
@@ -355,7 +360,12 @@ def test_a_heartbeat_without_a_handshake_handshakes_and_is_retried(
         tokens=(TOKEN,),
     )
     decode.worker.start_step(StepWork(heartbeats=(hb,)))
-    until(lambda: prefill.status().counters["notifications_received"] == 1, "the heartbeat")
+
+    def heartbeat_arrived() -> bool:  # as vLLM's steps do, ask for results meanwhile
+        assert decode.worker.take_results(()) == StepResults()
+        return bool(prefill.status().counters["notifications_received"] == 1)
+
+    until(heartbeat_arrived, "the heartbeat")
     assert prefill.status().counters["notifications_refused"] == 0
     assert decode.status().counters["handshakes"] == 1
     assert decode.worker.take_results(()) == StepResults()

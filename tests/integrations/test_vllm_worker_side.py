@@ -26,3 +26,39 @@ def test_send_done_waits_for_vllm_to_name_the_request_finished() -> None:
     assert w.take_results({"r1"}).sending == set()  # once
     assert (w._held, w._finished_seen, w._pending_sends) == (set(), set(), set())
     assert w.take_counts()["sends_done"] == 1
+
+
+def test_the_lane_builds_the_same_step_as_the_client() -> None:
+    """The lane builds each step's command in place on vLLM's model thread (a fraction of the
+    client's cost); it must be the very Step the client's request values give."""
+    from kvsidecar.client import requests
+    from kvsidecar.integrations.vllm.channel import step_spec
+    from kvsidecar.integrations.vllm.lane import step_command
+    from kvsidecar.integrations.vllm.params import RemoteKv
+    from kvsidecar.integrations.vllm.scheduler import Heartbeat, Hold, Load, StepWork
+
+    def remote(i: int) -> RemoteKv:
+        return RemoteKv(
+            engine_id="prefill",
+            request_id=f"p{i}",
+            block_ids=((i, i + 1), (7,)),
+            endpoints=("127.0.0.1:1", "127.0.0.1:2"),
+            token="t" * 32,
+            tp_size=2,
+            num_tokens=64,
+        )
+
+    work = StepWork(
+        loads=tuple(
+            Load(request_id=f"r{i}", local_block_ids=((i + 1,), (9,)), remote=remote(i))
+            for i in range(3)
+        ),
+        holds=tuple(
+            Hold(request_id=f"h{i}", block_ids=((i,), ()), token="u" * 32, lease_s=30.0)
+            for i in range(2)
+        ),
+        heartbeats=(
+            Heartbeat(engine_id="p", endpoints=("a:1",), request_ids=("x",), tokens=("v" * 20,)),
+        ),
+    )
+    assert step_command(work).step == requests.step(step_spec(work))

@@ -34,7 +34,7 @@ from kvsidecar.engine.reads.state import InFlightRead, Phase, Xfer, refusal, sta
 from kvsidecar.types import FailReason, ReadPosted
 from kvsidecar.wire.peer import Outcome
 
-_RETRY_MIN_S, _RETRY_MAX_S = 0.001, 0.05  # asking again after PENDING: 1 ms doubling to 50 ms
+_RETRY_MIN_S, _RETRY_MAX_S = 0.001, 0.004  # asking again after PENDING: 1 ms doubling to 4 ms
 
 
 class InFlightReads(ReadBook):

@@ -8,7 +8,10 @@ Load it with ``kv_connector="KvSidecarConnector"`` and
 * ``peer_endpoints``: this engine's sidecar PeerService addresses in rank order (default: learnt
   from the workers' registrations, as the sidecars advertise them);
 * ``lease_s``: how long a prefill engine keeps blocks for decode engines that never read them
-  (default 30; decode engines heartbeat requests that wait in their queue).
+  (default 30; decode engines heartbeat requests that wait in their queue);
+* ``lane``: drive the sidecar's lane from vLLM's model thread instead of the connector's I/O
+  thread (default false: measured, the lane costs the model thread more and saves no TTFT on a
+  host where the sidecar shares the engine's cores; docs/vllm.md).
 
 This module imports vLLM; nothing else in kvsidecar does.
 """
@@ -95,6 +98,11 @@ def _tp(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), size
 
 
+def _flag(value: Any) -> bool:
+    """A boolean of kv_connector_extra_config (JSON true/false, or the strings)."""
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes")
+
+
 class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     """Pull-model P/D disaggregation through kvsidecar (see the module docstring)."""
 
@@ -132,6 +140,7 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
                 engine_id=self._engine_id,
                 tp_rank=tp_rank,
                 tp_size=tp_size,
+                lane=_flag(self._extra.get("lane", False)),
             )
         self._tp_size = tp_size
         self._load_errors: set[int] = set()

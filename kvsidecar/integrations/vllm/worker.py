@@ -38,8 +38,10 @@ from kvsidecar.client import (
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory import MemorySpec
 from kvsidecar.plan import View
+from kvsidecar.types import lane_path
 
 from .channel import MAX_QUEUED_STEPS, STEP_TIMEOUT_S, StepChannel
+from .lane import LaneChannel
 from .scheduler import StepWork
 
 log = logging.getLogger(__name__)
@@ -72,16 +74,19 @@ class WorkerSide:
         tp_size: int,
         max_queued_steps: int = MAX_QUEUED_STEPS,
         step_timeout_s: float = STEP_TIMEOUT_S,
+        lane: bool = False,
     ) -> None:
         """``max_queued_steps``: steps sent and not yet answered before a step fails at once;
-        ``step_timeout_s``: how long a step's reply may take before the stream is ended."""
+        ``step_timeout_s``: how long a step's reply may take before the stream is ended;
+        ``lane``: use the sidecar's lane where it serves one (else the I/O thread's stream)."""
+        self._use_lane = lane
         self._socket = socket
         self._engine_id = engine_id
         self._tp_rank = tp_rank
         self._tp_size = tp_size
         self._max_queued_steps = max_queued_steps
         self._step_timeout_s = step_timeout_s
-        self._channel: StepChannel | None = None
+        self._channel: StepChannel | LaneChannel | None = None
         # Everything below is shared by vLLM's calls and the I/O thread, under _lock: each holder
         # only updates sets (no I/O, no logging), once per call, reply or event.
         self._lock = threading.Lock()
@@ -124,7 +129,11 @@ class WorkerSide:
                 trailing_holds=True,
             )
         self.peer_endpoint = registered.peer_endpoint
-        channel = StepChannel(
+        # The lane when the sidecar serves one (the model thread drives it: no hand-over to a
+        # thread, lane.py says what that saves), else the I/O thread's Session stream.
+        lane = self._use_lane and os.path.exists(lane_path(self._socket))
+        kind = LaneChannel if lane else StepChannel
+        channel = kind(
             self._socket, self, max_queued=self._max_queued_steps, timeout_s=self._step_timeout_s
         )
         channel.start()
@@ -174,6 +183,8 @@ class WorkerSide:
     def take_results(self, finished_req_ids: Iterable[str]) -> StepResults:
         """Everything that finished since the last call. A SEND_DONE is reported once vLLM has
         named its request as finished (vLLM's contract for delayed frees)."""
+        if isinstance(self._channel, LaneChannel):
+            self._channel.poll()  # what the sidecar answered since the last step
         with self._lock:
             self._finished_seen.update(self._held.intersection(finished_req_ids))
             out, self._results = self._results, StepResults()
@@ -183,6 +194,13 @@ class WorkerSide:
             self._finished_seen -= ready
             self._held -= ready
             return out
+
+    def pending(self) -> int:
+        """Steps sent and not yet answered (taking what came back first, on the lane)."""
+        channel = self._require()
+        if isinstance(channel, LaneChannel):
+            channel.poll()
+        return channel.pending
 
     def take_counts(self) -> dict[str, int]:
         """Counters since the last call (for vLLM's connector stats)."""
@@ -280,7 +298,7 @@ class WorkerSide:
             groups = local if invalid is None else invalid
             self._results.invalid_block_ids.update(int(b) for g in groups for b in g)
 
-    def _require(self) -> StepChannel:
+    def _require(self) -> StepChannel | LaneChannel:
         if self._channel is None:
             raise RuntimeError("register_kv_caches has not run: no sidecar stream")
         return self._channel

@@ -1,0 +1,148 @@
+"""The engine's lane: the Session protocol over a plain Unix socket, for an engine that drives its
+sidecar from its own thread without waiting.
+
+gRPC's Python client needs a thread (or an event loop) of its own to move messages; in an engine
+whose model thread runs Python without pause (vLLM stepping while requests wait for their KV),
+handing each step to such a thread and each event back costs thread switches and interpreter-lock
+hand-overs of up to a switch interval (5 ms) each way (docs/vllm.md, "Where the time goes"). On
+the lane the engine's own thread writes a step with one non-blocking ``send`` and takes what came
+back with one non-blocking ``recv`` when it looks for results (``kvsidecar.client.lane``).
+
+Wire: frames of a 4-byte little-endian length and one protobuf message. The engine sends
+``SessionCommand``s; the sidecar sends ``SessionMessage``s: first a ``SessionReply`` with id 0
+once the lane holds the engine's liveness lock (code 0), or the refusal (code and message, then it
+closes), then replies and events (several per message) exactly as on a ``Session`` stream, which
+this is (``rpc.session.Session`` runs it: the same commands, bounds, ordering and liveness lock).
+A frame past ``MAX_FRAME`` bytes or that does not decode ends the lane (INVALID_ARGUMENT). The
+socket is ``<engine socket>.lane`` (``types.lane_path``), mode 0600 in the engine socket's
+directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvsidecar.engine.core import EngineCore
+from kvsidecar.errors import KvSidecarError
+from kvsidecar.rpc.session import EVENT_BATCHES_KEY, Commands, Session
+from kvsidecar.rpc.status import status_for, status_message
+from kvsidecar.v1 import engine_pb2
+
+log = logging.getLogger(__name__)
+
+FRAME = struct.Struct("<I")
+MAX_FRAME = 64 << 20  # bytes of one frame (as gRPC's largest message here)
+
+
+def frame(message: Any) -> bytes:
+    data: bytes = message.SerializeToString()
+    return FRAME.pack(len(data)) + data
+
+
+class _Context:
+    """What a ``Session`` asks of its gRPC context, for a lane."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self.status: grpc.StatusCode | None = None
+
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        opened = engine_pb2.SessionMessage(reply=engine_pb2.SessionReply(id=0))
+        self._writer.write(frame(opened))  # the lane holds the liveness lock
+        await self._writer.drain()
+
+    def code(self) -> grpc.StatusCode | None:
+        return self.status
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((EVENT_BATCHES_KEY, "1"),)
+
+
+async def _commands(
+    reader: asyncio.StreamReader, context: _Context, lane: asyncio.Task[None]
+) -> AsyncIterator[engine_pb2.SessionCommand]:
+    """The engine's commands. Its end closed (it went away): the lane ends at once, as a gRPC
+    stream does when its client disconnects (``lane`` is cancelled)."""
+    while True:
+        try:
+            (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+            if size > MAX_FRAME:
+                raise ValueError(f"a frame of {size} bytes (at most {MAX_FRAME})")
+            command = engine_pb2.SessionCommand()
+            command.ParseFromString(await reader.readexactly(size))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            lane.cancel()
+            return
+        except (ValueError, DecodeError) as exc:
+            log.warning("engine lane: %s; closing it", exc)
+            context.status = grpc.StatusCode.INVALID_ARGUMENT
+            return
+        yield command
+
+
+class LaneServer:
+    """Serves lanes at ``path`` for ``core``'s engine; ``start`` once, ``aclose`` once."""
+
+    def __init__(self, path: Path, core: EngineCore, commands: Commands) -> None:
+        self._path = path
+        self._core = core
+        self._commands = commands
+        self._server: asyncio.AbstractServer | None = None
+        self._lanes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()  # a stale socket of an earlier sidecar (its directory is ours)
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self._path))
+        os.chmod(self._path, 0o600)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._lanes.add(task)
+        context = _Context(writer)
+        commands = _commands(reader, context, task)
+        messages = Session(self._core, self._commands, commands, context).run()  # type: ignore[arg-type]
+        try:
+            async for message in messages:
+                writer.write(frame(message))
+                await writer.drain()
+        except KvSidecarError as exc:  # another stream holds the liveness lock
+            refused = engine_pb2.SessionReply(
+                id=0, code=status_for(exc).value[0], message=status_message(exc)
+            )
+            with contextlib.suppress(ConnectionError):
+                writer.write(frame(engine_pb2.SessionMessage(reply=refused)))
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass  # the engine went away, or the sidecar stops: the session ends
+        finally:
+            self._lanes.discard(task)
+            # The session's end releases the liveness lock (the engine is gone, unless the
+            # sidecar is stopping or a newer registration ended it).
+            await asyncio.shield(messages.aclose())
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def aclose(self) -> None:
+        """Stop accepting, end every lane (as a stopping server ends its streams), unlink."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        lanes = tuple(self._lanes)
+        for lane in lanes:
+            lane.cancel()
+        await asyncio.gather(*lanes, return_exceptions=True)
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()
