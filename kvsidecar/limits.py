@@ -35,6 +35,7 @@ MAX_LEASE_S = 86400.0  # Hold.lease_s (as --lease-s)
 MAX_GRACE_S = 3600.0  # DrainRequest.grace_s (as --grace-period-s)
 MAX_STATUS_EVENTS = 65536  # Status.max_events
 MAX_AGENT_METADATA = 64 << 20  # bytes of a peer's NIXL agent metadata
+MAX_LANE_FRAME = 64 << 20  # bytes of one frame on the engine's lane (rpc/lane.py)
 MAX_DIGEST_BYTES = 64  # a READ_DONE's read_blocks_digest
 MAX_BOARD_BUCKETS = 1 << 24  # buckets of a producer's hold board (GetAgent.board_buckets)
 MIN_TOKEN, MAX_TOKEN = 16, 256  # characters of an engine-chosen hold token
@@ -52,6 +53,7 @@ __all__ = [
     "MAX_GROUPS",
     "MAX_IDS_PER_GROUP",
     "MAX_ID_CHARS",
+    "MAX_LANE_FRAME",
     "MAX_LEASE_S",
     "MAX_MEMORIES",
     "MAX_NAME_CHARS",

@@ -245,9 +245,7 @@ class AsyncSidecarClient:
         calls travel on it while it is open), or Watch on a sidecar without Session."""
         if self._use_session:
             session = AsyncSession(
-                self._stub.Session(
-                    wait_for_ready=True, metadata=(("kvsidecar-event-batches", "1"),)
-                ),
+                self._stub.Session(wait_for_ready=True, metadata=(wire.EVENT_BATCHES,)),
                 timeout_s=self._timeout_s,
             )
             try:

@@ -17,16 +17,15 @@ its session, which releases the registration exactly as a dropped Session stream
 from __future__ import annotations
 
 import socket
-import struct
 import time
 from typing import Any
 
 from kvsidecar.client import requests
 from kvsidecar.errors import DeadlineExceededError, KvSidecarError, PeerUnavailableError
+from kvsidecar.limits import MAX_LANE_FRAME
 from kvsidecar.v1 import engine_pb2
+from kvsidecar.wire.engine import LANE_FRAME
 
-_FRAME = struct.Struct("<I")
-MAX_FRAME = 64 << 20  # bytes of one frame, as the sidecar bounds them
 MAX_OUTBOX = 64 << 20  # bytes kept for the socket while the sidecar does not read
 
 
@@ -88,7 +87,7 @@ class Lane:
         if len(self._out) + len(data) > self._max_outbox:
             self._break(LaneClosedError(f"lane {self._path}: the sidecar reads nothing"))
             self._check()
-        self._out += _FRAME.pack(len(data))
+        self._out += LANE_FRAME.pack(len(data))
         self._out += data
         self._flush()
         return self._next_id
@@ -112,16 +111,16 @@ class Lane:
                 break
             self._in += chunk
         out = []
-        while len(self._in) >= _FRAME.size:
-            (size,) = _FRAME.unpack_from(self._in)
-            if size > MAX_FRAME:
+        while len(self._in) >= LANE_FRAME.size:
+            (size,) = LANE_FRAME.unpack_from(self._in)
+            if size > MAX_LANE_FRAME:
                 self._break(LaneClosedError(f"lane {self._path}: a frame of {size} bytes"))
                 break
-            if len(self._in) < _FRAME.size + size:
+            if len(self._in) < LANE_FRAME.size + size:
                 break
             message = engine_pb2.SessionMessage()
-            message.ParseFromString(bytes(self._in[_FRAME.size : _FRAME.size + size]))
-            del self._in[: _FRAME.size + size]
+            message.ParseFromString(bytes(self._in[LANE_FRAME.size : LANE_FRAME.size + size]))
+            del self._in[: LANE_FRAME.size + size]
             out.append(message)
         return out
 

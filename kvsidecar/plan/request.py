@@ -94,34 +94,54 @@ def _rank_ids(
         raise BlockIdError(
             f"local_block_ids has {ng} groups but remote_block_ids has {len(remote_ids)}"
         )
+    loc, rem, per = _rank_batch(rank_plan, (local_ids,), (remote_ids,))
+    return loc, rem, per[0]
+
+
+def _rank_batch(
+    rank_plan: RankPlan,
+    local_ids: Sequence[Sequence[IdArray]],
+    remote_ids: Sequence[Sequence[IdArray]],
+) -> tuple[DescIds, DescIds, list[int]]:
+    """Descriptor ids of requests ``i`` (one id list per group each, group counts checked by the
+    caller) against one remote rank, request after request within each row batch, and each
+    request's bytes."""
     locs: list[DescIds] = []
     rems: list[DescIds] = []
-    nbytes = 0
+    per = [0] * len(local_ids)
     for b in rank_plan.batches:
         g = b.group
-        if g >= ng:
-            raise BlockIdError(f"local_block_ids has {ng} groups; the plan routes group {g}")
-        lids, rids = local_ids[g], remote_ids[g]
-        n, m = len(lids), len(rids)
-        if n > m:
-            raise BlockIdError(
-                f"local_block_ids[{g}] has {n} ids but remote_block_ids[{g}] has {m} "
-                f"(more local than remote blocks)"
-            )
-        if n == 0:
-            continue
-        lk = _expand32(_checked(lids, b.local_id_limit, "local_block_ids", g), b.blocks_per_id)
-        rk = _expand32(
-            _checked(rids[m - n :], b.remote_id_limit, "remote_block_ids", g), b.blocks_per_id
-        )
-        locs.append((b.local_starts + lk).ravel())
-        rems.append((b.remote_starts + rk).ravel())
-        nbytes += len(lk) * b.bytes_per_block
+        lparts: list[DescIds] = []
+        rparts: list[DescIds] = []
+        for i, (lgroups, rgroups) in enumerate(zip(local_ids, remote_ids, strict=True)):
+            if g >= len(lgroups):
+                raise BlockIdError(
+                    f"local_block_ids has {len(lgroups)} groups; the plan routes group {g}"
+                )
+            lids, rids = lgroups[g], rgroups[g]
+            k, m = len(lids), len(rids)
+            if k > m:
+                raise BlockIdError(
+                    f"local_block_ids[{g}] has {k} ids but remote_block_ids[{g}] has {m} "
+                    f"(more local than remote blocks)"
+                )
+            if k == 0:
+                continue
+            lparts.append(_checked(lids, b.local_id_limit, "local_block_ids", g))
+            rparts.append(_checked(rids[m - k :], b.remote_id_limit, "remote_block_ids", g))
+            per[i] += k * b.blocks_per_id * b.bytes_per_block
+        if lparts:
+            lk = _expand32(_joined(lparts), b.blocks_per_id)
+            rk = _expand32(_joined(rparts), b.blocks_per_id)
+            locs.append((b.local_starts + lk).ravel())
+            rems.append((b.remote_starts + rk).ravel())
     if not locs:
-        return _EMPTY, _EMPTY, 0
-    if len(locs) == 1:
-        return locs[0], rems[0], nbytes
-    return np.concatenate(locs), np.concatenate(rems), nbytes
+        return _EMPTY, _EMPTY, per
+    return _joined(locs), _joined(rems), per
+
+
+def _joined(parts: list[DescIds]) -> DescIds:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def request_descriptor_ids(
@@ -281,51 +301,15 @@ def batch_request_ids(
     for rp in plan.ranks:
         if rp.notify_only:
             continue
-        locs: list[DescIds] = []
-        rems: list[DescIds] = []
-        per = [0] * n
-        for b in rp.batches:
-            g = b.group
-            lparts: list[DescIds] = []
-            rparts: list[DescIds] = []
-            for i in range(n):
-                if g >= len(local_ids[i]):
-                    raise BlockIdError(
-                        f"local_block_ids has {len(local_ids[i])} groups; the plan routes group {g}"
-                    )
-                lids, rids = local_ids[i][g], remote_ids[i][g]
-                k, m = len(lids), len(rids)
-                if k > m:
-                    raise BlockIdError(
-                        f"local_block_ids[{g}] has {k} ids but remote_block_ids[{g}] has {m} "
-                        f"(more local than remote blocks)"
-                    )
-                if k == 0:
-                    continue
-                lparts.append(_checked(lids, b.local_id_limit, "local_block_ids", g))
-                rparts.append(_checked(rids[m - k :], b.remote_id_limit, "remote_block_ids", g))
-                per[i] += k * b.blocks_per_id * b.bytes_per_block
-            if not lparts:
-                continue
-            lk = _expand32(
-                np.concatenate(lparts) if len(lparts) > 1 else lparts[0], b.blocks_per_id
+        loc, rem, per = _rank_batch(rp, local_ids, remote_ids)
+        if len(loc):
+            out.append(
+                BatchIds(
+                    remote_rank=rp.remote_rank,
+                    local_desc_ids=loc,
+                    remote_desc_ids=rem,
+                    num_bytes=sum(per),
+                    read_bytes=tuple(per),
+                )
             )
-            rk = _expand32(
-                np.concatenate(rparts) if len(rparts) > 1 else rparts[0], b.blocks_per_id
-            )
-            locs.append((b.local_starts + lk).ravel())
-            rems.append((b.remote_starts + rk).ravel())
-        if not locs:
-            continue
-        loc = locs[0] if len(locs) == 1 else np.concatenate(locs)
-        rem = rems[0] if len(rems) == 1 else np.concatenate(rems)
-        out.append(
-            BatchIds(
-                remote_rank=rp.remote_rank,
-                local_desc_ids=loc,
-                remote_desc_ids=rem,
-                num_bytes=sum(per),
-                read_bytes=tuple(per),
-            )
-        )
     return tuple(out)

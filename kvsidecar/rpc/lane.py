@@ -13,7 +13,7 @@ Wire: frames of a 4-byte little-endian length and one protobuf message. The engi
 once the lane holds the engine's liveness lock (code 0), or the refusal (code and message, then it
 closes), then replies and events (several per message) exactly as on a ``Session`` stream, which
 this is (``rpc.session.Session`` runs it: the same commands, bounds, ordering and liveness lock).
-A frame past ``MAX_FRAME`` bytes or that does not decode ends the lane (INVALID_ARGUMENT). The
+A frame past ``limits.MAX_LANE_FRAME`` bytes or that does not decode ends the lane (INVALID_ARGUMENT). The
 socket is ``<engine socket>.lane`` (``types.lane_path``), mode 0600 in the engine socket's
 directory.
 """
@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -34,19 +33,18 @@ from google.protobuf.message import DecodeError
 
 from kvsidecar.engine.core import EngineCore
 from kvsidecar.errors import KvSidecarError
-from kvsidecar.rpc.session import EVENT_BATCHES_KEY, Commands, Session
+from kvsidecar.limits import MAX_LANE_FRAME
+from kvsidecar.rpc.session import Commands, Session
 from kvsidecar.rpc.status import status_for, status_message
 from kvsidecar.v1 import engine_pb2
+from kvsidecar.wire.engine import EVENT_BATCHES, LANE_FRAME
 
 log = logging.getLogger(__name__)
-
-FRAME = struct.Struct("<I")
-MAX_FRAME = 64 << 20  # bytes of one frame (as gRPC's largest message here)
 
 
 def frame(message: Any) -> bytes:
     data: bytes = message.SerializeToString()
-    return FRAME.pack(len(data)) + data
+    return LANE_FRAME.pack(len(data)) + data
 
 
 class _Context:
@@ -65,7 +63,7 @@ class _Context:
         return self.status
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((EVENT_BATCHES_KEY, "1"),)
+        return (EVENT_BATCHES,)
 
 
 async def _commands(
@@ -75,9 +73,9 @@ async def _commands(
     stream does when its client disconnects (``lane`` is cancelled)."""
     while True:
         try:
-            (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-            if size > MAX_FRAME:
-                raise ValueError(f"a frame of {size} bytes (at most {MAX_FRAME})")
+            (size,) = LANE_FRAME.unpack(await reader.readexactly(LANE_FRAME.size))
+            if size > MAX_LANE_FRAME:
+                raise ValueError(f"a frame of {size} bytes (at most {MAX_LANE_FRAME})")
             command = engine_pb2.SessionCommand()
             command.ParseFromString(await reader.readexactly(size))
         except (asyncio.IncompleteReadError, ConnectionError):

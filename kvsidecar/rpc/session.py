@@ -34,14 +34,13 @@ from kvsidecar.errors import InvalidArgumentError, KvSidecarError
 from kvsidecar.rpc.status import status_for, status_message
 from kvsidecar.types import Event
 from kvsidecar.v1 import engine_pb2
-from kvsidecar.wire.engine import event_to_proto
+from kvsidecar.wire.engine import EVENT_BATCHES, event_to_proto
 
 log = logging.getLogger(__name__)
 _bugs = RateLimited(log)  # a bug may fail every command
 
 MAX_SESSION_IN_FLIGHT = 256  # commands accepted and not yet answered, per Session stream
 MAX_EVENT_BATCH = 256  # events per SessionMessage, for an engine that takes batches
-EVENT_BATCHES_KEY = "kvsidecar-event-batches"  # Session call metadata: "1" takes EventBatches
 
 
 def _due(queue: asyncio.Queue[Event | None], most: int) -> tuple[list[Event], bool]:
@@ -93,9 +92,7 @@ class Session:
         self._reader_done = False
         self._unanswered = 0  # this stream's share of the in-flight gauge
         # The engine takes several events per message (call metadata, see the proto).
-        self._batches = any(
-            k == EVENT_BATCHES_KEY and v == "1" for k, v in (context.invocation_metadata() or ())
-        )
+        self._batches = EVENT_BATCHES in tuple(context.invocation_metadata() or ())
 
     def _failed(self) -> bool:
         """The request stream ended with a status set (an undecodable command)."""

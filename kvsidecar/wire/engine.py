@@ -6,6 +6,8 @@ agree by construction (a round-trip test checks it).
 
 from __future__ import annotations
 
+import struct
+
 from kvsidecar.errors import InvalidArgumentError
 from kvsidecar.plan import PeerPlan
 from kvsidecar.types import (
@@ -30,7 +32,14 @@ from kvsidecar.types import (
 from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.geometry import block_ids_to_proto
 
+#: the length before every frame on the engine's lane (little-endian uint32, ``rpc/lane.py``)
+LANE_FRAME = struct.Struct("<I")
+#: Session call metadata of a client that takes several events per message (``EventBatch``)
+EVENT_BATCHES = ("kvsidecar-event-batches", "1")
+
 __all__ = [
+    "EVENT_BATCHES",
+    "LANE_FRAME",
     "discovery_from_proto",
     "discovery_to_proto",
     "drained_from_proto",

@@ -16,6 +16,7 @@ from kvsidecar.client import FailReason, RecvDone, RecvFailed, SendDone
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import PREFILL, LocalCluster, request_ids, transfer
 from tests.e2e.conftest import ClusterFactory
+from tests.e2e.test_e2e_links import metric
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 TIMEOUT_S = 30.0
@@ -151,17 +152,6 @@ async def test_thirty_restarts_in_place_with_boards_leave_no_descriptor_behind(
         assert after[1] <= before[1] + 3, (before, after)
 
 
-def _metric(rank_metrics: str, name: str) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://{rank_metrics}/metrics", timeout=10).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
-
-
 async def test_asynchronous_reads_complete_without_waiting_for_the_poller(
     local_cluster: ClusterFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -175,10 +165,9 @@ async def test_asynchronous_reads_complete_without_waiting_for_the_poller(
         for i in range(10):
             result = await transfer(cluster, f"r{i}", pids, dids)
             assert result.bytes_verified == result.bytes_read > 0
-        address = cluster.decode[0].addresses["metrics"]
         seen = {
             by: await asyncio.to_thread(
-                _metric, address, f'kvsidecar_transfers_completed_total{{seen_by="{by}"}}'
+                metric, cluster.decode[0], f'kvsidecar_transfers_completed_total{{seen_by="{by}"}}'
             )
             for by in ("post", "agent", "poll")
         }

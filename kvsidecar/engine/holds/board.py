@@ -31,10 +31,6 @@ class HoldBoard:
         self.published = 0  #: holds published
         self.full = 0  #: holds not published: their bucket had no free word
 
-    @property
-    def enabled(self) -> bool:
-        return self.buckets > 0
-
     def publish(
         self, request_id: str, *, token: str, epoch: int, held: Sequence[Sequence[int]]
     ) -> bool:

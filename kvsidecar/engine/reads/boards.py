@@ -78,10 +78,6 @@ class BoardSlots:
         """Producer ranks by what their check did (``TransferStats.board_checks``)."""
         return {"confirmed": self.confirmed, "missed": self.missed, "no_slot": self.no_slot}
 
-    @property
-    def in_use(self) -> int:
-        return len(self._words) - len(self._free)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BoardCheck:

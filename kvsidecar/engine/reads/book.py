@@ -96,16 +96,12 @@ class ReadBook:
             self._report.confirmed(time.perf_counter() - read.done_at)
         self._report.success(read)
 
-    async def release_completed(self) -> None:
-        """Release the handles of transfers nobody needs any more."""
-        await self.transfers.release_retired()
-
     # --- failing --------------------------------------------------------------------------------
 
     async def fail_peer(self, peer: Peer | str, reason: FailReason, message: str) -> None:
         """Fail (and release) every in-flight read from ``peer`` (an object, or any peer of that
         engine id)."""
-        await self.release_completed()  # handles go before the peer's lists and agent
+        await self.transfers.release_retired()  # handles go before the peer's lists and agent
         for read in list(self._reads.values()):
             if read.peer is peer or read.peer.engine_id == peer:
                 read.failure = read.failure or (reason, message)
@@ -113,7 +109,7 @@ class ReadBook:
 
     async def fail_all(self, reason: FailReason, message: str) -> None:
         """The registration ends: fail every read (waiting ones too) and forget the ids used."""
-        await self.release_completed()
+        await self.transfers.release_retired()
         for read in list(self._reads.values()):
             read.failure = read.failure or (reason, message)
             await self._close(read)

@@ -253,7 +253,7 @@ class StepChannel:
     async def _heartbeat_after_handshake(self, client: AsyncSidecarClient, hb: Heartbeat) -> None:
         try:
             await client.handshake(hb.engine_id, endpoints=hb.endpoints)
-            await client.heartbeat(hb.engine_id, _holds(hb))
+            await client.heartbeat(hb.engine_id, holds_of(hb))
         except KvSidecarError as exc:
             log.warning("kvsidecar: heartbeat to %s failed: %s", hb.engine_id, exc)
 
@@ -321,7 +321,7 @@ class Doorbell:
                 return
 
 
-def _holds(hb: Heartbeat) -> Mapping[str, str]:
+def holds_of(hb: Heartbeat) -> Mapping[str, str]:
     return dict(zip(hb.request_ids, hb.tokens, strict=True))
 
 
@@ -347,6 +347,6 @@ def step_spec(work: StepWork) -> StepSpec:
             for load in work.loads
         ],
         heartbeats=[
-            HeartbeatSpec(remote_engine_id=hb.engine_id, holds=_holds(hb)) for hb in work.heartbeats
+            HeartbeatSpec(remote_engine_id=hb.engine_id, holds=holds_of(hb)) for hb in work.heartbeats
         ],
     )

@@ -29,7 +29,7 @@ from kvsidecar.types import lane_path
 from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.engine import event_from_proto
 
-from .channel import MAX_QUEUED_STEPS, OPEN_TIMEOUT_S, STEP_TIMEOUT_S, Outcomes, _holds
+from .channel import MAX_QUEUED_STEPS, OPEN_TIMEOUT_S, STEP_TIMEOUT_S, Outcomes, holds_of
 from .scheduler import Heartbeat, StepWork
 
 log = logging.getLogger(__name__)
@@ -203,6 +203,6 @@ def _heartbeat_after_handshake(socket: str, hb: Heartbeat) -> None:
     try:
         with SidecarClient(socket) as client:
             client.handshake(hb.engine_id, endpoints=hb.endpoints)
-            client.heartbeat(hb.engine_id, _holds(hb))
+            client.heartbeat(hb.engine_id, holds_of(hb))
     except KvSidecarError as exc:
         log.warning("kvsidecar: heartbeat to %s failed: %s", hb.engine_id, exc)

@@ -70,7 +70,7 @@ def test_a_full_bucket_publishes_nothing_and_is_counted() -> None:
 
 def test_no_board_publishes_nothing() -> None:
     board = HoldBoard(None)
-    assert not board.enabled
+    assert board.buckets == 0
     assert not board.publish("r1", token=TOKEN, epoch=1, held=HELD)
     board.withdraw("r1")
     board.clear()
