@@ -347,6 +347,7 @@ def step_spec(work: StepWork) -> StepSpec:
             for load in work.loads
         ],
         heartbeats=[
-            HeartbeatSpec(remote_engine_id=hb.engine_id, holds=holds_of(hb)) for hb in work.heartbeats
+            HeartbeatSpec(remote_engine_id=hb.engine_id, holds=holds_of(hb))
+            for hb in work.heartbeats
         ],
     )
