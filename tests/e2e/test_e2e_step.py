@@ -330,8 +330,11 @@ async def test_a_stream_dropped_mid_step_leaves_nothing_behind(tmp_path: Path) -
             await asyncio.gather(watch, return_exceptions=True)
             outcome = await asyncio.wait_for(asyncio.gather(step, return_exceptions=True), 10)
             assert isinstance(outcome[0], errors.PeerUnavailableError), outcome
-            async with asyncio.timeout(10):
-                while (status := await client.status()).engine_id:  # noqa: ASYNC110 - polled state
+            async with asyncio.timeout(10):  # the release: unbound first, then reads and holds
+                while True:
+                    status = await client.status()
+                    if not (status.engine_id or status.holds_active or status.reads_in_flight):
+                        break
                     await asyncio.sleep(0.02)
             assert status.holds_active == 0
             assert status.reads_in_flight == 0
