@@ -132,6 +132,12 @@ class PeerUnavailableError(KvSidecarError):
     """A remote sidecar could not be reached over gRPC or is quarantined (maps to UNAVAILABLE)."""
 
 
+class PeerReplacedError(PeerUnavailableError):
+    """The peer a read was validated against was quarantined, invalidated or replaced before its
+    READs could be posted (maps to UNAVAILABLE). The consumer tries such a read once more against
+    the engine's current peer (or a new handshake) before it lets this error out."""
+
+
 class DeadlineExceededError(KvSidecarError):
     """A bounded wait ran out (handshake, read deadline, drain) (maps to DEADLINE_EXCEEDED)."""
 

@@ -73,6 +73,31 @@ async def test_producer_restarted_in_place_is_never_read_as_success(
             assert all(not d.expired for d in result.send_done)
 
 
+async def test_a_read_sent_the_moment_a_stale_read_fails_is_not_refused(
+    local_cluster: ClusterFactory,
+) -> None:
+    """The STALE event reaches the engine while its sidecar is still releasing the stale peer:
+    a read sent at once (its hold taken beforehand) must re-plan against the new incarnation
+    instead of being refused UNAVAILABLE "quarantined meanwhile" (a CI flake of the test above)."""
+    async with local_cluster(SHAPE, 1, 1) as cluster:
+        pids, dids = request_ids(SHAPE, [1, 2, 3], [4, 5, 6])
+        await transfer(cluster, "before", pids, dids)
+        producer = cluster.prefill[0]
+        await cluster.restart_engine(producer, seed=cluster.seed + 100)
+        cluster.seed += 100
+        assert producer.client is not None
+        # The hold of the read sent right behind the stale one, taken beforehand.
+        await producer.client.hold("next", block_ids=pids, token="next-token-0123456789")
+        stale = await producer.client.hold("after", block_ids=pids)
+        event = await _read(cluster, "after", pids, dids, stale)
+        assert isinstance(event, RecvFailed), event
+        assert event.reason is FailReason.STALE, event
+        result = await transfer(
+            cluster, "next", pids, dids, hold=False, token="next-token-0123456789"
+        )
+        assert result.bytes_verified == result.bytes_read > 0
+
+
 @pytest.fixture
 async def poisoned(local_cluster: ClusterFactory) -> AsyncIterator[tuple[LocalCluster, str]]:
     """A cluster and a fake PeerService that answers GetAgent as the producer's rank 0 would,

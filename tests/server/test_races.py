@@ -26,6 +26,7 @@ from kvsidecar.client import (
     SidecarStatus,
 )
 from kvsidecar.engine.backend.fake import FakeFaults
+from kvsidecar.engine.peers.link import PeerLink
 from kvsidecar.testing import toy
 from tests.server.harness import Node, Pair, hop, next_event, open_pair
 
@@ -145,6 +146,43 @@ async def test_producer_reregistering_in_place_is_readable_after_one_failure(pai
         local_ids=[[1]], remote_ids=[[1]],
     )  # fmt: skip
     assert verified == done.bytes
+
+
+async def test_a_read_sent_while_a_stale_peer_is_released_plans_again(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stale peer is released after its reads failed STALE (a confirmation answered
+    STALE_EPOCH, or discovery saw the producer re-register), and the release takes time (closing
+    its channels collects garbage: milliseconds). A read sent meanwhile finds the old peer, then
+    waits for the release: it must handshake again, not be refused UNAVAILABLE "quarantined
+    meanwhile" (a CI flake of the e2e restart test, where the engine reads again the moment its
+    STALE event arrives)."""
+    await _warm(pair)
+    releasing = asyncio.Event()
+    forget = PeerLink.forget
+
+    async def slow_forget(self: PeerLink, endpoint: str) -> None:
+        releasing.set()
+        await asyncio.sleep(0.2)
+        await forget(self, endpoint)
+
+    monkeypatch.setattr(PeerLink, "forget", slow_forget)
+    await pair.hold("next", [[1]])
+    core = pair.decode.sidecar.core
+    assert core is not None
+    invalidation = asyncio.ensure_future(core.remote_changed("prefill", 0, 99))
+    await asyncio.wait_for(releasing.wait(), 5)
+    await pair.read("next", [1], [1])
+    assert await asyncio.wait_for(invalidation, 5)
+    done = await next_event(pair.decode.client)
+    assert isinstance(done, RecvDone), done
+    assert done.request_id == "next"
+    decode = pair.decode
+    verified = toy.verify(
+        decode.memory.array, decode.views, tp_size=1, rank=0, seed=3,
+        local_ids=[[1]], remote_ids=[[1]],
+    )  # fmt: skip
+    assert verified == done.bytes > 0
 
 
 @pytest.mark.parametrize("read_after_s", [0.02, 0.08])

@@ -29,6 +29,7 @@ from kvsidecar.errors import (
     KvSidecarError,
     LocalMemoryError,
     NotFoundError,
+    PeerReplacedError,
 )
 from kvsidecar.plan import validate_request_ids
 from kvsidecar.types import FailReason, ReadPosted
@@ -68,6 +69,22 @@ class Consumer:
         are posted before returning; otherwise the read waits for the handshake in the background
         (``ReadPosted.handshaking``) and ends with one event either way. Raises typed errors for
         what can be refused at once; never loses other requests."""
+        try:
+            return await self._read(cmd)
+        except PeerReplacedError:
+            # The peer went away between validation and post (its release takes milliseconds,
+            # and an engine reads again the moment a STALE event arrives): once more, against
+            # the current peer or a new handshake. Backoff still refuses it after a failure.
+            return await self._read(cmd)
+
+    async def _read_outcome(self, cmd: ReadCommand) -> ReadOutcome:
+        try:
+            return await self._read(cmd)
+        except KvSidecarError as exc:
+            return exc
+
+    async def _read(self, cmd: ReadCommand) -> ReadPosted:
+        """One attempt of ``read``."""
         t0 = time.perf_counter()
         local = self._peers.require_local()
         deadline_s = self._read_deadline_s if cmd.deadline_s is None else cmd.deadline_s
@@ -128,6 +145,10 @@ class Consumer:
         async def group(peer: Peer, items: list[tuple[int, ReadCommand, int | None]]) -> None:
             try:
                 posted = await self._post_many(local, peer, items)
+            except PeerReplacedError:  # as in ``read``: once more each, against what is now
+                for i, cmd, _ in items:
+                    outcomes[i] = await self._read_outcome(cmd)
+                return
             except KvSidecarError as exc:
                 for i, _, _ in items:
                     outcomes[i] = exc

@@ -23,6 +23,7 @@ from kvsidecar.errors import (
     FailedPreconditionError,
     KvSidecarError,
     LocalMemoryError,
+    PeerReplacedError,
     PeerUnavailableError,
     RemoteDisconnectedError,
 )
@@ -133,7 +134,7 @@ class PeerGuard:
             if local is not None and self._peers.local is not local:
                 raise FailedPreconditionError("the engine re-registered or went away; retry")
             if peer.released or self._peers.peer(peer.engine_id) is not peer:
-                raise PeerUnavailableError(
+                raise PeerReplacedError(
                     f"remote engine {peer.engine_id!r} was quarantined meanwhile; retry"
                 )
             try:
