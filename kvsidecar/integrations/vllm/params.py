@@ -5,6 +5,11 @@ finishes, the prefill engine returns :class:`RemoteKv` as ``kv_transfer_params``
 hands the decode engine): where the KV is (engine id, every rank's sidecar PeerService endpoint in
 rank order, block ids per KV-cache group) and the hold's token. Fields are vLLM's usual names, with
 ``remote_endpoints`` and ``remote_token`` instead of ``remote_host``/``remote_port``.
+
+The params cross routers that know nothing about them: every value is a JSON string, boolean,
+integer or list, and parsing takes back what a generic proxy may have retyped on the way (a
+protobuf ``Struct`` turns every number into a float: ``7`` arrives as ``7.0``; an integral float
+is taken as its integer, anything else is refused by name).
 """
 
 from __future__ import annotations
@@ -74,13 +79,9 @@ class RemoteKv:
         if not isinstance(blocks, Sequence) or isinstance(blocks, str):
             raise ParamsError(f"kv_transfer_params.remote_block_ids={blocks!r} is not a list")
         # vLLM without the hybrid allocator passes one flat list: that is group 0.
-        groups = [blocks] if blocks and all(isinstance(b, int) for b in blocks) else blocks
-        try:
-            block_ids = tuple(tuple(int(b) for b in g) for g in groups)
-        except (TypeError, ValueError):
-            raise ParamsError(
-                f"kv_transfer_params.remote_block_ids={blocks!r} is not a list of id lists"
-            ) from None
+        flat = blocks and all(_integral(b) is not None for b in blocks)
+        groups = [blocks] if flat else blocks
+        block_ids = tuple(_id_list(g, blocks) for g in groups)
         endpoints = params.get("remote_endpoints")
         if not isinstance(endpoints, Sequence) or isinstance(endpoints, str) or not endpoints:
             raise ParamsError(
@@ -93,6 +94,40 @@ class RemoteKv:
             block_ids=block_ids,
             endpoints=tuple(str(e) for e in endpoints),
             token=field("remote_token", str),
-            tp_size=int(params.get("tp_size") or len(endpoints)),
-            num_tokens=int(params.get("remote_num_tokens") or 0),
+            tp_size=_count(params, "tp_size", len(endpoints)),
+            num_tokens=_count(params, "remote_num_tokens", 0),
         )
+
+
+def _integral(value: object) -> int | None:
+    """``value`` as an int if it is one (a JSON integer, or a float a proxy made of one)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _id_list(group: object, blocks: object) -> tuple[int, ...]:
+    if not isinstance(group, Sequence) or isinstance(group, str):
+        raise ParamsError(
+            f"kv_transfer_params.remote_block_ids={blocks!r} is not a list of id lists"
+        )
+    ids = tuple(_integral(b) for b in group)
+    if any(i is None or i < 0 for i in ids):
+        raise ParamsError(
+            f"kv_transfer_params.remote_block_ids={blocks!r}: block ids are integers >= 0"
+        )
+    return tuple(i for i in ids if i is not None)
+
+
+def _count(params: Mapping[str, Any], name: str, default: int) -> int:
+    value = params.get(name)
+    if value is None:
+        return default
+    n = _integral(value)
+    if n is None or n < 0:
+        raise ParamsError(f"kv_transfer_params.{name}={value!r} is not an integer >= 0")
+    return n or default
