@@ -36,9 +36,18 @@ client.register_engine(
     model="m", dtype="d", takeover=True, engine_pid=pid or os.getpid(),
 )
 events = client.watch()  # the stream holds the registration while this process lives
+# A generator: the Watch call starts with the first next(). "ready" only once the sidecar has
+# the stream, or a kill right after it would leave a registration no stream ever held.
+import threading
+threading.Thread(target=lambda: [None for _ in events], daemon=True).start()
+for _ in range(1000):
+    if client.status().watch_connected:
+        break
+    time.sleep(0.01)
+else:
+    sys.exit("the Watch stream never connected")
 print("ready", flush=True)
-for _ in events:
-    pass
+threading.Event().wait()
 """
 
 

@@ -110,7 +110,8 @@ class Consumer:
         validate_request_ids(local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry)
         ticket = self._reads.ids.take(cmd.request_id)
         self._reads.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
-        return await self._post(cmd, local, peer, deadline_s, ticket)
+        (posted,) = await self._post_many(local, peer, [(0, cmd, ticket)])
+        return posted
 
     async def read_batch(self, batch: ReadBatch) -> tuple[ReadOutcome, ...]:
         """One outcome per read of ``batch``, in order; a refused read fails only itself.
@@ -190,19 +191,6 @@ class Consumer:
         self._on_posted()
         return posted
 
-    async def _post(
-        self,
-        cmd: ReadCommand,
-        local: LocalEngine,
-        peer: Peer,
-        deadline_s: float,
-        ticket: int | None = None,
-    ) -> ReadPosted:
-        """Post one read under the guard (``ticket``: its id was taken for this post, not
-        admitted, and goes back if the post fails)."""
-        (posted,) = await self._post_many(local, peer, [(0, cmd, ticket)])
-        return posted
-
     async def _read_after_handshake(
         self, cmd: ReadCommand, local: LocalEngine, deadline_s: float
     ) -> None:
@@ -236,7 +224,7 @@ class Consumer:
             fail(rid, FailReason.REJECTED, f"the remote engine {remote!r} refuses the read: {exc}")
             return
         try:
-            await self._post(cmd, local, peer, deadline_s)
+            await self._post_many(local, peer, [(0, cmd, None)])
         except LocalMemoryError as exc:
             fail(rid, FailReason.LOCAL_MEMORY, str(exc))
         except KvSidecarError as exc:
