@@ -55,3 +55,37 @@ def make_tiny_llama(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # words only
+
+
+def add_word_tokenizer(model: Path, vocab_size: int = 2048) -> Path:
+    """Give the tiny model a tokenizer (for `vllm serve`: text prompts, chat): word ``i`` is
+    ``w<i>``, words split on whitespace, ids 0-2 are ``<pad>``, ``<s>`` and ``</s>``, 3 is
+    ``<unk>``; the chat template joins the messages' words. Returns ``model``."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if (model / "tokenizer.json").exists():
+        return model
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {w: i for i, w in enumerate(specials)}
+    vocab |= {f"w{i}": i for i in range(len(specials), vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # words joined by spaces
+    tok.add_special_tokens(specials)
+    tok.save(str(model / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": "<pad>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    return model
