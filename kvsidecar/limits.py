@@ -23,6 +23,8 @@ MAX_SPANS_PER_VIEW = 8192
 MAX_SPANS = 131072  # spans over all views of an engine
 MAX_GLOBAL_UNITS = 65536  # Span.global_units
 MAX_BLOCKS_PER_ID = 65536
+MAX_BLOCK_TOKENS = 1 << 20  # View.block_tokens
+MAX_TOKEN_ROWS = 65536  # Span.token_rows
 MAX_MEMORIES = 64  # memories per registration (each is a mapping and an fd)
 MAX_COMPAT_EXTRA = 64  # Compat.extra entries
 MAX_IDS_PER_GROUP = 1 << 20  # block ids per group of one request
@@ -44,6 +46,7 @@ __all__ = [
     "MAX_AGENT_METADATA",
     "MAX_BATCH_READS",
     "MAX_BLOCKS_PER_ID",
+    "MAX_BLOCK_TOKENS",
     "MAX_BOARD_BUCKETS",
     "MAX_COMPAT_EXTRA",
     "MAX_DEADLINE_S",
@@ -65,6 +68,7 @@ __all__ = [
     "MAX_STATUS_EVENTS",
     "MAX_STEP_ITEMS",
     "MAX_TOKEN",
+    "MAX_TOKEN_ROWS",
     "MAX_TP_SIZE",
     "MAX_VIEWS",
     "MIN_TOKEN",

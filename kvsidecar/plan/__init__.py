@@ -3,7 +3,7 @@
 Imports only the standard library, numpy and :mod:`kvsidecar.errors` (no asyncio, grpc, nixl, torch).
 See DESIGN §4. Units: bytes for sizes/offsets/addresses, view blocks for counts, TP ranks for ranks.
 The names below are the public surface; the submodules (``geometry``, ``compat``, ``layouts``,
-``strided``, ``state_layouts``, ``tp``, ``peer_plan``, ``request``) hold the building blocks the daemon and the tests use.
+``strided``, ``state_layouts``, ``tp``, ``tokens``, ``peer_plan``, ``request``) hold the building blocks the daemon and the tests use.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .layouts import (
     nhd_token_views,
     packed_kv_view,
     vllm_attention_views,
+    vllm_cpu_view,
 )
 from .peer_plan import PeerPlan, RankPlan, build_peer_plan
 from .request import RequestIds, request_ids, validate_request_ids
@@ -67,4 +68,5 @@ __all__ = [
     "state_view",
     "validate_request_ids",
     "vllm_attention_views",
+    "vllm_cpu_view",
 ]

@@ -1,7 +1,8 @@
 """Which held blocks a read covered: the claim a consumer's READ_DONE carries (DESIGN §7b).
 
 A hold names its block ids per KV-cache group. A read of that request reads, per group ``g``, the
-**tail** of the remote ids of the local count (a partial prefix hit reads fewer; see
+**tail** of the remote ids of the local count (a partial prefix hit reads fewer; where several
+remote blocks fill one local block, the tail they fill: ``plan.tokens.remote_tail``; see
 ``plan.request``). Its claim is, per group, how many ids it read (``counts[g]``) and one digest
 over those ids. The producer recomputes the digest over the tail of the held ids of the same
 counts: equal digests mean every block read is a block the hold covers, in the position the hold
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
+from .tokens import remote_tail
 
 __all__ = ["DIGEST_BYTES", "ReadClaim", "held_digest", "read_claim"]
 
@@ -50,14 +53,17 @@ class ReadClaim:
 
 
 def read_claim(
-    local_ids: Sequence[npt.ArrayLike], remote_ids: Sequence[npt.ArrayLike]
+    local_ids: Sequence[npt.ArrayLike],
+    remote_ids: Sequence[npt.ArrayLike],
+    ratios: Sequence[int] = (),
 ) -> ReadClaim:
     """The claim of a read of ``remote_ids`` into ``local_ids`` (per group, validated): the tail
-    of each group's remote ids of the local count."""
+    of each group's remote ids that the read covers (of the local count, or at a block-size
+    ratio ``ratios[g]`` the tail those local blocks take; missing ratios are 1)."""
     tails = []
-    for local, remote in zip(local_ids, remote_ids, strict=True):
+    for g, (local, remote) in enumerate(zip(local_ids, remote_ids, strict=True)):
         r = np.asarray(remote, dtype=np.int64)
-        n = len(np.asarray(local))
+        n = max(0, remote_tail(len(np.asarray(local)), len(r), ratios[g] if g < len(ratios) else 1))
         tails.append(r[len(r) - n :] if n else r[:0])
     return ReadClaim(counts=tuple(len(t) for t in tails), digest=_digest(tails))
 

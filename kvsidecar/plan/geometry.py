@@ -14,7 +14,9 @@ if ``T > U`` rank ``r`` holds the single unit ``floor(r*U/T)``. The span's ``len
 the units this rank holds, so bytes per unit = ``length / units_held``.
 
 All sizes and offsets are **bytes**; ``num_blocks`` counts view (kernel) blocks; ``blocks_per_id``
-is kernel blocks per logical block id; ``tp_rank``/``tp_size`` are ranks.
+is kernel blocks per logical block id; ``tp_rank``/``tp_size`` are ranks; ``block_tokens`` counts
+tokens per view block (0 = not declared). A span with ``token_rows = R > 0`` has a **token axis**:
+each held unit is ``R`` equal rows of the block's tokens in order (:mod:`kvsidecar.plan.tokens`).
 
 Every dataclass here is frozen; :class:`EngineGeometry` validates the whole tree on construction and
 raises :class:`~kvsidecar.errors.GeometryError` listing *every* problem found.
@@ -35,6 +37,7 @@ class Span:
     """The bytes of one piece of logical data in a block: ``length`` bytes from ``offset``.
 
     ``global_units``: units of the unsharded model along the sharded axis; 0 = replicated.
+    ``token_rows``: rows of tokens in each held unit (the token axis, see above); 0 = none.
     ``unit_stride``: bytes from one held unit to the next; 0 = the units are contiguous (unit ``k``
     at ``offset + k * length / units_held``). A layout whose heads lie apart (``[L, H, B, N, C]``,
     ``[B, H, L, N, C]``) sets it; its units may then reach past ``block_stride``.
@@ -45,6 +48,7 @@ class Span:
     length: int
     global_units: int
     unit_stride: int = 0
+    token_rows: int = 0
 
     @property
     def replicated(self) -> bool:
@@ -75,6 +79,8 @@ class View:
     ``groups``: KV-cache group indices whose block ids index this view. Per-request routing uses the
     **first** group of the tuple (see :mod:`kvsidecar.plan.request`).
     ``blocks_per_id``: consecutive view blocks per logical block id (kernel blocks per id).
+    ``block_tokens``: tokens one view block holds; 0 = not declared (blocks of another size are
+    then never planned against it).
     """
 
     name: str
@@ -85,6 +91,7 @@ class View:
     groups: tuple[int, ...] = (0,)
     blocks_per_id: int = 1
     spans: tuple[Span, ...]
+    block_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Accept any sequence but store tuples, so the value stays hashable and immutable.
@@ -142,6 +149,10 @@ class EngineGeometry:
     _limit_views: tuple[tuple[View, ...], ...] = field(
         init=False, repr=False, compare=False, hash=False, default=()
     )
+    # Per group: tokens per block id of its routed views that declare block_tokens (0: none).
+    _group_tokens: tuple[int, ...] = field(
+        init=False, repr=False, compare=False, hash=False, default=()
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "views", tuple(self.views))
@@ -153,11 +164,22 @@ class EngineGeometry:
             per_group[v.route_group].setdefault(v.num_ids, v)
         limits = tuple(tuple(d[c] for c in sorted(d)) for d in per_group)
         object.__setattr__(self, "_limit_views", limits)
+        tokens: list[set[int]] = [set() for _ in range(self.num_groups)]
+        for v in self.views:
+            if v.block_tokens:
+                tokens[v.route_group].add(v.block_tokens * v.blocks_per_id)
+        one = tuple(t.pop() if len(t) == 1 else 0 for t in tokens)
+        object.__setattr__(self, "_group_tokens", one)
 
     def limit_views(self, group: int) -> tuple[View, ...]:
         """Views whose ids come from ``group``, one per distinct ``num_ids``, smallest first:
         checking ids against these checks them against every view of the group."""
         return self._limit_views[group]
+
+    def group_tokens(self, group: int) -> int:
+        """Tokens per block id of ``group``: ``block_tokens * blocks_per_id`` of the views routed
+        to it that declare ``block_tokens``; 0 if none does or they differ."""
+        return self._group_tokens[group]
 
     def view(self, name: str) -> View:
         """The view named ``name``; KeyError if absent."""
@@ -176,7 +198,7 @@ def _is_int(x: object) -> bool:
 
 
 def _span_problems(
-    where: str, span: object, tp_size: int, block_stride: int, num_blocks: int
+    where: str, span: object, tp_size: int, block_stride: int, num_blocks: int, block_tokens: int
 ) -> list[str]:
     if not isinstance(span, Span):
         return [f"{where} is {type(span).__name__}, not Span"]
@@ -185,7 +207,7 @@ def _span_problems(
     if not isinstance(span.key, str) or not span.key:
         p.append(f"{where}.key={span.key!r} must be a non-empty string")
     ints_ok = True
-    for name in ("offset", "length", "global_units", "unit_stride"):
+    for name in ("offset", "length", "global_units", "unit_stride", "token_rows"):
         if not _is_int(getattr(span, name)):
             p.append(f"{where}.{name}={getattr(span, name)!r} must be an int")
             ints_ok = False
@@ -223,7 +245,22 @@ def _span_problems(
             p.append(f"{where}.length={span.length} is not a multiple of units held ({held})")
         elif span.unit_stride and held > 1:
             p.extend(_strided_problems(where, span, held, block_stride, num_blocks))
+    if span.token_rows:
+        p.extend(_token_problems(where, span, _held(span, tp_size), block_tokens))
     return p
+
+
+def _token_problems(where: str, span: Span, held: int, block_tokens: int) -> list[str]:
+    """A token axis needs the view's ``block_tokens`` and units of whole token rows."""
+    if span.token_rows < 0:
+        return [f"{where}.token_rows={span.token_rows} is negative"]
+    if not _is_int(block_tokens) or block_tokens <= 0:
+        return [f"{where}.token_rows={span.token_rows} needs the view's block_tokens (it is 0)"]
+    ub = span.length // held if span.length > 0 else 0
+    if ub % (span.token_rows * block_tokens) == 0:
+        return []
+    return [f"{where}.token_rows={span.token_rows}: {ub} bytes per unit are not token_rows x "
+            f"block_tokens={block_tokens} equal token slices"]  # fmt: skip
 
 
 def _strided_problems(
@@ -259,7 +296,7 @@ def _view_problems(where: str, view: object, tp_size: int, num_groups: int) -> l
         p.append(f"{where}.name={view.name!r} must be a non-empty string")
     if not isinstance(view.memory_id, str) or not view.memory_id:
         p.append(f"{where}.memory_id={view.memory_id!r} must be a non-empty string")
-    for name in ("offset", "num_blocks", "block_stride", "blocks_per_id"):
+    for name in ("offset", "num_blocks", "block_stride", "blocks_per_id", "block_tokens"):
         if not _is_int(getattr(view, name)):
             p.append(f"{where}.{name}={getattr(view, name)!r} must be an int")
     if p:
@@ -270,6 +307,8 @@ def _view_problems(where: str, view: object, tp_size: int, num_groups: int) -> l
         p.append(f"{where}.num_blocks={view.num_blocks} must be positive")
     if view.block_stride <= 0:
         p.append(f"{where}.block_stride={view.block_stride} must be positive")
+    if view.block_tokens < 0:
+        p.append(f"{where}.block_tokens={view.block_tokens} is negative")
     if view.blocks_per_id <= 0:
         p.append(f"{where}.blocks_per_id={view.blocks_per_id} must be positive")
     elif view.num_blocks > 0 and view.num_blocks < view.blocks_per_id:
@@ -287,9 +326,8 @@ def _view_problems(where: str, view: object, tp_size: int, num_groups: int) -> l
         p.append(f"{where} has no spans")
     keys: set[str] = set()
     for j, s in enumerate(view.spans):
-        p.extend(
-            _span_problems(f"{where}.spans[{j}]", s, tp_size, view.block_stride, view.num_blocks)
-        )
+        args = (tp_size, view.block_stride, view.num_blocks, view.block_tokens)
+        p.extend(_span_problems(f"{where}.spans[{j}]", s, *args))
         if isinstance(s, Span):
             if s.key in keys:
                 p.append(f"{where} has duplicate span key {s.key!r}")

@@ -9,7 +9,10 @@ else 1 (replicated KV heads). Common parameters:
 * ``memory_id``/``offset``: the allocation and the byte offset of block 0 inside it;
 * ``groups``/``blocks_per_id``: see :class:`~kvsidecar.plan.geometry.View`.
 
-Block strides are bytes; units are KV heads unless stated otherwise.
+Block strides are bytes; units are KV heads unless stated otherwise. Every helper declares
+``block_tokens``; the whole-block layouts (HND ``k``/``v``, FlashInfer, MLA, vLLM's CPU pages) also
+declare each span's token axis (``token_rows``), so engines of different block sizes plan against
+each other (:mod:`kvsidecar.plan.tokens`); per-token layouts move only between equal block sizes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "nhd_token_views",
     "packed_kv_view",
     "vllm_attention_views",
+    "vllm_cpu_view",
 ]
 
 
@@ -55,7 +59,8 @@ def hnd_kv_views(
 ) -> tuple[View, View]:
     """HND attention, K and V in separate tensors (FlashAttention): each ``[num_blocks, H,
     block_size, head_dim]``. Two views ``{name}.k`` and ``{name}.v`` with one span each (``k`` /
-    ``v``), sharded over KV heads; one unit = ``block_size * head_dim * dtype_bytes`` bytes.
+    ``v``), sharded over KV heads; one unit = ``block_size * head_dim * dtype_bytes`` bytes, one
+    row of tokens (``token_rows = 1``).
     """
     h = heads_held(global_kv_heads, tp_size)
     stride = h * block_size * head_dim * dtype_bytes
@@ -68,7 +73,10 @@ def hnd_kv_views(
             block_stride=stride,
             groups=groups,
             blocks_per_id=blocks_per_id,
-            spans=(Span(key=key, offset=0, length=stride, global_units=global_kv_heads),),
+            block_tokens=block_size,
+            spans=(
+                Span(key=key, offset=0, length=stride, global_units=global_kv_heads, token_rows=1),
+            ),
         )
         for key, mem, off in (("k", k_memory_id, k_offset), ("v", v_memory_id, v_offset))
     )
@@ -90,7 +98,7 @@ def flashinfer_view(
     blocks_per_id: int = 1,
 ) -> View:
     """FlashInfer blocks-first ``[num_blocks, 2, H, block_size, head_dim]``: one view, spans ``k`` at
-    0 and ``v`` at half the block, each sharded over KV heads.
+    0 and ``v`` at half the block, each sharded over KV heads, one row of tokens per head.
     """
     h = heads_held(global_kv_heads, tp_size)
     half = h * block_size * head_dim * dtype_bytes
@@ -102,9 +110,10 @@ def flashinfer_view(
         block_stride=2 * half,
         groups=groups,
         blocks_per_id=blocks_per_id,
+        block_tokens=block_size,
         spans=(
-            Span(key="k", offset=0, length=half, global_units=global_kv_heads),
-            Span(key="v", offset=half, length=half, global_units=global_kv_heads),
+            Span(key="k", offset=0, length=half, global_units=global_kv_heads, token_rows=1),
+            Span(key="v", offset=half, length=half, global_units=global_kv_heads, token_rows=1),
         ),
     )
 
@@ -197,8 +206,8 @@ def mla_view(
     blocks_per_id: int = 1,
 ) -> View:
     """MLA ``[num_blocks, block_size, latent_dim]`` (``latent_dim`` = kv_lora_rank + rope dim), the
-    same on every rank: one view, one replicated span ``latent``. ``block_stride`` defaults to the
-    packed block (pass layers x it when blocks are outermost).
+    same on every rank: one view, one replicated span ``latent`` (one row of tokens).
+    ``block_stride`` defaults to the packed block (pass layers x it when blocks are outermost).
     """
     packed = block_size * latent_dim * dtype_bytes
     stride = packed if block_stride is None else block_stride
@@ -210,7 +219,8 @@ def mla_view(
         block_stride=stride,
         groups=groups,
         blocks_per_id=blocks_per_id,
-        spans=(Span(key="latent", offset=0, length=packed, global_units=0),),
+        block_tokens=block_size,
+        spans=(Span(key="latent", offset=0, length=packed, global_units=0, token_rows=1),),
     )
 
 
@@ -246,6 +256,7 @@ def nhd_token_views(
             block_stride=tok * block_size,
             groups=groups,
             blocks_per_id=blocks_per_id,
+            block_tokens=block_size,
             spans=tuple(
                 Span(key=f"t{t}.{key}", offset=t * tok, length=tok, global_units=global_kv_heads)
                 for t in range(block_size)
@@ -309,4 +320,60 @@ def vllm_attention_views(
             blocks_per_id=blocks_per_id,
         )
         for layer, name in enumerate(names)
+    )
+
+
+def vllm_cpu_view(
+    *,
+    name: str,
+    memory_id: str,
+    num_blocks: int,
+    block_size: int,
+    global_kv_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+    tp_size: int,
+    offset: int = 0,
+    block_stride: int | None = None,
+    groups: tuple[int, ...] = (0,),
+    blocks_per_id: int = 1,
+) -> View:
+    """vLLM's CPU attention backend (its vector ISAs; not AMX): a block is ``H`` pages of
+    ``block_size * 2 * head_dim`` elements (the tensor vLLM hands connectors says ``[H, N, 2D]``),
+    each K **transposed** (``[head_dim, block_size]``) then V (``[block_size, head_dim]``). Spans
+    ``kT`` (``token_rows = head_dim``: each row is one channel of every token) and ``v``
+    (``token_rows = 1``), both sharded over KV heads with ``unit_stride`` = the page when ``H > 1``.
+    Equal block sizes still read whole pages (the spans merge); blocks of another size read a
+    remote block's page as ``head_dim + 1`` slices.
+    """
+    h = heads_held(global_kv_heads, tp_size)
+    half = block_size * head_dim * dtype_bytes
+    step = 2 * half if h > 1 else 0
+    return View(
+        name=name,
+        memory_id=memory_id,
+        offset=offset,
+        num_blocks=num_blocks,
+        block_stride=h * 2 * half if block_stride is None else block_stride,
+        groups=groups,
+        blocks_per_id=blocks_per_id,
+        block_tokens=block_size,
+        spans=(
+            Span(
+                key="kT",
+                offset=0,
+                length=h * half,
+                global_units=global_kv_heads,
+                unit_stride=step,
+                token_rows=head_dim,
+            ),
+            Span(
+                key="v",
+                offset=half,
+                length=h * half,
+                global_units=global_kv_heads,
+                unit_stride=step,
+                token_rows=1,
+            ),
+        ),
     )

@@ -8,6 +8,10 @@ remote row ``i``. In a prepared list the descriptors of row ``i`` have ids
 ``row_start[i] + b`` where ``row_start`` is the exclusive cumulative sum of the counts; local and
 remote counts differ (the engines have different ``num_blocks``), so each side has its own starts.
 
+Blocks of different sizes (:mod:`.tokens`): with ``r`` remote blocks per local block, every row
+has a **slot** ``s``: it writes tokens ``[s * T_P, (s + 1) * T_P)`` of local block ``j`` from the
+``s``-th remote block that fills ``j``. Rows of one slot form their own row batches.
+
 Units: addresses, lengths, strides and offsets are bytes; counts are view (kernel) blocks; ranks are
 TP ranks. Plans are computed once per (local engine, remote engine, epoch), never per request.
 """
@@ -25,7 +29,8 @@ from kvsidecar.errors import CannotPlanError
 
 from .compat import check_compatible
 from .geometry import EngineGeometry
-from .tp import RankRole, expected_consumers, notify_only_ranks, plan_reads
+from .tokens import group_ratios
+from .tp import RankRole, ViewReads, expected_consumers, notify_only_ranks, plan_reads
 
 __all__ = ["DESC_ID_DTYPE", "PeerPlan", "RankPlan", "RowBatch", "build_peer_plan"]
 
@@ -50,7 +55,9 @@ def _frozen(a: _A) -> _A:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RowBatch:
-    """Rows that route the same group with the same ``blocks_per_id``, for the per-request path.
+    """Rows that route the same group with the same ``blocks_per_id`` and slot, for the
+    per-request path. ``ratio``: remote block ids per local block id of the group (1: same size);
+    ``slot``: which of them the rows read (see :mod:`.tokens`).
 
     ``local_starts``/``remote_starts``: (k, 1) int32 descriptor id of block 0 of each row (column
     vectors so ``starts + kernel_ids`` broadcasts to row-major ids). ``local_id_limit`` /
@@ -67,6 +74,8 @@ class RowBatch:
     local_id_limit: int
     remote_id_limit: int
     bytes_per_block: int
+    ratio: int = 1
+    slot: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -75,8 +84,8 @@ class RankPlan:
 
     ``expected_consumers``: notifications remote rank ``remote_rank`` expects for one request across
     all local ranks (carried in this rank's notification). ``bytes_per_block``: bytes read per
-    logical block id, i.e. for one id of every group: each row's length times its view's
-    ``blocks_per_id``, summed. Arrays are read-only.
+    local logical block id, i.e. for one whole id of every group: each row's length times its
+    view's ``blocks_per_id``, summed over every slot. Arrays are read-only.
     """
 
     remote_rank: int
@@ -90,6 +99,7 @@ class RankPlan:
     row_groups: I64Array  # (N,) group whose ids index the row (the view's first group)
     row_blocks_per_id: I64Array  # (N,) kernel blocks per logical id
     row_lengths: I64Array  # (N,) bytes per descriptor
+    row_slots: I64Array  # (N,) which remote block of a local one the row reads (see .tokens)
     local_row_starts: I64Array  # (N,) id of the row's block 0 in the local prepared list
     remote_row_starts: I64Array  # (N,) same in the remote prepared list
     num_local_descs: int  # descriptors in the local prepared list (sum of local counts)
@@ -112,6 +122,7 @@ class PeerPlan:
     """The plan of local rank ``local_rank`` against remote engine ``remote_engine_id``.
 
     ``ranks``: ascending by remote rank; only ranks read from or notified (notify-only).
+    ``group_ratios``: per group, remote block ids per local block id (1: same block size).
     """
 
     local_engine_id: str
@@ -121,6 +132,7 @@ class PeerPlan:
     remote_tp_size: int
     ranks: tuple[RankPlan, ...]
     warnings: tuple[str, ...]
+    group_ratios: tuple[int, ...] = ()
 
     @property
     def read_ranks(self) -> tuple[RankPlan, ...]:
@@ -153,8 +165,11 @@ class PeerPlan:
             )
             for i in range(min(r.num_rows, max_rows)):
                 lr, rr = r.local_rows[i], r.remote_rows[i]
+                slot = (
+                    f" slot {int(r.row_slots[i])}" if max(self.group_ratios, default=1) > 1 else ""
+                )
                 lines.append(
-                    f"    row {i} view {r.row_views[i]} [{','.join(r.row_keys[i])}]: "
+                    f"    row {i} view {r.row_views[i]} [{','.join(r.row_keys[i])}]{slot}: "
                     f"{int(lr[1])} bytes, local stride {int(lr[3])} x {int(lr[4])}, "
                     f"remote stride {int(rr[3])} x {int(rr[4])}"
                 )
@@ -174,17 +189,20 @@ def _exclusive_cumsum(counts: I64Array) -> I64Array:
 def _batches(
     row_groups: I64Array,
     row_bpi: I64Array,
+    row_slots: I64Array,
     row_lengths: I64Array,
     local_starts: I64Array,
     remote_starts: I64Array,
     local_counts: I64Array,
     remote_counts: I64Array,
+    ratios: tuple[int, ...],
 ) -> tuple[RowBatch, ...]:
-    order: dict[tuple[int, int], list[int]] = {}
-    for i, (g, b) in enumerate(zip(row_groups.tolist(), row_bpi.tolist(), strict=True)):
-        order.setdefault((g, b), []).append(i)
+    order: dict[tuple[int, int, int], list[int]] = {}
+    keys = zip(row_groups.tolist(), row_bpi.tolist(), row_slots.tolist(), strict=True)
+    for i, key in enumerate(keys):
+        order.setdefault(key, []).append(i)
     out = []
-    for (g, b), rows in order.items():
+    for (g, b, slot), rows in order.items():
         idx = np.asarray(rows, dtype=np.int64)
         out.append(
             RowBatch(
@@ -196,6 +214,8 @@ def _batches(
                 local_id_limit=int(local_counts[idx].min()) // b,
                 remote_id_limit=int(remote_counts[idx].min()) // b,
                 bytes_per_block=int(row_lengths[idx].sum()),
+                ratio=ratios[g],
+                slot=slot,
             )
         )
     return tuple(out)
@@ -208,7 +228,7 @@ def _empty_rank(remote_rank: int, consumers: int) -> RankPlan:
         remote_rank=remote_rank, role=RankRole.NOTIFY_ONLY, expected_consumers=consumers,
         bytes_per_block=0, local_rows=empty_rows, remote_rows=empty_rows, row_views=(),
         row_keys=(), row_groups=empty, row_blocks_per_id=empty, row_lengths=empty,
-        local_row_starts=empty, remote_row_starts=empty, num_local_descs=0, num_remote_descs=0,
+        row_slots=empty, local_row_starts=empty, remote_row_starts=empty, num_local_descs=0, num_remote_descs=0,
         batches=(),
     )  # fmt: skip
 
@@ -226,19 +246,21 @@ def build_peer_plan(
     ``local_bases``: view name -> (address of block 0 in bytes, device id) on this rank.
     ``remote_bases``: remote rank -> view name -> (address of block 0, device id); needs entries
     only for the ranks read (see ``needed_remote_ranks``). Raises IncompatibleError for mismatched
-    geometries and CannotPlanError for geometries that cannot be mapped or missing bases.
+    geometries and CannotPlanError for geometries that cannot be mapped (blocks of different sizes
+    included, :mod:`.tokens`) or missing bases.
     """
     check_compatible(local, remote)
     d = local.tp_rank
     reads = plan_reads(local, remote)
     consumers = expected_consumers(local, remote)
     rviews = {v.name: v for v in remote.views}
+    ratios = _group_ratios(local, remote, reads)
 
-    per_rank: dict[int, list[tuple[int, int, int, int, tuple[str, ...]]]] = {}
+    per_rank: dict[int, list[tuple[int, int, int, int, tuple[str, ...], int]]] = {}
     for vr in reads:
         for pc in vr.pieces:
             per_rank.setdefault(pc.remote_rank, []).append(
-                (vr.view_index, pc.local_offset, pc.remote_offset, pc.length, pc.keys)
+                (vr.view_index, pc.local_offset, pc.remote_offset, pc.length, pc.keys, pc.slot)
             )
 
     missing = [f"local view {v.name}" for v in local.views if v.name not in local_bases]
@@ -287,6 +309,7 @@ def build_peer_plan(
         l_starts, r_starts = _exclusive_cumsum(lc), _exclusive_cumsum(rc)
         lengths = length.astype(np.int64)
         groups, bpi = v_group[vi], v_bpi[vi]
+        slots = np.asarray([r[5] for r in rows], dtype=np.int64)
         min_len = int(lengths.min())
         if min_len < _SMALL_ROW_BYTES:
             small.append(f"{p}:{min_len}")
@@ -303,11 +326,12 @@ def build_peer_plan(
                 row_groups=_frozen(groups),
                 row_blocks_per_id=_frozen(bpi),
                 row_lengths=_frozen(lengths),
+                row_slots=_frozen(slots),
                 local_row_starts=_frozen(l_starts),
                 remote_row_starts=_frozen(r_starts),
                 num_local_descs=int(lc.sum()),
                 num_remote_descs=int(rc.sum()),
-                batches=_batches(groups, bpi, lengths, l_starts, r_starts, lc, rc),
+                batches=_batches(groups, bpi, slots, lengths, l_starts, r_starts, lc, rc, ratios),
             )
         )
     for p in notify_only_ranks(local, remote, d):
@@ -334,4 +358,30 @@ def build_peer_plan(
         remote_tp_size=remote.tp_size,
         ranks=tuple(ranks),
         warnings=tuple(warnings),
+        group_ratios=ratios,
     )
+
+
+def _group_ratios(
+    local: EngineGeometry, remote: EngineGeometry, reads: tuple[ViewReads, ...]
+) -> tuple[int, ...]:
+    """Per group, the ratio every view routed to it reads at; CannotPlanError if they differ (a
+    request carries one id list per group, so a group's blocks have one size on each side)."""
+    ratios: dict[int, tuple[int, str]] = {}
+    for vr in reads:
+        g = local.views[vr.view_index].route_group
+        first = ratios.setdefault(g, (vr.ratio, vr.view_name))
+        if first[0] != vr.ratio:
+            raise CannotPlanError(
+                f"group {g}: view {first[1]} reads {first[0]} remote blocks per local block, "
+                f"view {vr.view_name} {vr.ratio} (declare block_tokens on every view of the "
+                "group, on both engines)"
+            )
+    out = tuple(ratios.get(g, (1, ""))[0] for g in range(local.num_groups))
+    if out != group_ratios(local, remote):  # what validate_request_ids pairs ids with
+        raise CannotPlanError(
+            f"remote blocks per local block {out} by view, but "
+            f"{group_ratios(local, remote)} by group: blocks of different sizes need one block "
+            "size per group on each engine"
+        )
+    return out

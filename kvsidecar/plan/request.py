@@ -8,6 +8,10 @@ remote (P) ones ``remote_ids[g]``. Transforms, all vectorised (no per-block Pyth
 * **partial prefix hit**: if ``len(remote_ids[g]) > len(local_ids[g])`` the local side already holds
   the head; the request reads the **tail** of the remote ids of the local count. ``len(local) == 0``
   for every group is a full hit: nothing is read, the producer is only notified.
+* **blocks of different sizes** (:mod:`.tokens`): where ``r`` remote blocks fill one local block,
+  at most ``ceil(len(remote_ids[g]) / r)`` local ids; the read takes the remote tail of
+  ``remote_tail`` ids and local id ``i`` gets tail ids ``i*r .. i*r+r-1`` (slot by slot: one array
+  slice per slot row batch); the last local block may get fewer.
 * **logical -> kernel expansion**: id ``i`` of a view with ``blocks_per_id = k`` is view blocks
   ``i*k .. i*k+k-1``.
 * **descriptor ids** = ``row_start + kernel block``, row-major (all blocks of row 0, then row 1, ...),
@@ -27,7 +31,8 @@ import numpy.typing as npt
 from kvsidecar.errors import BlockIdError
 
 from .geometry import EngineGeometry, View
-from .peer_plan import DESC_ID_DTYPE, PeerPlan, RankPlan
+from .peer_plan import DESC_ID_DTYPE, PeerPlan, RankPlan, RowBatch
+from .tokens import group_ratios, remote_tail
 
 __all__ = [
     "BatchIds",
@@ -118,17 +123,12 @@ def _rank_batch(
                 raise BlockIdError(
                     f"local_block_ids has {len(lgroups)} groups; the plan routes group {g}"
                 )
-            lids, rids = lgroups[g], rgroups[g]
-            k, m = len(lids), len(rids)
-            if k > m:
-                raise BlockIdError(
-                    f"local_block_ids[{g}] has {k} ids but remote_block_ids[{g}] has {m} "
-                    f"(more local than remote blocks)"
-                )
+            lids, rids = _pairs(b, g, lgroups[g], rgroups[g])
+            k = len(lids)
             if k == 0:
                 continue
             lparts.append(_checked(lids, b.local_id_limit, "local_block_ids", g))
-            rparts.append(_checked(rids[m - k :], b.remote_id_limit, "remote_block_ids", g))
+            rparts.append(_checked(rids, b.remote_id_limit, "remote_block_ids", g))
             per[i] += k * b.blocks_per_id * b.bytes_per_block
         if lparts:
             lk = _expand32(_joined(lparts), b.blocks_per_id)
@@ -138,6 +138,30 @@ def _rank_batch(
     if not locs:
         return _EMPTY, _EMPTY, per
     return _joined(locs), _joined(rems), per
+
+
+def _too_many(g: int, k: int, m: int, ratio: int) -> str:
+    if ratio == 1:
+        return (f"local_block_ids[{g}] has {k} ids but remote_block_ids[{g}] has {m} "
+                "(more local than remote blocks)")  # fmt: skip
+    return (
+        f"local_block_ids[{g}] has {k} ids but remote_block_ids[{g}] has {m}, which fill at "
+        f"most {-(-m // ratio)} local blocks of {ratio} remote blocks each"
+    )
+
+
+def _pairs(b: RowBatch, g: int, lids: IdArray, rids: IdArray) -> tuple[IdArray, IdArray]:
+    """The (local ids, remote ids) row batch ``b`` reads of one group: the remote tail of the
+    local count, or at a block-size ratio the remote ids of slot ``b.slot`` of each local id (the
+    last local id may have none)."""
+    k, m = len(lids), len(rids)
+    n = remote_tail(k, m, b.ratio)
+    if n < 0:
+        raise BlockIdError(_too_many(g, k, m, b.ratio))
+    if b.ratio == 1:
+        return lids, rids[m - n :]
+    tail = rids[m - n + b.slot :: b.ratio]
+    return lids[: len(tail)], tail
 
 
 def _joined(parts: list[DescIds]) -> DescIds:
@@ -225,12 +249,13 @@ def validate_request_ids(
 ) -> None:
     """Raise BlockIdError (message naming field and value) unless the ids of a request are valid.
 
-    Checks: one id array per group on both sides; no group with more local than remote ids; ids are
-    integers, non-negative, inside every view they route to (on each side, against that side's
+    Checks: one id array per group on both sides; no group with more local than remote ids (at a
+    block-size ratio ``r``, more than ``ceil(remote / r)``; see :mod:`.tokens`); ids are integers,
+    non-negative, inside every view they route to (on each side, against that side's
     ``num_blocks // blocks_per_id``); no local id repeats within a group (two reads into one block).
     ``remote`` is the geometry of any rank of the remote engine; ``None`` (not known yet) checks
-    everything but the remote ids' upper bounds, assuming the remote engine has the local
-    ``num_groups`` (engines with different group counts never plan).
+    everything but the remote ids' upper bounds and the ratio, assuming the remote engine has the
+    local ``num_groups`` (engines with different group counts never plan).
     """
     problems: list[str] = []
     for field, ids, geom in (("local_block_ids", local_ids, local),
@@ -242,16 +267,14 @@ def validate_request_ids(
             )
     if problems:
         raise BlockIdError("; ".join(problems))
+    ratios = group_ratios(local, remote) if remote is not None else (1,) * local.num_groups
     for g in range(local.num_groups):
         la = _as_ids(local_ids[g], "local_block_ids", g, problems)
         ra = _as_ids(remote_ids[g], "remote_block_ids", g, problems)
         if la is None or ra is None:
             continue
-        if len(la) > len(ra):
-            problems.append(
-                f"local_block_ids[{g}] has {len(la)} ids but remote_block_ids[{g}] has "
-                f"{len(ra)} (more local than remote blocks)"
-            )
+        if remote_tail(len(la), len(ra), ratios[g]) < 0:
+            problems.append(_too_many(g, len(la), len(ra), ratios[g]))
         lv = local.limit_views(g)
         rv = remote.limit_views(g) if remote is not None and g < remote.num_groups else ()
         problems.extend(_range_problems(la, "local_block_ids", g, lv))

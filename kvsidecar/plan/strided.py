@@ -68,7 +68,8 @@ def attention_view(
     (``strides[3] == dtype_bytes``). Spans ``t0.{key}`` ... ``t{N-1}.{key}``: token ``n`` at
     ``n * strides[2]``, ``H * C * dtype_bytes`` bytes, unit (head) bytes ``C * dtype_bytes``,
     ``unit_stride = strides[1]`` (0 when heads are adjacent or ``H == 1``). ``block_stride =
-    strides[0]``.
+    strides[0]``, ``block_tokens = N`` (per-token spans have no token axis: they move between
+    blocks of one size only).
     """
     _check_shape("attention shape", shape, strides, 4)
     b, h, n, c = shape
@@ -104,6 +105,7 @@ def attention_view(
         groups=groups,
         blocks_per_id=blocks_per_id,
         spans=spans,
+        block_tokens=n,
     )
 
 
@@ -119,7 +121,9 @@ def latent_view(
     blocks_per_id: int = 1,
 ) -> View:
     """MLA ``[B, N, C]`` (``C`` = kv_lora_rank + rope dim) with byte ``strides``: one replicated
-    span ``latent`` of ``N * C * dtype_bytes`` bytes; tokens and channels must be contiguous."""
+    span ``latent`` of ``N * C * dtype_bytes`` bytes; tokens and channels must be contiguous.
+    ``block_tokens = N``; no token axis is declared (the strides are all it knows of the memory:
+    :func:`~kvsidecar.plan.layouts.mla_view` declares one)."""
     _check_shape("latent shape", shape, strides, 3)
     b, n, c = shape
     _, sn, sc = strides
@@ -136,6 +140,7 @@ def latent_view(
         groups=groups,
         blocks_per_id=blocks_per_id,
         spans=(Span(key="latent", offset=0, length=n * c * dtype_bytes, global_units=0),),
+        block_tokens=n,
     )
 
 

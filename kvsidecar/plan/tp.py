@@ -14,6 +14,8 @@ Rules, for local rank ``d`` of ``T_D`` and a remote engine of ``T_P`` ranks:
 * replicated span: read whole from remote rank ``floor(d * T_P / T_D)``.
 * pieces of one view read from the same remote rank that are contiguous on *both* sides merge
   (so homogeneous TP reads whole blocks when the spans cover the block).
+* blocks of different sizes (:mod:`.tokens`): each piece of a unit is cut per token row and slot;
+  pieces merge only within one slot.
 * a remote rank that no local rank reads is *assigned* to local rank ``floor(p * T_D / T_P)``, which
   sends it a notification only. The expected consumer count of remote rank ``p`` is the number of
   local ranks that read it or are assigned to it (always >= 1).
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from kvsidecar.errors import CannotPlanError
 
 from .geometry import EngineGeometry, Span, View
+from .tokens import unit_slices, view_ratio
 
 __all__ = [
     "Piece",
@@ -104,9 +107,11 @@ def replicated_source(local_tp: int, local_rank: int, remote_tp: int) -> int:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Piece:
     """``length`` bytes at ``local_offset`` of a local block come from ``remote_offset`` of the
-    same-index block of remote rank ``remote_rank`` (offsets in bytes from the block start).
+    paired block of remote rank ``remote_rank`` (offsets in bytes from the block start).
 
     ``keys``: the span keys the piece carries (several after merging contiguous spans).
+    ``slot``: which of the remote blocks that fill one local block the piece reads (0 unless the
+    view's block-size ratio is above 1, see :mod:`.tokens`).
     """
 
     remote_rank: int
@@ -114,82 +119,88 @@ class Piece:
     remote_offset: int
     length: int
     keys: tuple[str, ...]
+    slot: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ViewReads:
-    """The pieces local view ``view_index`` reads, ordered by (remote rank, local offset)."""
+    """The pieces local view ``view_index`` reads, ordered by (remote rank, slot, local offset);
+    ``ratio``: remote blocks per local block (1: same block size)."""
 
     view_index: int
     view_name: str
     pieces: tuple[Piece, ...]
+    ratio: int = 1
 
 
 def _check_unit_bytes(
-    view: str, local: Span, remote: Span, local_held: int, remote_held: int
+    view: str, local: Span, remote: Span, local_held: int, remote_held: int, ratio: int
 ) -> int:
+    """Remote unit bytes; a local unit must hold ``ratio`` of them."""
     if local.length % local_held or remote.length % remote_held:
         raise CannotPlanError(f"view {view} span {local.key}: length not a multiple of units held")
-    ub = local.length // local_held
-    if remote.length // remote_held != ub:
+    ub, rub = local.length // local_held, remote.length // remote_held
+    if rub * ratio != ub or (ratio > 1 and local.token_rows != remote.token_rows):
         raise CannotPlanError(
-            f"view {view} span {local.key}: unit bytes differ "
-            f"(local {ub}, remote {remote.length // remote_held})"
+            f"view {view} span {local.key}: unit bytes differ (local {ub}, remote {rub}, "
+            f"{ratio} remote blocks per local block; token_rows local {local.token_rows}, "
+            f"remote {remote.token_rows})"
         )
-    return ub
+    return rub
+
+
+def _piece(p: int, lo: int, ro: int, ub: int, key: str, rows: int, ratio: int) -> list[Piece]:
+    """The pieces of one unit (``ub`` remote bytes) from remote rank ``p``: one piece, or one per
+    token row and slot when blocks differ in size."""
+    if ratio == 1:
+        return [Piece(remote_rank=p, local_offset=lo, remote_offset=ro, length=ub, keys=(key,))]
+    return [
+        Piece(remote_rank=p, local_offset=a, remote_offset=b, length=n, keys=(key,), slot=s)
+        for s, a, b, n in unit_slices(lo, ro, ub, rows, ratio)
+    ]
 
 
 def _span_pieces(
-    view: str, local: Span, remote: Span, local_tp: int, d: int, remote_tp: int
+    view: str, local: Span, remote: Span, local_tp: int, d: int, remote_tp: int, ratio: int = 1
 ) -> list[Piece]:
-    """Pieces of one span for local rank ``d``, before cross-span merging."""
+    """Pieces of one span for local rank ``d``, before cross-span merging; ``ratio``: remote
+    blocks per local block."""
     if local.replicated != remote.replicated or local.global_units != remote.global_units:
         raise CannotPlanError(
             f"view {view} span {local.key}: global_units differ "
             f"(local {local.global_units}, remote {remote.global_units})"
         )
     if local.replicated:
-        if local.length != remote.length:
-            raise CannotPlanError(
-                f"view {view} span {local.key}: replicated length differs "
-                f"(local {local.length}, remote {remote.length})"
-            )
+        rub = _check_unit_bytes(view, local, remote, 1, 1, ratio)
         p = replicated_source(local_tp, d, remote_tp)
-        return [Piece(remote_rank=p, local_offset=local.offset, remote_offset=remote.offset,
-                      length=local.length, keys=(local.key,))]  # fmt: skip
+        return _piece(p, local.offset, remote.offset, rub, local.key, local.token_rows, ratio)
     u_total = local.global_units
     ls, le = units_held(u_total, local_tp, d)
     # Remote units held are the same count for every remote rank; use rank 0 to size them.
     rs0, re0 = units_held(u_total, remote_tp, 0)
-    ub = _check_unit_bytes(view, local, remote, le - ls, re0 - rs0)
-    l_step = local.unit_stride or ub
-    r_step = remote.unit_stride or ub
+    rub = _check_unit_bytes(view, local, remote, le - ls, re0 - rs0, ratio)
+    l_step = local.unit_stride or rub * ratio
+    r_step = remote.unit_stride or rub
     # One piece per unit (the loop is over units, never blocks); _merge joins the runs that are
     # contiguous on both sides, so a contiguous layout still reads whole spans.
     pieces: list[Piece] = []
     for u in range(ls, le):
         p = unit_source(u_total, local_tp, d, remote_tp, u)
         ps, _ = units_held(u_total, remote_tp, p)
-        pieces.append(
-            Piece(
-                remote_rank=p,
-                local_offset=local.offset + (u - ls) * l_step,
-                remote_offset=remote.offset + (u - ps) * r_step,
-                length=ub,
-                keys=(local.key,),
-            )
-        )
+        lo, ro = local.offset + (u - ls) * l_step, remote.offset + (u - ps) * r_step
+        pieces.extend(_piece(p, lo, ro, rub, local.key, local.token_rows, ratio))
     return pieces
 
 
 def _merge(pieces: Iterable[Piece]) -> tuple[Piece, ...]:
-    """Merge pieces from the same remote rank that are contiguous on both sides."""
+    """Merge pieces from the same remote rank and slot that are contiguous on both sides."""
     out: list[Piece] = []
-    for pc in sorted(pieces, key=lambda x: (x.remote_rank, x.local_offset)):
+    for pc in sorted(pieces, key=lambda x: (x.remote_rank, x.slot, x.local_offset)):
         if out:
             last = out[-1]
             if (
                 last.remote_rank == pc.remote_rank
+                and last.slot == pc.slot
                 and last.local_offset + last.length == pc.local_offset
                 and last.remote_offset + last.length == pc.remote_offset
             ):
@@ -199,6 +210,7 @@ def _merge(pieces: Iterable[Piece]) -> tuple[Piece, ...]:
                     remote_offset=last.remote_offset,
                     length=last.length + pc.length,
                     keys=last.keys if pc.keys == last.keys[-1:] else last.keys + pc.keys,
+                    slot=pc.slot,
                 )
                 continue
         out.append(pc)
@@ -206,7 +218,7 @@ def _merge(pieces: Iterable[Piece]) -> tuple[Piece, ...]:
 
 
 def _view_pieces(
-    lview: View, rview: View, local_tp: int, d: int, remote_tp: int
+    lview: View, rview: View, local_tp: int, d: int, remote_tp: int, ratio: int
 ) -> tuple[Piece, ...]:
     remote_spans = {s.key: s for s in rview.spans}
     pieces: list[Piece] = []
@@ -214,7 +226,7 @@ def _view_pieces(
         rs = remote_spans.get(s.key)
         if rs is None:
             raise CannotPlanError(f"view {lview.name}: span {s.key!r} missing on the remote side")
-        pieces.extend(_span_pieces(lview.name, s, rs, local_tp, d, remote_tp))
+        pieces.extend(_span_pieces(lview.name, s, rs, local_tp, d, remote_tp, ratio))
     return _merge(pieces)
 
 
@@ -223,24 +235,26 @@ def plan_reads(
 ) -> tuple[ViewReads, ...]:
     """For local rank ``local_rank`` (default ``local.tp_rank``), the pieces every local view reads
     from which remote rank. ``remote`` is the geometry of any one rank of the remote engine; views
-    are matched by name. Raises CannotPlanError when a view or span cannot be mapped.
+    are matched by name. Raises CannotPlanError when a view or span cannot be mapped (blocks of
+    different sizes included, see :mod:`.tokens`).
     """
     d = local.tp_rank if local_rank is None else local_rank
     if not 0 <= d < local.tp_size:
         raise CannotPlanError(f"local rank {d} is outside [0, tp_size={local.tp_size})")
     rviews = {v.name: v for v in remote.views}
-    cache: dict[tuple[tuple[Span, ...], tuple[Span, ...]], tuple[Piece, ...]] = {}
+    cache: dict[tuple[tuple[Span, ...], tuple[Span, ...], int], tuple[Piece, ...]] = {}
     out: list[ViewReads] = []
     for i, lv in enumerate(local.views):
         rv = rviews.get(lv.name)
         if rv is None:
             raise CannotPlanError(f"view {lv.name} missing on remote engine {remote.engine_id}")
-        key = (lv.spans, rv.spans)
+        ratio = view_ratio(lv, rv)
+        key = (lv.spans, rv.spans, ratio)
         pieces = cache.get(key)
         if pieces is None:
-            pieces = _view_pieces(lv, rv, local.tp_size, d, remote.tp_size)
+            pieces = _view_pieces(lv, rv, local.tp_size, d, remote.tp_size, ratio)
             cache[key] = pieces
-        out.append(ViewReads(view_index=i, view_name=lv.name, pieces=pieces))
+        out.append(ViewReads(view_index=i, view_name=lv.name, pieces=pieces, ratio=ratio))
     return tuple(out)
 
 

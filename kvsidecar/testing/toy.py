@@ -8,8 +8,10 @@ producer's block must have held — a misplaced unit, span, view or block shows 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
+import itertools
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from kvsidecar.plan import (
     mla_view,
     packed_kv_view,
     vllm_attention_views,
+    vllm_cpu_view,
 )
 from kvsidecar.plan.tp import units_held
 
@@ -39,6 +42,7 @@ class ModelKind(enum.Enum):
     MLA = "mla"  # replicated latent cache
     MAMBA = "mamba"  # hybrid: attention (group 0) + Mamba2 state (group 1)
     VLLM = "vllm"  # packed K/V of every layer in one raw buffer, memory order ModelShape.layout
+    VLLM_CPU = "vllm_cpu"  # vLLM's CPU pages: per head K transposed [D, N], then V [N, D]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,9 +113,10 @@ def build_views(shape: ModelShape, tp_size: int, memory_id: str = "kv") -> tuple
                     dtype_bytes=db,
                 )
             )
-        elif shape.kind is ModelKind.FLASHINFER:
+        elif shape.kind in (ModelKind.FLASHINFER, ModelKind.VLLM_CPU):
+            helper = flashinfer_view if shape.kind is ModelKind.FLASHINFER else vllm_cpu_view
             views.append(
-                flashinfer_view(
+                helper(
                     name=name,
                     memory_id=memory_id,
                     offset=offset,
@@ -160,16 +165,7 @@ def build_views(shape: ModelShape, tp_size: int, memory_id: str = "kv") -> tuple
 
 
 def _at(view: View, offset: int) -> View:
-    return View(
-        name=view.name,
-        memory_id=view.memory_id,
-        offset=offset,
-        num_blocks=view.num_blocks,
-        block_stride=view.block_stride,
-        groups=view.groups,
-        blocks_per_id=view.blocks_per_id,
-        spans=view.spans,
-    )
+    return dataclasses.replace(view, offset=offset)
 
 
 def _end(views: Sequence[View], tp_size: int = 1) -> int:
@@ -279,12 +275,21 @@ def verify(
     seed: int,
     local_ids: Sequence[Sequence[int]],
     remote_ids: Sequence[Sequence[int]],
+    ratio: int = 1,
 ) -> int:
     """Check that the local blocks hold the producer's blocks (tail of ``remote_ids`` per group).
+    ``ratio``: the producer's blocks hold ``1/ratio`` of the tokens (its views are these with
+    ``block_size / ratio``): local block ``j`` holds ``ratio`` producer blocks, slot by slot along
+    every span's token axis (``plan.tokens``), the last maybe fewer.
 
     Returns the bytes verified; raises ``ValueError`` naming the first mismatching view, span,
     local block and byte.
     """
+    if ratio > 1:
+        return sum(
+            _verify_slots(buf, view, tp_size, rank, seed, local_ids, remote_ids, ratio)
+            for view in views
+        )
     checked = 0
     for view in views:
         g = view.groups[0]
@@ -316,4 +321,50 @@ def verify(
                         f"expected {int(expected[i, byte])} ({len(bad)} bytes differ)"
                     )
                 checked += actual.size
+    return checked
+
+
+def _verify_slots(
+    buf: U8,
+    view: View,
+    tp_size: int,
+    rank: int,
+    seed: int,
+    local_ids: Sequence[Sequence[int]],
+    remote_ids: Sequence[Sequence[int]],
+    ratio: int,
+) -> int:
+    """:func:`verify` of one view whose blocks each hold ``ratio`` producer blocks."""
+    g = view.groups[0]
+    loc = np.asarray(local_ids[g], dtype=np.int64)
+    rem = np.asarray(remote_ids[g], dtype=np.int64)
+    cover = -(-len(rem) // ratio)  # local positions the producer's ids fill
+    checked = 0
+    for slot in range(ratio):
+        pos = (cover - len(loc) + np.arange(len(loc), dtype=np.int64)) * ratio + slot
+        keep = pos < len(rem)
+        lk, rk = loc[keep], rem[pos[keep]]
+        if not len(lk):
+            continue
+        for span in view.spans:
+            units = _span_units(span.global_units, tp_size, rank)
+            ub = span.length // len(units)  # a local unit; the producer's is ub / ratio
+            row = ub // ratio // span.token_rows
+            for offset, part in _pieces(span, units):
+                key = tuple(int(u) for u in part)
+                table = _table(view.name, span.key, key, ub // ratio, _table_blocks(view, rk), seed)
+                expected = table[rk]
+                for k, i in itertools.product(range(len(part)), range(span.token_rows)):
+                    at = offset + k * ub + i * row * ratio + slot * row
+                    got = buf[_block_index(view, lk, at, row)]
+                    want = expected[:, (k * span.token_rows + i) * row :][:, :row]
+                    bad = np.argwhere(got != want)
+                    if bad.size:
+                        b, byte = (int(x) for x in bad[0])
+                        raise ValueError(
+                            f"{view.name}/{span.key}: local block {int(lk[b])} slot {slot} "
+                            f"(remote {int(rk[b])}) byte {at + byte}: got {int(got[b, byte])}, "
+                            f"expected {int(want[b, byte])}"
+                        )
+                    checked += got.size
     return checked

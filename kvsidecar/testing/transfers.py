@@ -82,6 +82,7 @@ async def transfer(
             seed=cluster.seed,
             local_ids=decode_ids,
             remote_ids=prefill_ids,
+            ratio=block_ratio(cluster),
         )
     done = []
     for fut in sends:
@@ -98,6 +99,12 @@ async def transfer(
         bytes_verified=verified,
         send_done=tuple(done),
     )
+
+
+def block_ratio(cluster: LocalCluster) -> int:
+    """Prefill blocks per decode block (``decode_shape`` with a larger ``block_size``)."""
+    decode = cluster.decode_shape or cluster.shape
+    return max(1, decode.block_size // cluster.shape.block_size)
 
 
 def request_ids(

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvsidecar/v1/geometry.proto\x12\x0ckvsidecar.v1\"^\n\x04Span\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x14\n\x0cglobal_units\x18\x04 \x01(\r\x12\x13\n\x0bunit_stride\x18\x05 \x01(\x04\"\xab\x01\n\x04View\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmemory_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x05 \x01(\x04\x12\x0e\n\x06groups\x18\x06 \x03(\r\x12\x15\n\rblocks_per_id\x18\x07 \x01(\r\x12!\n\x05spans\x18\x08 \x03(\x0b\x32\x12.kvsidecar.v1.Span\"2\n\x07HostShm\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x19\n\x11unlink_after_exit\x18\x02 \x01(\x08\">\n\x07\x43udaIpc\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"\x80\x01\n\x06Memory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12)\n\x08host_shm\x18\x03 \x01(\x0b\x32\x15.kvsidecar.v1.HostShmH\x00\x12)\n\x08\x63uda_ipc\x18\x04 \x01(\x0b\x32\x15.kvsidecar.v1.CudaIpcH\x00\x42\x06\n\x04kind\"\x84\x01\n\x06\x43ompat\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12.\n\x05\x65xtra\x18\x03 \x03(\x0b\x32\x1f.kvsidecar.v1.Compat.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvsidecar/v1/geometry.proto\x12\x0ckvsidecar.v1\"r\n\x04Span\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x14\n\x0cglobal_units\x18\x04 \x01(\r\x12\x13\n\x0bunit_stride\x18\x05 \x01(\x04\x12\x12\n\ntoken_rows\x18\x06 \x01(\r\"\xc1\x01\n\x04View\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmemory_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x05 \x01(\x04\x12\x0e\n\x06groups\x18\x06 \x03(\r\x12\x15\n\rblocks_per_id\x18\x07 \x01(\r\x12!\n\x05spans\x18\x08 \x03(\x0b\x32\x12.kvsidecar.v1.Span\x12\x14\n\x0c\x62lock_tokens\x18\t \x01(\r\"2\n\x07HostShm\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x19\n\x11unlink_after_exit\x18\x02 \x01(\x08\">\n\x07\x43udaIpc\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"\x80\x01\n\x06Memory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12)\n\x08host_shm\x18\x03 \x01(\x0b\x32\x15.kvsidecar.v1.HostShmH\x00\x12)\n\x08\x63uda_ipc\x18\x04 \x01(\x0b\x32\x15.kvsidecar.v1.CudaIpcH\x00\x42\x06\n\x04kind\"\x84\x01\n\x06\x43ompat\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12.\n\x05\x65xtra\x18\x03 \x03(\x0b\x32\x1f.kvsidecar.v1.Compat.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPAT_EXTRAENTRY']._loaded_options = None
   _globals['_COMPAT_EXTRAENTRY']._serialized_options = b'8\001'
   _globals['_SPAN']._serialized_start=45
-  _globals['_SPAN']._serialized_end=139
-  _globals['_VIEW']._serialized_start=142
-  _globals['_VIEW']._serialized_end=313
-  _globals['_HOSTSHM']._serialized_start=315
-  _globals['_HOSTSHM']._serialized_end=365
-  _globals['_CUDAIPC']._serialized_start=367
-  _globals['_CUDAIPC']._serialized_end=429
-  _globals['_MEMORY']._serialized_start=432
-  _globals['_MEMORY']._serialized_end=560
-  _globals['_COMPAT']._serialized_start=563
-  _globals['_COMPAT']._serialized_end=695
-  _globals['_COMPAT_EXTRAENTRY']._serialized_start=651
-  _globals['_COMPAT_EXTRAENTRY']._serialized_end=695
-  _globals['_BLOCKIDS']._serialized_start=697
-  _globals['_BLOCKIDS']._serialized_end=720
+  _globals['_SPAN']._serialized_end=159
+  _globals['_VIEW']._serialized_start=162
+  _globals['_VIEW']._serialized_end=355
+  _globals['_HOSTSHM']._serialized_start=357
+  _globals['_HOSTSHM']._serialized_end=407
+  _globals['_CUDAIPC']._serialized_start=409
+  _globals['_CUDAIPC']._serialized_end=471
+  _globals['_MEMORY']._serialized_start=474
+  _globals['_MEMORY']._serialized_end=602
+  _globals['_COMPAT']._serialized_start=605
+  _globals['_COMPAT']._serialized_end=737
+  _globals['_COMPAT_EXTRAENTRY']._serialized_start=693
+  _globals['_COMPAT_EXTRAENTRY']._serialized_end=737
+  _globals['_BLOCKIDS']._serialized_start=739
+  _globals['_BLOCKIDS']._serialized_end=762
 # @@protoc_insertion_point(module_scope)

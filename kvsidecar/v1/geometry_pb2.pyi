@@ -32,6 +32,7 @@ class Span(_message.Message):
     LENGTH_FIELD_NUMBER: _builtins.int
     GLOBAL_UNITS_FIELD_NUMBER: _builtins.int
     UNIT_STRIDE_FIELD_NUMBER: _builtins.int
+    TOKEN_ROWS_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """Names the logical data ("kv", "t3.kv", "latent", "conv.x", "ssm", ...). The same key on two
     ranks or engines means the same logical data. The keys every helper uses, and how to build the
@@ -54,6 +55,14 @@ class Span(_message.Message):
     either every unit lies inside the block or unit_stride >= num_blocks * block_stride. Must be 0
     on a replicated span.
     """
+    token_rows: _builtins.int
+    """The token axis: each held unit (the whole span if replicated) is token_rows equal rows, each
+    holding the block's View.block_tokens tokens in order (token t of row i at
+    i * unit_bytes / token_rows + t * unit_bytes / (token_rows * block_tokens) from the unit's
+    start). 1 for HND K or V per head ([N, head_size]); head_size for K stored transposed per head.
+    0 = no token axis (per-token spans, states): the span moves only between blocks of one size.
+    Needs View.block_tokens. At most 65536.
+    """
     def __init__(
         self,
         *,
@@ -62,10 +71,11 @@ class Span(_message.Message):
         length: _builtins.int = ...,
         global_units: _builtins.int = ...,
         unit_stride: _builtins.int = ...,
+        token_rows: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_units", b"global_units", "key", b"key", "length", b"length", "offset", b"offset", "unit_stride", b"unit_stride"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_units", b"global_units", "key", b"key", "length", b"length", "offset", b"offset", "token_rows", b"token_rows", "unit_stride", b"unit_stride"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -85,6 +95,7 @@ class View(_message.Message):
     GROUPS_FIELD_NUMBER: _builtins.int
     BLOCKS_PER_ID_FIELD_NUMBER: _builtins.int
     SPANS_FIELD_NUMBER: _builtins.int
+    BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Stable name, the same on every rank and engine (e.g. "layers.7.attn").
     At most 256 characters.
@@ -102,6 +113,13 @@ class View(_message.Message):
     blocks_per_id: _builtins.int
     """Consecutive view blocks addressed by one block id of a group (kernel blocks per logical block).
     0 is read as 1.
+    """
+    block_tokens: _builtins.int
+    """Tokens one block of the view holds (the engine's block size over blocks_per_id). 0 = not
+    declared: blocks of another size are never planned against the view. A decode view whose
+    blocks hold r times the tokens of the prefill view's (r >= 2) is filled from r prefill blocks
+    per block, through the spans' token axes (docs/geometry.md, "Blocks of different sizes").
+    At most 1048576.
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -126,10 +144,11 @@ class View(_message.Message):
         groups: _abc.Iterable[_builtins.int] | None = ...,
         blocks_per_id: _builtins.int = ...,
         spans: _abc.Iterable[Global___Span] | None = ...,
+        block_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_stride", b"block_stride", "blocks_per_id", b"blocks_per_id", "groups", b"groups", "memory_id", b"memory_id", "name", b"name", "num_blocks", b"num_blocks", "offset", b"offset", "spans", b"spans"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_stride", b"block_stride", "block_tokens", b"block_tokens", "blocks_per_id", b"blocks_per_id", "groups", b"groups", "memory_id", b"memory_id", "name", b"name", "num_blocks", b"num_blocks", "offset", b"offset", "spans", b"spans"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from kvsidecar.errors import BlockIdError, GeometryError, InvalidArgumentError, MemoryImportError
 from kvsidecar.limits import (
+    MAX_BLOCK_TOKENS,
     MAX_BLOCKS_PER_ID,
     MAX_COMPAT_EXTRA,
     MAX_GLOBAL_UNITS,
@@ -25,6 +26,7 @@ from kvsidecar.limits import (
     MAX_PATH_CHARS,
     MAX_SPANS,
     MAX_SPANS_PER_VIEW,
+    MAX_TOKEN_ROWS,
     MAX_TP_SIZE,
     MAX_VIEWS,
     check_chars,
@@ -63,6 +65,7 @@ def view_to_proto(view: View) -> geometry_pb2.View:
         block_stride=view.block_stride,
         groups=list(view.groups),
         blocks_per_id=view.blocks_per_id,
+        block_tokens=view.block_tokens,
         spans=[
             geometry_pb2.Span(
                 key=s.key,
@@ -70,6 +73,7 @@ def view_to_proto(view: View) -> geometry_pb2.View:
                 length=s.length,
                 global_units=s.global_units,
                 unit_stride=s.unit_stride,
+                token_rows=s.token_rows,
             )
             for s in view.spans
         ],
@@ -77,8 +81,9 @@ def view_to_proto(view: View) -> geometry_pb2.View:
 
 
 def view_from_proto(pb: geometry_pb2.View) -> View:
-    """One view (unset ``groups`` = group 0, unset ``blocks_per_id`` = 1); GeometryError names
-    the view when its own fields are invalid."""
+    """One view (unset ``groups`` = group 0, unset ``blocks_per_id`` = 1, unset ``block_tokens``
+    and ``token_rows`` = not declared); GeometryError names the view when its own fields are
+    invalid."""
     return View(
         name=pb.name,
         memory_id=pb.memory_id,
@@ -87,6 +92,7 @@ def view_from_proto(pb: geometry_pb2.View) -> View:
         block_stride=pb.block_stride,
         groups=tuple(pb.groups) if pb.groups else (0,),
         blocks_per_id=pb.blocks_per_id or 1,
+        block_tokens=pb.block_tokens,
         spans=tuple(
             Span(
                 key=s.key,
@@ -94,6 +100,7 @@ def view_from_proto(pb: geometry_pb2.View) -> View:
                 length=s.length,
                 global_units=s.global_units,
                 unit_stride=s.unit_stride,
+                token_rows=s.token_rows,
             )
             for s in pb.spans
         ),
@@ -171,11 +178,13 @@ def check_geometry_bounds(
         check_chars(f"{where}.memory_id", v.memory_id)
         check_count(f"{where}.groups", v.groups, MAX_GROUPS)
         check_max(f"{where}.blocks_per_id", v.blocks_per_id, MAX_BLOCKS_PER_ID)
+        check_max(f"{where}.block_tokens", v.block_tokens, MAX_BLOCK_TOKENS)
         check_count(f"{where}.spans", v.spans, MAX_SPANS_PER_VIEW)
         total += len(v.spans)
         for j, sp in enumerate(v.spans):
             check_chars(f"{where}.spans[{j}].key", sp.key)
             check_max(f"{where}.spans[{j}].global_units", sp.global_units, MAX_GLOBAL_UNITS)
+            check_max(f"{where}.spans[{j}].token_rows", sp.token_rows, MAX_TOKEN_ROWS)
     if total > MAX_SPANS:
         raise InvalidArgumentError(f"views hold {total} spans in all (at most {MAX_SPANS})")
 

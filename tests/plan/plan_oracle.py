@@ -5,6 +5,13 @@ Every (side, rank, view) gets its own uint8 buffer at a synthetic address
 ``(view, span key, global unit, block, byte within unit)`` as seen in the *unsharded* model; local (D)
 buffers start as random bytes. A request is executed by copying, per descriptor id pair, ``len`` bytes
 from the remote descriptor's address to the local one; then every local byte is checked.
+
+Blocks of different sizes (``r`` remote blocks per local block) are checked from the token axis
+alone, not from the planner's pairing rule: of ``M`` remote ids, which fill ``cover = ceil(M / r)``
+local block positions, the ``n`` local ids are the last ``n`` positions; local position ``q`` takes
+remote ids ``q*r .. q*r + r - 1`` (those below ``M``), remote block ``s`` of them landing in slot
+``s`` (tokens ``[s*T_P, (s+1)*T_P)``) of every token row of every unit; slots with no remote id keep
+their old bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import numpy.typing as npt
 
 from kvsidecar.plan import EngineGeometry, PeerPlan, View, build_peer_plan
 from kvsidecar.plan.request import expand_kernel_ids, request_descriptor_ids
+from kvsidecar.plan.tokens import group_ratios
 from kvsidecar.plan.tp import units_held
 
 LOCAL, REMOTE = 0, 1
@@ -69,6 +77,44 @@ def span_global_bytes(
         for k, (lo, _) in enumerate(ranges):
             unit = np.full_like(j, start + k)
             out.append((lo, mix(view_id, s.key, unit[None, :], b, j[None, :])))
+    return out
+
+
+def span_slot_bytes(
+    view_id: int,
+    view: View,
+    geom: EngineGeometry,
+    rank: int,
+    rblocks: np.ndarray,
+    slot: int,
+    r: int,
+) -> list[tuple[int, U8]]:
+    """(offset in a local block, bytes per block) of slot ``slot`` of every token row of every
+    unit ``rank`` holds of ``view``, filled from remote blocks ``rblocks`` (one per local block)
+    whose blocks hold ``1/r`` of the tokens: remote unit byte ``i * row + j`` of row ``i``."""
+    out = []
+    b = np.asarray(rblocks, dtype=np.int64)[:, None]
+    for s in view.spans:
+        assert s.token_rows > 0, (view.name, s.key)
+        if s.replicated:
+            units, starts = [0], [s.offset]
+        else:
+            start, stop = units_held(s.global_units, geom.tp_size, rank)
+            units = list(range(start, stop))
+            starts = [lo for lo, _ in s.ranges(stop - start)]
+            if len(starts) == 1 and len(units) > 1:  # contiguous units
+                step = s.length // len(units)
+                starts = [s.offset + k * step for k in range(len(units))]
+        ub = s.length // len(units)
+        row_l = ub // s.token_rows
+        row_r = row_l // r
+        j = np.arange(row_r, dtype=np.int64)
+        for unit, lo in zip(units, starts, strict=True):
+            for i in range(s.token_rows):
+                data = mix(
+                    view_id, s.key, np.full_like(j, unit)[None, :], b, (i * row_r + j)[None, :]
+                )
+                out.append((lo + i * row_l + slot * row_r, data))
     return out
 
 
@@ -191,12 +237,25 @@ class Cluster:
     ) -> dict[int, U8]:
         """What every local buffer of rank ``d`` must hold after the request."""
         out = {}
+        ratios = group_ratios(self.local, self.remote)
         for i, v in enumerate(self.local.views):
             key = address(LOCAL, d, i)
             buf = before[key].copy()
             g = v.groups[0]
             lids = np.asarray(local_ids[g], dtype=np.int64)
             rids = np.asarray(remote_ids[g], dtype=np.int64)
+            r = ratios[g]
+            if r > 1 and len(lids):
+                cover = -(-len(rids) // r)
+                for s in range(r):
+                    pos = [(j, (cover - len(lids) + j) * r + s) for j in range(len(lids))]
+                    pos = [(j, p) for j, p in pos if p < len(rids)]
+                    if pos:
+                        lk = lids[[j for j, _ in pos]]
+                        rk = rids[[p for _, p in pos]]
+                        _fill(buf, v, lk, span_slot_bytes(i, v, self.local, d, rk, s, r))
+                out[key] = buf
+                continue
             rids = rids[len(rids) - len(lids) :]
             if len(lids):
                 lk = expand_kernel_ids(lids, v.blocks_per_id)

@@ -1,7 +1,8 @@
 """docs/geometry.md's worked examples are the helpers' output: the spec cannot drift from the code.
 
 Each ```json example block names a helper, its arguments and the views it must return; this test
-calls the helper with the document's numbers and compares every view and span field.
+calls the helper with the document's numbers and compares every view and span field
+(``block_tokens`` in the view, ``token_rows`` as a span's sixth item, both only where not 0).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ HELPERS = {
     "mamba1_view",
     "mamba2_view",
     "gdn_view",
+    "vllm_cpu_view",
 }
 
 
@@ -58,7 +60,12 @@ def test_example_matches_helper(example: dict[str, Any]) -> None:
             "offset": v.offset,
             "num_blocks": v.num_blocks,
             "block_stride": v.block_stride,
-            "spans": [[s.key, s.offset, s.length, s.global_units, s.unit_stride] for s in v.spans],
+            **({"block_tokens": v.block_tokens} if v.block_tokens else {}),
+            "spans": [
+                [s.key, s.offset, s.length, s.global_units, s.unit_stride]
+                + ([s.token_rows] if s.token_rows else [])
+                for s in v.spans
+            ],
         }
         for v in _call(example)
     ]

@@ -88,7 +88,11 @@ class Rank:
 
     def geometry(self, engine_id: str) -> EngineGeometry:
         return EngineGeometry(
-            engine_id=engine_id, tp_rank=self.rank, tp_size=self.tp_size, views=self.kv.views
+            engine_id=engine_id,
+            tp_rank=self.rank,
+            tp_size=self.tp_size,
+            views=self.kv.views,
+            num_groups=len(self.config.kv_cache_groups),
         )
 
     def bases(self) -> dict[str, tuple[int, int]]:

@@ -1,8 +1,10 @@
 """A real vLLM ``Scheduler`` with ``KvSidecarConnector``, built without a model download or engine.
 
 The scheduler reads only the model's ``config.json`` (``tiny_llama.make_tiny_llama``); the KV cache
-geometry (one full-attention group, plus a sliding-window group for a hybrid model) is given here
-as a ``KVCacheConfig``, the way the engine core would have computed it. Import this module only
+geometry (one full-attention group, plus a sliding-window or a Mamba2 state group for a hybrid
+model) is given here as a ``KVCacheConfig``, the way the engine core would have computed it. The
+scheduler needs no model with state layers for that: the KV-cache config alone makes it allocate
+state blocks. Import this module only
 after ``pytest.importorskip("vllm")``.
 """
 
@@ -24,6 +26,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
@@ -36,6 +39,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -60,8 +64,12 @@ def vllm_config(
     extra: dict[str, Any] | None = None,
     failure_policy: str = "fail",
     max_model_len: int = 256,
+    mamba_cache_mode: str | None = None,
 ) -> VllmConfig:
-    """A VllmConfig for ``model`` (a local dir; config.json only) with KvSidecarConnector."""
+    """A VllmConfig for ``model`` (a local dir; config.json only) with KvSidecarConnector.
+    ``mamba_cache_mode`` (models with state layers): 'none' turns prefix caching off, as vLLM
+    does; 'align' keeps it."""
+    mamba = {} if mamba_cache_mode is None else {"mamba_cache_mode": mamba_cache_mode}
     config = VllmConfig(
         model_config=ModelConfig(
             model=str(model),
@@ -77,7 +85,9 @@ def vllm_config(
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
         ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        cache_config=CacheConfig(
+            block_size=BLOCK_SIZE, enable_prefix_caching=mamba_cache_mode != "none", **mamba
+        ),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvSidecarConnector",
             kv_connector_module_path=CONNECTOR_MODULE,
@@ -124,6 +134,44 @@ def kv_cache_config(*, sliding_window: int = 0, num_blocks: int = NUM_BLOCKS) ->
         num_blocks=num_blocks,
         kv_cache_tensors=tensors,
         kv_cache_groups=groups,
+        kv_cache_layout="LBHNC",
+    )
+
+
+def hybrid_kv_cache_config(
+    *,
+    mode: str,
+    speculative_blocks: int = 0,
+    num_blocks: int = NUM_BLOCKS,
+    max_model_len: int = 256,
+) -> KVCacheConfig:
+    """A hybrid model's cache: a full-attention group (layer 0) and a Mamba2 state group (layer
+    1) in one block pool, the state page padded to the attention page, as vLLM builds it. In
+    ``mode`` 'none' one state block covers the whole sequence (block size ``max_model_len``), in
+    'align' there is one per block of tokens; ``speculative_blocks``: the scratch blocks vLLM adds
+    per request for speculative decoding (``num_speculative_tokens``)."""
+    full = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.float32
+    )
+    mamba = MambaSpec(
+        block_size=max_model_len if mode == "none" else BLOCK_SIZE,
+        shapes=((3, 64), (4, 8, 8)),  # Mamba2: conv [steps, rows], SSM [heads, head_dim, state]
+        dtypes=(torch.float32, torch.float32),
+        page_size_padded=full.page_size_bytes,
+        mamba_type=MambaAttentionBackendEnum.MAMBA2,
+        mamba_cache_mode=mode,
+        num_speculative_blocks=speculative_blocks,
+    )
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.mixer"]
+    page = full.page_size_bytes
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_blocks, layers=names, layer_stride=0, block_stride=page, offset=0
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(names[:1], full), KVCacheGroupSpec(names[1:], mamba)],
         kv_cache_layout="LBHNC",
     )
 
@@ -197,10 +245,13 @@ def model_output(
     failed: Iterable[str] = (),
     invalid: Iterable[int] = (),
     token: int = 7,
+    partial: Iterable[str] = (),
 ) -> ModelRunnerOutput:
-    """What the workers would return for ``output``: one token per scheduled request, and the
-    connector's transfer results."""
+    """What the workers would return for ``output``: one token per scheduled request but those
+    in ``partial`` (a prefill chunk that does not end the prompt: see :func:`partial_prefills`),
+    and the connector's transfer results."""
     ids = list(output.num_scheduled_tokens)
+    chunks = set(partial)
     kv = KVConnectorOutput(
         finished_sending=set(sending) or None,
         finished_recving=set(recving) or None,
@@ -210,9 +261,19 @@ def model_output(
     return ModelRunnerOutput(
         req_ids=ids,
         req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[token] for _ in ids],
+        sampled_token_ids=[[] if r in chunks else [token] for r in ids],
         kv_connector_output=None if kv.is_empty() else kv,
     )
+
+
+def partial_prefills(sched: Scheduler, output: SchedulerOutput) -> set[str]:
+    """Requests ``output`` schedules a prefill chunk of that does not reach the prompt's end
+    (``schedule()`` has counted the chunk as computed already)."""
+    return {
+        r
+        for r in output.num_scheduled_tokens
+        if sched.requests[r].num_computed_tokens < sched.requests[r].num_prompt_tokens
+    }
 
 
 def free_blocks(sched: Scheduler) -> int:

@@ -2,9 +2,12 @@
 (one per rank): the decode engine's greedy tokens and logprobs equal the prefill engine's own
 continuation of the same prompts, including a prompt whose prefix the decode engine has cached.
 
-TP 1 -> 1 is checked bit for bit. TP 2 -> 1 and 1 -> 2 move the same bytes (the geometry tests
-check that byte by byte), but an engine with another TP size sums its attention output in another
-order, so there tokens must be equal and logprobs within 1e-4."""
+TP 1 -> 1 runs prefill blocks of 32 tokens into decode blocks of 64 (docs/vllm.md, "Block sizes")
+and is checked bit for bit (vLLM's CPU kernel tiles attention by 32 tokens whatever the block
+size; equal block sizes at TP 1 -> 1 are checked bit for bit through the front door,
+test_vllm_front_door.py). TP 2 -> 1 and 1 -> 2 move the same bytes (the geometry tests check that
+byte by byte), but an engine with another TP size sums its attention output in another order, so
+there tokens must be equal and logprobs within 1e-4."""
 
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
-TP_PAIRS = [(1, 1), (2, 1), (1, 2)]
+# (prefill TP, decode TP, prefill block size, decode block size)
+CASES = [(1, 1, 32, 64), (2, 1, 32, 32), (1, 2, 32, 32)]
+IDS = [f"tp{p}-to-tp{d}" + (f"-blocks{bp}-to-{bd}" if bp != bd else "") for p, d, bp, bd in CASES]
 
 
 @pytest.fixture
@@ -45,7 +50,7 @@ def sidecars(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[dict[str, list[sidecar_proc.SidecarProcess]]]:
     """One sidecar per rank of each engine; sockets ``<side><rank>.sock``."""
-    tp_p, tp_d = request.param
+    tp_p, tp_d, _, _ = request.param
     procs: dict[str, list[sidecar_proc.SidecarProcess]] = {"prefill": [], "decode": []}
     try:
         for side, tp in (("prefill", tp_p), ("decode", tp_d)):
@@ -67,14 +72,14 @@ def sidecars(
                 sc.stop()
 
 
-def engine(model: Path, engine_id: str, socket: str, tp: int) -> Any:
+def engine(model: Path, engine_id: str, socket: str, tp: int, block_size: int = 32) -> Any:
     """A ``vllm.LLM``; ``socket``: the sidecar socket template (``{rank}`` is the TP rank)."""
     return LLM(
         model=str(model),
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="float32",
-        block_size=32,
+        block_size=block_size,
         max_model_len=256,
         max_num_seqs=8,
         max_num_batched_tokens=256,
@@ -124,19 +129,20 @@ def same_continuation(got: Any, want: Any, exact: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    "sidecars", TP_PAIRS, indirect=True, ids=[f"tp{p}-to-tp{d}" for p, d in TP_PAIRS]
+    ("sidecars", "blocks"), [(c, c[2:]) for c in CASES], indirect=["sidecars"], ids=IDS
 )
 def test_decode_engine_continues_exactly_like_the_prefill_engine(
     model: Path,
     sidecars: dict[str, list[sidecar_proc.SidecarProcess]],
+    blocks: tuple[int, int],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tp_p, tp_d = len(sidecars["prefill"]), len(sidecars["decode"])
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a TP 2 engine's threads, 2 cores
     # Both engines are up before the first hold (a hold outlives its lease only so long).
-    prefill = engine(model, "prefill", str(tmp_path / "prefill{rank}.sock"), tp_p)
-    decode = engine(model, "decode", str(tmp_path / "decode{rank}.sock"), tp_d)
+    prefill = engine(model, "prefill", str(tmp_path / "prefill{rank}.sock"), tp_p, blocks[0])
+    decode = engine(model, "decode", str(tmp_path / "decode{rank}.sock"), tp_d, blocks[1])
     prompts = [A, C]
     # The reference: the prefill engine's own continuation, batched as the decode engine will be.
     reference = [
@@ -157,6 +163,7 @@ def test_decode_engine_continues_exactly_like_the_prefill_engine(
         assert p["do_remote_prefill"], p
         assert p["remote_endpoints"] == [sc.addresses["peer"] for sc in sidecars["prefill"]]
         assert p["tp_size"] == tp_p
+        assert p["remote_block_size"] == blocks[0]
 
     t0 = time.perf_counter()
     first = decode.generate(
@@ -164,7 +171,8 @@ def test_decode_engine_continues_exactly_like_the_prefill_engine(
         [greedy(MAX_TOKENS, params[0]), greedy(MAX_TOKENS, params[1])],
         use_tqdm=False,
     )
-    # B after A: the decode engine has A's first two blocks cached, so it reads only B's tail.
+    # B after A: the decode engine has A's first 64 tokens cached (two blocks of 32, or one of
+    # 64), so it reads only B's third prefill block (tokens 64..75).
     second = decode.generate(
         [TokensPrompt(prompt_token_ids=B)], [greedy(MAX_TOKENS, params[2])], use_tqdm=False
     )
@@ -192,9 +200,9 @@ def test_decode_engine_continues_exactly_like_the_prefill_engine(
     for s in d:  # every decode rank read every request
         assert s.counters["reads_done"] == 3
         assert s.counters["reads_failed"] == 0
-    # Together the decode ranks read every KV head of the same blocks once, whatever the TP
-    # sizes: A's 3 blocks, C's 2 and B's one uncached block, each all layers x KV heads x
-    # 32 tokens x (K, V) x head_dim x float32.
+    # Together the decode ranks read every KV head of the same prefill blocks once, whatever the
+    # TP and block sizes: A's 3 blocks, C's 2 and B's one uncached block, each all layers x KV
+    # heads x 32 tokens x (K, V) x head_dim x float32.
     cfg = json.loads((model / "config.json").read_text())
     per_block = cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * 32 * 2 * cfg["head_dim"] * 4
     assert sum(s.counters["bytes_read"] for s in d) == (3 + 2 + 1) * per_block

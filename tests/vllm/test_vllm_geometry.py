@@ -13,8 +13,8 @@ that rank holds and every other block still holds its sentinel.
 
 Covered: the six layouts x TP pairs {1, 2, 4}² (4 global KV heads, 3 layers, 7 prefill and 9
 decode blocks, bf16 and fp32, block sizes 32 and 16), mismatched layout pairs, MLA (one replicated
-latent, every layout x TP pair), a worker's kernel-block split (ids stay vLLM block ids), Mamba
-refused by name, and one transfer through three real ``kvsidecar serve`` processes.
+latent, every layout x TP pair), a worker's kernel-block split (ids stay vLLM block ids), Mamba1,
+Mamba2 and Gated DeltaNet states, short-conv states refused by name, and one transfer through three real ``kvsidecar serve`` processes.
 """
 
 from __future__ import annotations
@@ -599,7 +599,8 @@ def test_hybrid_attention_and_mamba_views() -> None:
 
 
 def test_unsupported_state_layers_are_refused_by_name() -> None:
-    """Short-conv states and the connector itself (state models are not served yet)."""
+    """Short-conv states: by the views, and by the connector at start-up (it serves Mamba1,
+    Mamba2 and Gated DeltaNet state layers: tests/vllm/test_vllm_hybrid.py)."""
     spec = MambaSpec(
         block_size=32,
         shapes=((STEPS, 16),),

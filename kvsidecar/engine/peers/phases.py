@@ -112,20 +112,22 @@ async def fetch(
     home = me.tp_rank * tp // me.tp_size
     first = await link.get_agent(ranks[home], engine_id, home)
     check_agent(first, engine_id, home, tp)
-    if first.compat_digest != local.digest:
-        raise IncompatibleError(
-            compat_mismatches(local, first) or ["compat_digest differs (no single item identified)"]
-        )
+    # A digest is exact, so equal digests skip the item-by-item comparison; different ones are
+    # compared item by item, which decides (digests of compatible engines differ when one side's
+    # client declares what the other's predates, e.g. a token axis at equal block sizes).
+    problems = compat_mismatches(local, first) if first.compat_digest != local.digest else []
+    if problems:
+        raise IncompatibleError(problems)
     needed = needed_remote_ranks(me, tp, first.geometry)
     others = [r for r in needed if r != home]
     fetched = await asyncio.gather(*(link.get_agent(ranks[r], engine_id, r) for r in others))
     agents = {home: first, **dict(zip(others, fetched, strict=True))}
     for r, info in agents.items():
         check_agent(info, engine_id, r, tp)
-        if info.compat_digest != local.digest:
+        if info.compat_digest != local.digest and info.compat_digest != first.compat_digest:
             raise IncompatibleError(
                 compat_mismatches(local, info, geometry=False)
-                or [f"rank {r}: compat_digest differs"]
+                or [f"rank {r}: compat_digest {info.compat_digest} differs from rank {home}'s"]
             )
     return Fetched(engine_id=engine_id, endpoints=ranks, geometry=first.geometry, agents=agents)
 

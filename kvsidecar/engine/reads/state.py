@@ -110,7 +110,7 @@ def started_read(
         deadline_s=deadline_s,
         deadline=at[1] + deadline_s,
         consumer=consumer,
-        claim=read_claim(cmd.local_ids, cmd.remote_ids),
+        claim=read_claim(cmd.local_ids, cmd.remote_ids, peer.plan.group_ratios),
         unconfirmed={x.rank for x in xfers},
     )
     for x in xfers:

@@ -32,7 +32,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from .geometry import describe_kv_caches, layers_from_config, refuse_state_models
+from .geometry import (
+    ConvLayout,
+    LayerKind,
+    describe_kv_caches,
+    layers_from_config,
+    refuse_state_models,
+)
+from .hybrid import StateGroups
 from .scheduler import SchedulerSide, StepWork
 from .worker import COUNTERS, WorkerSide
 
@@ -103,6 +110,34 @@ def _flag(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes")
 
 
+def _cpu_pages(vllm_config: VllmConfig) -> bool:
+    """Whether this engine's attention pages are the CPU backend's vector-ISA pages (K transposed,
+    then V; ``describe_kv_caches(cpu_pages=True)``): a CPU engine whose cache keeps the model's
+    dtype and whose ISA is not AMX (AMX tiles and FP8 caches pack pages otherwise, and are then
+    described by their strides: equal block sizes only)."""
+    if vllm_config.device_config.device_type != "cpu":
+        return False
+    cache, model = vllm_config.cache_config, vllm_config.model_config
+    if str(cache.cache_dtype) != "auto":
+        return False
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), "auto")
+    except Exception:  # another vLLM: nothing known about its pages
+        log.warning("vLLM's CPU attention ISA is unknown; KV pages described by their strides")
+        return False
+    return str(isa) != "amx"
+
+
+def _conv_layout() -> ConvLayout:
+    """vLLM's conv-state layout (``VLLM_SSM_CONV_STATE_LAYOUT``; 'SD' unless set), which the
+    state views must follow: a wrong one moves the right bytes only between equal TP sizes."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    return ConvLayout(get_conv_state_layout())
+
+
 class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     """Pull-model P/D disaggregation through kvsidecar (see the module docstring)."""
 
@@ -125,6 +160,11 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=tp_size,
                 lease_s=lease_s,
                 endpoints=tuple(self._extra.get("peer_endpoints") or ()),
+                states=StateGroups.from_config(
+                    kv_cache_config,
+                    lookahead_tokens=getattr(vllm_config, "num_prefill_lookahead_tokens", 0),
+                ),
+                block_size=int(vllm_config.cache_config.block_size or 0),
             )
         else:
             socket = str(self._extra.get("sidecar_socket", ""))
@@ -155,7 +195,15 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         model = self._vllm_config.model_config
         layers = layers_from_config(kv_caches, self._kv_cache_config)
         rank_kv = describe_kv_caches(
-            layers, global_kv_heads=model.get_total_num_kv_heads(), tp_size=self._tp_size
+            layers,
+            global_kv_heads=model.get_total_num_kv_heads(),
+            tp_size=self._tp_size,
+            cpu_pages=_cpu_pages(self._vllm_config),
+            conv_layout=(
+                _conv_layout()
+                if any(layer.kind is LayerKind.STATE for layer in layers)
+                else ConvLayout.SD
+            ),
         )
         self._w().register(
             views=rank_kv.views,

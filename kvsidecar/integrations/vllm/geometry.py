@@ -22,7 +22,7 @@ from typing import Any
 from kvsidecar.client.export import export_cuda_tensor
 from kvsidecar.client.tensors import attention_view_from_tensor, latent_view_from_tensor
 from kvsidecar.memory import HostShmSpec, MemorySpec
-from kvsidecar.plan import View
+from kvsidecar.plan import View, vllm_cpu_view
 
 from .states import ConvLayout, UnsupportedLayerError, state_view_from_spec
 
@@ -106,22 +106,35 @@ def layers_from_config(kv_caches: Mapping[str, Any], kv_cache_config: Any) -> tu
     return tuple(out)
 
 
+_SERVED_STATES = ("MAMBA1", "MAMBA2", "GDN_ATTN")
+_SERVED_CACHE_MODES = ("none", "align")
+
+
 def refuse_state_models(kv_cache_config: Any) -> None:
-    """The connector does not serve models with state layers yet: their views exist
-    (:func:`describe_kv_caches`), but P/D for them also needs vLLM's one-token prefill backoff (the
-    decoder must get the state after N-1 prompt tokens to compute token N) and must leave out
-    speculative scratch blocks, neither of which is built or could be tried on CPU vLLM here."""
-    names = [
-        name
-        for group in kv_cache_config.kv_cache_groups
-        for name, spec in _layer_specs(group).items()
-        if "Mamba" in type(spec).__name__
-    ]
-    if names:
-        shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    """Refuse, at start-up and naming the layers, the state layers the connector does not serve:
+    any but Mamba1, Mamba2 and Gated DeltaNet (e.g. short-conv), any with other states than one
+    conv and one SSM state, and any in a ``mamba_cache_mode`` other than 'none' and 'align'
+    (the two whose block tables :class:`~.hybrid.StateGroups` knows). Hybrid models of those are
+    served (prefill backoff and state slots: :mod:`.hybrid`)."""
+    bad = []
+    for group in kv_cache_config.kv_cache_groups:
+        for name, spec in _layer_specs(group).items():
+            if "Mamba" not in type(spec).__name__:
+                continue
+            kind = getattr(spec.mamba_type, "name", spec.mamba_type)
+            mode = getattr(spec, "mamba_cache_mode", "none")
+            if str(kind).upper() not in _SERVED_STATES:
+                bad.append(f"{name!r} ({kind})")
+            elif len(spec.shapes) != 2:
+                bad.append(f"{name!r} ({kind}, {len(spec.shapes)} states)")
+            elif mode not in _SERVED_CACHE_MODES:
+                bad.append(f"{name!r} ({kind}, mamba_cache_mode={mode!r})")
+    if bad:
+        shown = ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else "")
         raise UnsupportedLayerError(
-            f"{len(names)} state layer(s) ({shown}): kvsidecar's vLLM connector serves attention "
-            "and MLA models; models with Mamba-family layers are not supported yet"
+            f"{len(bad)} state layer(s) kvsidecar's vLLM connector cannot serve: {shown}; it "
+            "serves Mamba1, Mamba2 and Gated DeltaNet layers (a conv and an SSM state) with "
+            "mamba_cache_mode 'none' or 'align'"
         )
 
 
@@ -164,10 +177,19 @@ def describe_kv_caches(
     global_kv_heads: int,
     tp_size: int,
     conv_layout: ConvLayout = ConvLayout.SD,
+    cpu_pages: bool = False,
 ) -> RankKv:
     """Export every distinct storage of ``layers`` and build one view per layer. On CPU this
     moves the storages into shared memory first (so call it before the tensors are read).
-    ``conv_layout``: vLLM's conv-state layout (state layers only)."""
+    ``conv_layout``: vLLM's conv-state layout (state layers only).
+
+    Every attention and MLA view declares its tokens per block (the tensor's ``N``), so a decode
+    engine of another block size is refused by name, not by mismatching keys. ``cpu_pages``: the
+    engine runs vLLM's CPU attention backend on a vector ISA, whose tensor says ``[B, H, N, 2D]``
+    but whose pages hold K transposed then V (:func:`~kvsidecar.plan.vllm_cpu_view`): attention
+    layers are described that way, with a token axis, and so load from a prefill engine whose
+    blocks are smaller (``plan.tokens``). Without it, attention layers are described by their
+    strides (per-token spans: equal block sizes only)."""
     layers = tuple(layers)
     memories: dict[str, MemorySpec] = {}
     memory_of: dict[int, tuple[str, int]] = {}  # storage address -> (memory id, its address)
@@ -214,8 +236,10 @@ def describe_kv_caches(
                 )
             )
         else:
+            page = _cpu_page_view(layer, base, mid, global_kv_heads, tp_size) if cpu_pages else None
             views.append(
-                attention_view_from_tensor(
+                page
+                or attention_view_from_tensor(
                     layer.tensor,
                     memory=base,
                     name=layer.name,
@@ -228,3 +252,31 @@ def describe_kv_caches(
                 )
             )
     return RankKv(memories=memories, views=tuple(views))
+
+
+def _cpu_page_view(
+    layer: Layer, memory: int, memory_id: str, global_kv_heads: int, tp_size: int
+) -> View | None:
+    """The CPU backend's view of an attention layer whose ``[B, H, N, C]`` tensor keeps each
+    head's ``N * C`` elements together (``LBHNC``, the one order that backend takes); ``None``
+    for any other memory order (then described by its strides)."""
+    t = layer.tensor
+    b, h, n, c = (int(x) for x in t.shape)
+    sb, sh, sn, sc = (int(x) for x in t.stride())
+    if sc != 1 or sn != c or (h > 1 and sh != n * c) or c % 2:
+        return None
+    elt = t.element_size()
+    return vllm_cpu_view(
+        name=layer.name,
+        memory_id=memory_id,
+        num_blocks=b,
+        block_size=n,
+        global_kv_heads=global_kv_heads,
+        head_dim=c // 2,
+        dtype_bytes=elt,
+        tp_size=tp_size,
+        offset=t.data_ptr() - memory,
+        block_stride=sb * elt,
+        groups=(layer.group,),
+        blocks_per_id=layer.blocks_per_id,
+    )

@@ -39,7 +39,10 @@ def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
 class RemoteKv:
     """Where a prefilled request's KV lives. ``block_ids``: per KV-cache group; ``endpoints``:
     the prefill engine's sidecar PeerService address of every TP rank, in rank order;
-    ``num_tokens``: prompt tokens whose KV the blocks hold."""
+    ``num_tokens``: prompt tokens whose KV the blocks hold; ``block_size``: tokens per block of
+    the prefill engine (``remote_block_size``; 0 = not given: the decode engine's own is assumed).
+    A decode engine whose blocks hold ``r`` of them maps each of its blocks to ``r`` of these
+    (:mod:`.blocks`)."""
 
     engine_id: str
     request_id: str
@@ -48,6 +51,7 @@ class RemoteKv:
     token: str
     tp_size: int
     num_tokens: int
+    block_size: int = 0
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` the decode engine's request carries."""
@@ -61,6 +65,7 @@ class RemoteKv:
             "remote_token": self.token,
             "tp_size": self.tp_size,
             "remote_num_tokens": self.num_tokens,
+            "remote_block_size": self.block_size,
         }
 
     @classmethod
@@ -96,6 +101,7 @@ class RemoteKv:
             token=field("remote_token", str),
             tp_size=_count(params, "tp_size", len(endpoints)),
             num_tokens=_count(params, "remote_num_tokens", 0),
+            block_size=_count(params, "remote_block_size", 0),
         )
 
 

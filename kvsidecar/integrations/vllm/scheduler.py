@@ -12,6 +12,9 @@ It runs in vLLM's scheduler process and never talks to a sidecar: it decides, an
   workers Read them. A full local prefix hit, or a request aborted before it was scheduled, still
   Reads with no local blocks so that the producer's hold ends at once (not at lease expiry).
 * Requests waiting in the queue with remote KV are heartbeated so their producer leases last.
+* Models with state layers (:mod:`.hybrid`): the prefill engine computes the prompt but its last
+  token, the decode engine loads exactly the tokens whose state the producer holds and computes
+  the rest; a state group moves its state block alone, never its speculative scratch blocks.
 
 vLLM objects are used only through the attributes named here (no vLLM import at run time).
 """
@@ -25,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .blocks import align_local_ids, block_ratio
+from .hybrid import StateGroups, truncate_prompt
 from .params import ParamsError, RemoteKv, wants_remote_decode, wants_remote_prefill
 
 log = logging.getLogger(__name__)
@@ -78,28 +83,23 @@ class StepWork:
 
 def clip_block_ids(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
     """Per group, the blocks that hold data: vLLM pads sliding-window groups with the null block
-    (id 0) before the in-window tail."""
-    out = []
-    for group in block_ids:
-        ids = list(group)
-        start = 0
-        while start < len(ids) and ids[start] == 0:
-            start += 1
-        out.append(tuple(ids[start:]))
-    return tuple(out)
+    (id 0) before the in-window tail. (State groups: :meth:`StateGroups.clip`.)"""
+    return StateGroups().clip(block_ids)
 
 
 @dataclass
 class _Waiting:
     remote: RemoteKv
     since: float
+    tokens: int  # prompt tokens to load (StateGroups.tokens_to_load); 0: compute them here
 
 
 @dataclass
 class SchedulerSide:
     """The scheduler half. ``engine_id``: this engine's; ``lease_s``: producer hold lease;
     ``endpoints``: this engine's sidecar endpoints in rank order (from configuration, or learnt
-    from the workers' handshake metadata)."""
+    from the workers' handshake metadata); ``states``: the engine's KV-cache groups, for models
+    with state layers (:mod:`.hybrid`: prefill backoff, one state block per state group)."""
 
     engine_id: str
     tp_size: int
@@ -107,6 +107,8 @@ class SchedulerSide:
     endpoints: tuple[str, ...] = ()
     heartbeat_s: float = 0.0  # 0: lease_s / 3
     clock: Any = time.monotonic
+    states: StateGroups = field(default_factory=StateGroups)
+    block_size: int = 0  # tokens per block (vLLM's cache_config.block_size); 0: not known
     _loads: dict[str, Load] = field(default_factory=dict)
     _holds: dict[str, Hold] = field(default_factory=dict)
     _waiting: dict[str, _Waiting] = field(default_factory=dict)
@@ -115,7 +117,12 @@ class SchedulerSide:
     # --- decode side ----------------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
+        """A request arrived (before any prefix-cache lookup). Prefill: with a prefill backoff
+        (state layers), the prompt loses its last ``backoff`` tokens here. Decode: its params
+        are parsed once, and how many prompt tokens it will load is settled."""
         params = request.kv_transfer_params
+        if wants_remote_decode(params) and self.states.backoff:
+            truncate_prompt(request, self.states.backoff)
         if wants_remote_prefill(params):
             try:
                 remote = RemoteKv.from_params(params)
@@ -123,12 +130,47 @@ class SchedulerSide:
                 log.warning("request %s: %s; it will be computed locally", request.request_id, exc)
                 params["do_remote_prefill"] = False
                 return
-            self._waiting[request.request_id] = _Waiting(remote=remote, since=self.clock())
+            self._waiting[request.request_id] = _Waiting(
+                remote=remote, since=self.clock(), tokens=self._tokens_to_load(request, remote)
+            )
+
+    def _tokens_to_load(self, request: Any, remote: RemoteKv) -> int:
+        """:meth:`StateGroups.tokens_to_load` for this prompt and producer; 0 (with a warning)
+        where a model with state layers cannot use the producer's state."""
+        prompt = len(request.prompt_token_ids or ())
+        tokens = self.states.tokens_to_load(prompt, remote.num_tokens)
+        if not self.states.has_state:
+            return tokens
+        groups = zip(remote.block_ids, self.states.scratch, strict=False)
+        slots = [len(r) for r, n in groups if n is not None]
+        why = ""
+        if len(remote.block_ids) != len(self.states.scratch) or slots != [1] * len(slots):
+            why = f"its blocks {remote.block_ids} are not one state block per state group"
+        elif tokens == 0:
+            why = (
+                f"its state is after {remote.num_tokens} tokens of this {prompt}-token prompt; "
+                f"it must leave at least {self.states.backoff} to compute here"
+            )
+        if why:
+            log.warning(
+                "request %s: the producer's KV cannot be used (%s); the prompt is computed here",
+                request.request_id,
+                why,
+            )
+            return 0
+        return tokens
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens to load for a decode request (all uncomputed prompt tokens), asynchronously."""
+        """Tokens to load for a decode request, asynchronously: the uncomputed prompt tokens up to
+        the ones settled in :meth:`on_new_request` (all of them, or with state layers exactly
+        those whose state the producer holds, leaving the last to compute here)."""
         if wants_remote_prefill(request.kv_transfer_params):
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            waiting = self._waiting.get(request.request_id)
+            if waiting is not None:
+                count = waiting.tokens - num_computed_tokens
+            else:
+                count = self.states.tokens_to_load(len(request.prompt_token_ids or ()), 0)
+                count -= num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
@@ -146,17 +188,31 @@ class SchedulerSide:
             log.warning("request %s: %s", request.request_id, exc)
             return
         if num_external_tokens > 0:
-            local = clip_block_ids(blocks.get_unhashed_block_ids_all_groups())
-            # Local lists are tail-aligned with the remote ones and never longer.
-            local = tuple(
-                g[len(g) - min(len(g), len(r)) :]
-                for g, r in zip(local, remote.block_ids, strict=False)
-            )
+            local = self.states.clip(blocks.get_unhashed_block_ids_all_groups())
+            # Local lists are tail-aligned with the blocks the remote ones fill (.blocks).
+            ratio = block_ratio(self.block_size, remote.block_size)
+            local = align_local_ids(local, remote.block_ids, ratio)
+            self._check_state_slots(request.request_id, local, remote)
             self._loads[request.request_id] = Load(
                 request_id=request.request_id, local_block_ids=local, remote=remote
             )
         else:  # full local prefix hit: read nothing, release the producer now
             self._loads[request.request_id] = _release(request.request_id, remote)
+
+    def _check_state_slots(
+        self, request_id: str, local: tuple[tuple[int, ...], ...], remote: RemoteKv
+    ) -> None:
+        """A load's state groups pair one local state slot with the producer's one (checked in
+        :meth:`_tokens_to_load`). vLLM allocates that slot for every load; a load without it
+        would leave the state zero and run silently wrong, so it stops here, as vLLM's own
+        connector asserts."""
+        for g, scratch in enumerate(self.states.scratch):
+            if scratch is not None and (g >= len(local) or len(local[g]) != 1):
+                raise RuntimeError(
+                    f"request {request_id}: KV-cache group {g} holds recurrent state, but vLLM "
+                    f"allocated {local[g] if g < len(local) else ()} for it, not one state "
+                    f"block to pair with the producer's {remote.block_ids[g]}"
+                )
 
     # --- both sides -----------------------------------------------------------------------------
 
@@ -177,7 +233,7 @@ class SchedulerSide:
         status = getattr(request.status, "name", str(request.status))
         if status not in _COMPLETED:
             return False, None  # aborted or failed prefill: nothing to hold
-        blocks = clip_block_ids(block_ids)
+        blocks = self.states.clip(block_ids)
         if not any(blocks):
             return False, None
         if len(self.endpoints) != self.tp_size:
@@ -199,6 +255,7 @@ class SchedulerSide:
             token=token,
             tp_size=self.tp_size,
             num_tokens=int(request.num_computed_tokens),
+            block_size=self.block_size,
         )
         return True, remote.to_params()
 

@@ -213,10 +213,16 @@ class Runner:
 
     def verify_pattern(self, req: IdPairs) -> int:
         """``toy.verify`` of one request on every decode rank; returns the bytes verified."""
-        ids = {"local_ids": [req[0].tolist()], "remote_ids": [req[1].tolist()]}
+        loc, rem = [req[0].tolist()], [req[1].tolist()]
         return sum(
             toy.verify(
-                d.memory.array, d.views, tp_size=d.tp_size, rank=d.rank, seed=self.seed, **ids
+                d.memory.array,
+                d.views,
+                tp_size=d.tp_size,
+                rank=d.rank,
+                seed=self.seed,
+                local_ids=loc,
+                remote_ids=rem,
             )
             for d in self.cluster.decode
         )
