@@ -44,6 +44,8 @@ class Readiness:
         self._draining = False
         self._on_change = on_change
         self._servicers: list[health_aio.HealthServicer] = []
+        #: a warning /readyz shows without changing readiness (e.g. no P/D transfer happens)
+        self.detail = ""
 
     def attach(self, servicer: health_aio.HealthServicer) -> None:
         self._servicers.append(servicer)
@@ -165,8 +167,14 @@ class HttpEndpoint:
         if path == "/healthz":
             return "200 OK", "text/plain", b"ok\n"
         if path == "/readyz":
+            detail = self._readiness.detail
+            extra = f"warning: {detail}\n".encode() if detail else b""
             if self._readiness.ready:
-                return "200 OK", "text/plain", b"ready\n"
+                return "200 OK", "text/plain", b"ready\n" + extra
             missing = ", ".join(self._readiness.missing())
-            return "503 Service Unavailable", "text/plain", f"not ready: {missing}\n".encode()
+            return (
+                "503 Service Unavailable",
+                "text/plain",
+                f"not ready: {missing}\n".encode() + extra,
+            )
         return "404 Not Found", "text/plain", b"not found\n"

@@ -41,6 +41,12 @@ MAX_LANE_FRAME = 64 << 20  # bytes of one frame on the engine's lane (rpc/lane.p
 MAX_DIGEST_BYTES = 64  # a READ_DONE's read_blocks_digest
 MAX_BOARD_BUCKETS = 1 << 24  # buckets of a producer's hold board (GetAgent.board_buckets)
 MIN_TOKEN, MAX_TOKEN = 16, 256  # characters of an engine-chosen hold token
+MAX_CANARY_RANGES = 65536  # (address, length) pairs of a canary READ_DONE (16 bytes each)
+MAX_COST_ENTRIES = 4096  # remote engine ranks in the cost matrix (engine.peers.costs)
+MAX_TRACE_RECORDS = 64  # states one sidecar keeps (and a Trace answer carries) per request
+MAX_TRACE_DETAIL = 512  # characters of one state's detail (a failure's message), longer cut
+MAX_TRACE_REQUESTS = 1 << 20  # requests a sidecar's trace ring keeps (as --trace-requests)
+MAX_TRACE_AGE_S = 86400.0  # seconds it keeps them (as --trace-age-s)
 
 __all__ = [
     "MAX_AGENT_METADATA",
@@ -48,6 +54,7 @@ __all__ = [
     "MAX_BLOCKS_PER_ID",
     "MAX_BLOCK_TOKENS",
     "MAX_BOARD_BUCKETS",
+    "MAX_CANARY_RANGES",
     "MAX_COMPAT_EXTRA",
     "MAX_DEADLINE_S",
     "MAX_DIGEST_BYTES",
@@ -70,6 +77,10 @@ __all__ = [
     "MAX_TOKEN",
     "MAX_TOKEN_ROWS",
     "MAX_TP_SIZE",
+    "MAX_TRACE_AGE_S",
+    "MAX_TRACE_DETAIL",
+    "MAX_TRACE_RECORDS",
+    "MAX_TRACE_REQUESTS",
     "MAX_VIEWS",
     "MIN_TOKEN",
     "check_chars",

@@ -31,6 +31,7 @@ from kvsidecar.errors import ConfigError, ListenError
 from kvsidecar.health import ENGINE_SERVICE, PEER_SERVICE, Condition, HttpEndpoint, Readiness
 from kvsidecar.listen import BoundAddresses, bind_server, is_loopback, prepare_socket_path
 from kvsidecar.metrics import Metrics
+from kvsidecar.ops.tick import OpsTick
 from kvsidecar.peer_tls import PeerTlsFiles
 from kvsidecar.rpc.engine_service import EngineServicer
 from kvsidecar.rpc.handlers import service_handler
@@ -114,6 +115,7 @@ class Sidecar:
             (Condition.ENGINE_REGISTERED, Condition.BACKEND_READY), self._on_ready_change
         )
         self._notifier = SystemdNotifier(settings.notify_socket)
+        self.ops = OpsTick(settings, self.metrics.registry)
         self._engine_server: grpc.aio.Server | None = None
         self._peer_server: grpc.aio.Server | None = None
         self._lane: LaneServer | None = None  # the engine's lane (rpc/lane.py)
@@ -174,11 +176,15 @@ class Sidecar:
             handshake_timeout_s=s.handshake_timeout_s,
             shm_roots=s.shm_roots,
             confirm_reads=s.confirm_reads,
+            canary_fraction=s.canary_fraction,
             hold_board=s.hold_board,
             tls=self._tls.current if self._tls is not None else None,
             max_queued_events=s.max_queued_events,
             handshake_concurrency=s.handshake_concurrency,
             serve_handshake_concurrency=s.serve_handshake_concurrency,
+            trace_requests=s.trace_requests,
+            trace_age_s=s.trace_age_s,
+            cost_probe_s=s.cost_probe_s,
         )
 
         async def on_registered(held: bool) -> None:
@@ -287,16 +293,9 @@ class Sidecar:
         return True
 
     async def _tick(self) -> None:
-        """Loop-lag measurement and systemd watchdog, every 0.5 s (or half the watchdog period)."""
-        period = _TICK_S
-        if self._settings.watchdog_usec:
-            period = min(period, self._settings.watchdog_usec / 2e6)
-        loop = asyncio.get_running_loop()
-        while True:
-            start = loop.time()
-            await asyncio.sleep(period)
-            self.metrics.poll_lag.observe(max(0.0, loop.time() - start - period))
-            self._notifier.notify("WATCHDOG=1")
+        """Loop lag, systemd watchdog and ops (ops/tick.py) every 0.5 s (or half the watchdog's)."""
+        period = min(_TICK_S, (self._settings.watchdog_usec or 0) / 2e6 or _TICK_S)
+        await self.ops.run(self, period, self.metrics.poll_lag.observe, self._notifier.notify)
 
     async def stop(self, grace_s: float) -> None:
         """Readiness off, stop accepting, drain up to ``grace_s`` seconds, release everything."""

@@ -131,6 +131,7 @@ class Settings(BaseSettings):
         "one PeerService round trip less per read, but a producer restart or an ended hold can "
         "be reported as success).",
     )
+    canary_fraction: float = Field(0.0, ge=0, le=1, description="Share of reads CRC-checked, 0-1")
     hold_board: bool = Field(
         default=True,
         description="Publish live holds on a hold board in registered memory, and confirm reads "
@@ -152,21 +153,28 @@ class Settings(BaseSettings):
     grace_period_s: float = Field(
         default=10.0, ge=0, le=3600, description="Drain time for in-flight work on SIGTERM (s)."
     )
-    lease_s: float = Field(
-        default=30.0, gt=0, le=86400, description="Default producer hold lease (s)."
-    )
+    lease_s: float = Field(30.0, gt=0, le=86400, description="Default producer hold lease (s).")
     handshake_timeout_s: float = Field(
         default=5.0, gt=0, le=300, description="Bound on fetching one remote rank's metadata (s)."
     )
     read_deadline_s: float = Field(
         default=30.0, gt=0, le=3600, description="Default deadline of one Read (s)."
     )
+    no_transfer_window_s: float = Field(60.0, ge=0, le=86400, description="P/D signal window (s)")
+    cost_publish_s: float = Field(30.0, ge=0, le=86400, description="Republish etcd costs (s)")
+    cost_probe_s: float = Field(0.0, ge=0, le=86400, description="Probe idle peers after (s)")
     max_queued_events: int = Field(
         default=65536,
         ge=16,
         le=1 << 20,
         description="Events kept for an engine that does not read them (Watch queue, Status "
         "buffer, each); past it the oldest is dropped and counted in events_dropped.",
+    )
+    trace_requests: int = Field(
+        default=4096, ge=1, le=1 << 20, description="Requests kept for `explain`, per side."
+    )
+    trace_age_s: float = Field(
+        default=600.0, gt=0, le=86400, description="Seconds a request is kept for `explain`."
     )
     shm_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
         default=(Path("/dev/shm"),),

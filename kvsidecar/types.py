@@ -48,6 +48,7 @@ class FailReason(enum.Enum):
     LOCAL_MEMORY = 7  #: this sidecar's own memory failed (the producer is not blamed)
     HANDSHAKE = 8  #: the handshake the read waited for failed (unreachable, refused, incompatible)
     REJECTED = 9  #: refused once the remote geometry was known (e.g. a remote block id too large)
+    CORRUPT = 10  #: an integrity canary found the bytes received differ from the producer's
 
 
 # Events. ``seq`` and ``timestamp`` are stamped by the sidecar when it emits the event (``seq``
@@ -198,6 +199,24 @@ class PeerInfo:
     last_error: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerCost:
+    """What moving KV from one remote engine rank has cost lately, measured from real traffic
+    (``engine.peers.costs``). ``transfer_bytes_per_s``: an EWMA of bytes / seconds over its
+    READs (post to completion seen); ``control_rtt_s``: an EWMA of its PeerService round trips
+    (Notify: READ_DONE, CONSUMED, HEARTBEAT). Each with its sample count and the seconds since
+    its last sample (0 samples: the estimate is 0 and the age is 0)."""
+
+    engine_id: str
+    rank: int
+    transfer_bytes_per_s: float
+    transfer_samples: int
+    transfer_age_s: float
+    control_rtt_s: float
+    control_samples: int
+    control_age_s: float
+
+
 class EngineRole(enum.Enum):
     """What an engine does with KV caches (RegisterEngine's ``role``; discovery publishes it)."""
 
@@ -232,6 +251,7 @@ class SidecarStatus:
     events_queued: int = 0  #: events waiting for the engine (Watch queue or drain buffer)
     reads_handshaking: int = 0  #: reads waiting for a handshake (part of reads_in_flight)
     peer_endpoint: str = ""  #: this sidecar's advertised PeerService address
+    costs: tuple[PeerCost, ...] = ()  #: the cost matrix: one entry per live remote engine rank
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -70,12 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout-s", type=float, default=5.0, help="call timeout (s)")
 
     peers = sub.add_parser(
-        "peers", help="engines in fleet discovery, with the sidecar's peer state for each"
+        "peers",
+        help="engines in fleet discovery, with the sidecar's peer state for each, and the cost "
+        "matrix (measured GB/s and round trip per remote engine rank)",
     )
     peers.add_argument(
         "--socket", required=True, help="the sidecar's engine socket path (or unix:PATH, host:port)"
     )
     peers.add_argument("--json", action="store_true", help="print JSON")
+
+    explain = sub.add_parser(
+        "explain", help="one request's lifecycle on both sides (consumer and producer ranks)"
+    )
+    explain.add_argument(
+        "--socket", required=True, help="the sidecar's engine socket path (or unix:PATH, host:port)"
+    )
+    explain.add_argument("request_id", help="the consumer's local request id or the producer's")
+    explain.add_argument("--json", action="store_true", help="print JSON")
+    explain.add_argument("--timeout-s", type=float, default=10.0, help="call timeout (s)")
 
     drain = sub.add_parser(
         "drain", help="drain a running sidecar without stopping it (rolling upgrades)"
@@ -143,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("session", "unary"),
         default="session",
         help="engines call their sidecars over one Session stream (default) or unary RPCs",
+    )
+    bench.add_argument(
+        "--canary-fraction",
+        type=float,
+        default=0.0,
+        help="the sidecars' --canary-fraction: reads checked by the integrity canary (0..1)",
     )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
@@ -296,6 +314,7 @@ def _bench(args: argparse.Namespace) -> int:
             idle_s=args.idle_s,
             scattered=args.scattered,
             engine_api=EngineApi(args.engine_api),
+            canary_fraction=args.canary_fraction,
         )
     except ValueError as exc:
         print(f"kvsidecar bench: {exc}", file=sys.stderr)
@@ -323,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "config":
         return _config(args)
-    if args.command in ("status", "peers", "drain"):
+    if args.command in ("status", "peers", "drain", "explain"):
         from kvsidecar.cli import operator
 
         return operator.run(args)

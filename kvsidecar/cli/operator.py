@@ -1,4 +1,4 @@
-"""``kvsidecar status``, ``peers`` and ``drain``: operator commands against a running sidecar's
+"""``kvsidecar status``, ``peers``, ``drain`` and ``explain``: operator commands against a running sidecar's
 engine socket. Each returns the process exit code (0 success, 1 failure)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvsidecar.cli.status_view import peers_dict, render, render_peers, status_dict
+from kvsidecar.cli.explain_view import explanation_dict, render_explanation
+from kvsidecar.cli.status_view import peers_dict, render, render_costs, render_peers, status_dict
 from kvsidecar.client import SidecarClient
 from kvsidecar.errors import KvSidecarError
 
@@ -21,8 +22,8 @@ T = TypeVar("T")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Dispatch ``args.command`` (status, peers or drain)."""
-    commands = {"status": _status, "peers": _peers, "drain": _drain}
+    """Dispatch ``args.command`` (status, peers, drain or explain)."""
+    commands = {"status": _status, "peers": _peers, "drain": _drain, "explain": _explain}
     return commands[args.command](args)
 
 
@@ -45,10 +46,26 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _peers(args: argparse.Namespace) -> int:
-    info = _ask(args, "list peers of", lambda c: c.peers())
-    if info is None:
+    """Discovery's engines, then the cost matrix (from Status) of the remote engine ranks."""
+    both = _ask(args, "list peers of", lambda c: (c.peers(), c.status()))
+    if both is None:
         return EXIT_FAILURE
-    print(json.dumps(peers_dict(info), indent=2) if args.json else render_peers(info))
+    info, status = both
+    if args.json:
+        out = peers_dict(info)
+        out["costs"] = [dataclasses.asdict(c) for c in status.costs]
+        print(json.dumps(out, indent=2))
+    else:
+        print(render_peers(info) + "\n" + render_costs(status.costs))
+    return EXIT_OK
+
+
+def _explain(args: argparse.Namespace) -> int:
+    """Exit 0 when the lifecycle was printed (sides may be unknown), 1 when it could not be asked."""
+    e = _ask(args, "explain a request on", lambda c: c.explain(args.request_id))
+    if e is None:
+        return EXIT_FAILURE
+    print(json.dumps(explanation_dict(e), indent=2) if args.json else render_explanation(e))
     return EXIT_OK
 
 

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from kvsidecar.types import DiscoveryInfo, SidecarStatus
+from kvsidecar.types import DiscoveryInfo, PeerCost, SidecarStatus
 
 
 def status_dict(status: SidecarStatus) -> dict[str, Any]:
@@ -65,6 +65,34 @@ def render_peers(info: DiscoveryInfo) -> str:
         for e in info.engines
     ]
     header = ("ENGINE", "ROLE", "TP", "EPOCH", "STATE", "ENDPOINTS", "LAST ERROR")
+    return "\n".join([*lines, *_table(header, rows)])
+
+
+def render_costs(costs: Sequence[PeerCost]) -> str:
+    """The cost matrix as a table: per remote engine rank, transfer GB/s (10^9 bytes/s) and
+    control round trip (ms), each with its sample count and the age of its last sample."""
+    lines = ["cost matrix (measured from traffic: EWMA per remote engine rank)"]
+    if not costs:
+        lines.append("  (no samples yet)")
+        return "\n".join(lines)
+
+    def age(samples: int, age_s: float) -> str:
+        return f"{age_s:.1f}s" if samples else "-"
+
+    rows = [
+        (
+            c.engine_id,
+            str(c.rank),
+            f"{c.transfer_bytes_per_s / 1e9:.3f}" if c.transfer_samples else "-",
+            str(c.transfer_samples),
+            age(c.transfer_samples, c.transfer_age_s),
+            f"{c.control_rtt_s * 1e3:.3f}" if c.control_samples else "-",
+            str(c.control_samples),
+            age(c.control_samples, c.control_age_s),
+        )
+        for c in costs
+    ]
+    header = ("ENGINE", "RANK", "GB/S", "N", "AGE", "RTT MS", "N", "AGE")
     return "\n".join([*lines, *_table(header, rows)])
 
 

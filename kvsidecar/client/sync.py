@@ -33,8 +33,9 @@ from kvsidecar.types import (
     SidecarStatus,
     StepDone,
 )
-from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, trace_pb2
 from kvsidecar.wire import engine as wire
+from kvsidecar.wire.trace import Explanation, explanation_from_proto
 
 
 class SidecarClient:
@@ -190,6 +191,12 @@ class SidecarClient:
         rank of the plan. Returns the notifications sent."""
         request = requests.heartbeat(remote_engine_id, holds)
         return int(self._call(self._stub.Notify, request).notifications_sent)
+
+    def explain(self, request_id: str) -> Explanation:
+        """One request's lifecycle, by the consumer's local request id or the producer's request
+        id: this sidecar's states merged with every producer rank's (``Explain``)."""
+        request = trace_pb2.ExplainRequest(request_id=request_id)
+        return explanation_from_proto(self._call(self._stub.Explain, request))
 
     def peers(self) -> DiscoveryInfo:
         """Fleet discovery's state and the engines it knows, with this sidecar's peer state."""

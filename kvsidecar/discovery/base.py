@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvsidecar.discovery.records import EngineRecord
+from kvsidecar.discovery.records import EngineRecord, record_costs
 from kvsidecar.engine.core import EngineCore
 from kvsidecar.engine.model import Endpoints
 from kvsidecar.types import DiscoveredEngine, DiscoveryInfo, DiscoveryState, PeerInfo
@@ -101,6 +101,7 @@ def record_of(core: EngineCore) -> EngineRecord | None:
         peer_endpoint=core.peer_endpoint,
         compat_digest=local.digest,
         model_fingerprint=local.fingerprint,
+        costs=record_costs(core.stats().costs),
     )
 
 

@@ -6,6 +6,12 @@ Key layout (``prefix`` defaults to ``/kvsidecar``)::
 
 One key per engine rank, written by that rank's sidecar under the sidecar's lease. A record is
 bounded (4 KiB) and parsed strictly: a malformed one is skipped and counted, never trusted.
+
+A consumer's record also carries what reading from each producer engine has cost it lately
+(``costs``, from its cost matrix, republished every ``--cost-publish-s``): per remote engine,
+its slowest rank's transfer rate and its slowest rank's control round trip, so that a router
+can score placements. At most ``MAX_RECORD_COSTS`` engines (the most sampled), each value
+rounded to 4 significant digits, and only as many as keep the record within its bound.
 """
 
 from __future__ import annotations
@@ -14,13 +20,53 @@ import json
 from dataclasses import dataclass
 
 from kvsidecar.limits import MAX_ID_CHARS, MAX_TP_SIZE
-from kvsidecar.types import EngineRole
+from kvsidecar.types import EngineRole, PeerCost
 
 MAX_RECORD_BYTES = 4096
+MAX_RECORD_COSTS = 16  # remote engines in one record's costs
+_COSTS_BYTES = 2048  # what the costs may take of a record at most
 
 
 class RecordError(ValueError):
     """A key or value under the prefix that is not a valid engine record."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordCost:
+    """What reading from one remote engine costs the publishing engine: its slowest rank's
+    transfer rate (bytes/s; 0: no transfer sample) and control round trip (s; 0: none)."""
+
+    engine_id: str
+    transfer_bytes_per_s: float
+    control_rtt_s: float
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def record_costs(costs: tuple[PeerCost, ...]) -> tuple[RecordCost, ...]:
+    """The cost matrix folded per remote engine (the bottleneck rank of each kind), the most
+    sampled engines first, bounded in count and bytes."""
+    by_engine: dict[str, list[PeerCost]] = {}
+    for c in costs:
+        by_engine.setdefault(c.engine_id, []).append(c)
+    ranked = sorted(
+        by_engine.items(), key=lambda kv: (-sum(c.transfer_samples for c in kv[1]), kv[0])
+    )
+    out: list[RecordCost] = []
+    size = 0
+    for engine_id, ranks in ranked[:MAX_RECORD_COSTS]:
+        rates = [c.transfer_bytes_per_s for c in ranks if c.transfer_samples]
+        rtts = [c.control_rtt_s for c in ranks if c.control_samples]
+        cost = RecordCost(
+            engine_id, _round(min(rates, default=0.0)), _round(max(rtts, default=0.0))
+        )
+        size += len(json.dumps([engine_id, cost.transfer_bytes_per_s, cost.control_rtt_s])) + 1
+        if size > _COSTS_BYTES:
+            break
+        out.append(cost)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +83,7 @@ class EngineRecord:
     peer_endpoint: str
     compat_digest: str
     model_fingerprint: str
+    costs: tuple[RecordCost, ...] = ()
 
     def to_json(self) -> bytes:
         return json.dumps(
@@ -49,6 +96,16 @@ class EngineRecord:
                 "peer_endpoint": self.peer_endpoint,
                 "compat_digest": self.compat_digest,
                 "model_fingerprint": self.model_fingerprint,
+                **(
+                    {
+                        "costs": [
+                            [c.engine_id, c.transfer_bytes_per_s, c.control_rtt_s]
+                            for c in self.costs
+                        ]
+                    }
+                    if self.costs
+                    else {}
+                ),
             },
             separators=(",", ":"),
         ).encode()
@@ -68,6 +125,7 @@ class EngineRecord:
                 peer_endpoint=_text(data, "peer_endpoint", 256),
                 compat_digest=_text(data, "compat_digest", 128),
                 model_fingerprint=_text(data, "model_fingerprint", 128),
+                costs=_costs(data.get("costs", [])),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise RecordError(f"not an engine record: {exc}") from None
@@ -83,6 +141,24 @@ def _text(data: dict[str, object], key: str, bound: int) -> str:
     if not isinstance(value, str) or len(value) > bound:
         raise ValueError(f"{key} must be a string of at most {bound} characters")
     return value
+
+
+def _costs(value: object) -> tuple[RecordCost, ...]:
+    if not isinstance(value, list) or len(value) > MAX_RECORD_COSTS:
+        raise ValueError(f"costs must be a list of at most {MAX_RECORD_COSTS} entries")
+    out = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 3:
+            raise ValueError("a costs entry must be [engine_id, bytes_per_s, rtt_s]")
+        engine_id, rate, rtt = item
+        numbers = all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")
+            for v in (rate, rtt)
+        )
+        if not isinstance(engine_id, str) or len(engine_id) > MAX_ID_CHARS or not numbers:
+            raise ValueError("a costs entry must be [engine_id, bytes_per_s >= 0, rtt_s >= 0]")
+        out.append(RecordCost(engine_id, float(rate), float(rtt)))
+    return tuple(out)
 
 
 def _int(data: dict[str, object], key: str) -> int:

@@ -44,6 +44,7 @@ from kvsidecar.engine.tasks import shielded
 from kvsidecar.errors import KvSidecarError, NotFoundError, ShuttingDownError
 from kvsidecar.types import Event, PeerInfo, ReadPosted, Registered, SidecarStatus
 from kvsidecar.wire.peer import AgentInfo, EngineDirectory, Outcome, PeerNotification
+from kvsidecar.wire.trace import Explanation
 
 log = logging.getLogger(__name__)
 _bugs = RateLimited(log)  # a bug may fail one item of every step
@@ -263,6 +264,10 @@ class EngineCore:
         return self.require_local().directory(engine_id)
 
     # --- introspection --------------------------------------------------------------------------
+
+    async def explain(self, request_id: str, asker: tuple[str, int] | None = None) -> Explanation:
+        """Explain, or with ``asker`` (engine id, rank) PeerService.Trace (``Explainer``)."""
+        return await self._p.explainer.explain(request_id, self.require_local(), asker)
 
     def observe(self, phase: ReadPhase, seconds: float) -> None:
         """A Read phase measured outside the engine (decoding, reporting)."""

@@ -20,7 +20,10 @@ from kvsidecar.engine.model import Registration
 from kvsidecar.errors import GeometryError, MemoryImportError, NotFoundError, NotRegisteredError
 from kvsidecar.memory import ImportedMemory, import_memory
 from kvsidecar.memory.host_shm import HostShmMemory
+from kvsidecar.memory.region import host_bytes
+from kvsidecar.memory.types import MemType
 from kvsidecar.plan import EngineGeometry
+from kvsidecar.plan.canary import Reader
 from kvsidecar.plan.compat import PROTOCOL_VERSION, CompatItems, span_signature
 from kvsidecar.wire.peer import AgentInfo, EngineDirectory
 
@@ -164,6 +167,13 @@ class LocalEngine:
             for _, mem, _ in self._imported
             if isinstance(mem, HostShmMemory) and mem.spec.unlink_after_exit
         )
+
+    def host_reader(self) -> Reader | None:
+        """Reads this engine's registered bytes by address (``memory.region.host_bytes``) for
+        the integrity canary; ``None`` for VRAM (callers check ``memory_fault`` before reading)."""
+        if self.mem_type is not MemType.DRAM:
+            return None
+        return host_bytes
 
     def memory_fault(self) -> str | None:
         """The first imported memory that can no longer be used safely, and why (``None``)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -16,8 +17,22 @@ from kvsidecar.memory import MemorySpec
 from kvsidecar.plan import EngineGeometry, PeerPlan
 from kvsidecar.plan.compat import CompatItems
 from kvsidecar.types import EngineRole, ReadPosted
+from kvsidecar.wire.trace import TraceState
 
 IdArrays = tuple[npt.NDArray[np.int64], ...]
+
+
+class Tracer(Protocol):
+    """Where the read and hold paths record a request's states for Explain (``trace.TraceRing``):
+    cheap enough for the hot path, never raising."""
+
+    def begin(self, key: str, about: object = None, alias: str = "") -> None: ...
+
+    def record(
+        self, key: str, state: TraceState, rank: int = -1, nbytes: int = 0, detail: str = ""
+    ) -> None: ...
+
+    def plan(self, key: str, plan: object) -> None: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,11 +62,15 @@ class CoreConfig:
     handshake_timeout_s: float
     shm_roots: tuple[Path, ...]
     confirm_reads: bool = True
+    canary_fraction: float = 0.0  # reads checked by the integrity canary (plan.canary), 0..1
     hold_board: bool = True  # publish holds on a board; confirm reads by reading boards
     tls: PeerTls | None = None
     max_queued_events: int = 65536  # per event queue (Watch stream, Status buffer)
     handshake_concurrency: int = 16  # handshakes this sidecar runs at once
     serve_handshake_concurrency: int = 16  # GetAgent calls it serves to other sidecars at once
+    trace_requests: int = 4096  # requests kept for Explain, each side (oldest forgotten first)
+    trace_age_s: float = 600.0  # seconds a request is kept for Explain (from its first state)
+    cost_probe_s: float = 0.0  # probe remote ranks with no control sample this long (0: off)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

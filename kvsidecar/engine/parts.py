@@ -36,11 +36,14 @@ from kvsidecar.engine.reads.guard import PeerGuard
 from kvsidecar.engine.reads.inflight import InFlightReads
 from kvsidecar.engine.registrar import Registrar
 from kvsidecar.engine.stats import EngineStats, SessionCounters
+from kvsidecar.engine.trace.explain import Explainer
+from kvsidecar.engine.trace.ring import TraceRing
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory.region import OwnedRegion
 from kvsidecar.plan.board import BUCKET_BYTES, DEFAULT_BUCKETS
 from kvsidecar.types import SidecarStatus
 from kvsidecar.wire.peer import Outcome
+from kvsidecar.wire.trace import TraceState
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,7 @@ class Parts:
     consumer: Consumer
     registrar: Registrar
     boards: BoardMemory
+    explainer: Explainer  # Explain: the rings the reads and holds record into, and the merge
 
     @classmethod
     def build(
@@ -139,9 +143,13 @@ class Parts:
         events = EventHub(max_buffered=config.max_queued_events)
         link = PeerLink(timeout_s=config.handshake_timeout_s, tls=config.tls)
         peers = PeerRegistry(backend=backend, link=link)
+        read_trace = TraceRing(size=config.trace_requests, max_age_s=config.trace_age_s)
+        hold_trace = TraceRing(size=config.trace_requests, max_age_s=config.trace_age_s)
 
         # The confirmer is built before the reads and the guard it reports to.
         def resolve(request_id: str, rank: int, outcome: Outcome | None, detail: str) -> None:
+            if outcome is Outcome.ACCEPTED:  # for Explain, even if the read ended meanwhile
+                read_trace.record(request_id, TraceState.RANK_CONFIRMED, rank, 0, "READ_DONE")
             reads.resolve(request_id, rank, outcome, detail)
 
         async def invalidate(peer: Peer, why: str) -> None:
@@ -150,8 +158,15 @@ class Parts:
         async def unreachable(peer: Peer, why: str) -> None:
             await guard.unreachable(peer, why)
 
+        async def corrupt(peer: Peer, why: str) -> None:
+            await guard.quarantine(peer.engine_id, why, cause="corrupt")
+
         confirmer = Confirmer(
-            link=link, resolve=resolve, invalidate=invalidate, unreachable=unreachable
+            link=link,
+            resolve=resolve,
+            invalidate=invalidate,
+            unreachable=unreachable,
+            corrupt=corrupt,
         )
 
         def guarded(
@@ -165,11 +180,19 @@ class Parts:
             confirmer=confirmer,
             confirm=config.confirm_reads,
             guarded=guarded,
+            tracer=read_trace,
         )
-        producer = Producer(lease_s=config.lease_s, events=events)
+        confirmer.costs = reads.transfers.costs = link.costs  # the cost matrix's two feeds
+        reads.canary.fraction = config.canary_fraction
+        producer = Producer(lease_s=config.lease_s, events=events, tracer=hold_trace)
         guard = PeerGuard(peers=peers, transfers=reads)
         poller = Poller(
-            backend=backend, transfers=reads, producer=producer, guard=guard, peers=peers
+            backend=backend,
+            transfers=reads,
+            producer=producer,
+            guard=guard,
+            peers=peers,
+            probe_s=config.cost_probe_s,
         )
         handshakes = Handshakes(
             peers=peers,
@@ -213,6 +236,13 @@ class Parts:
             consumer=consumer,
             registrar=registrar,
             boards=BoardMemory(backend),
+            explainer=Explainer(
+                reads=read_trace,
+                holds=hold_trace,
+                peers=peers,
+                ask=link.trace,
+                directory=link.get_engine,
+            ),
         )
 
     async def start(self) -> None:
@@ -253,6 +283,7 @@ class Parts:
             events_discarded=self.events.discarded,
             registered_bytes=local.registered_bytes if local is not None else 0,
             kv_files_reclaimed=self.registrar.reclaimer.unlinked,
+            costs=self.link.costs.snapshot(),
         )
 
     def status(
@@ -288,4 +319,5 @@ class Parts:
             events_queued=self.events.queued,
             reads_handshaking=stats.transfers.reads_handshaking,
             peer_endpoint=peer_endpoint,
+            costs=stats.costs,
         )

@@ -21,6 +21,7 @@ import logging
 
 from kvsidecar.engine.backend.contract import TransferBackend
 from kvsidecar.engine.holds.producer import Producer
+from kvsidecar.engine.peers.probe import probe
 from kvsidecar.engine.peers.registry import PeerRegistry
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.guard import PeerGuard
@@ -35,7 +36,9 @@ _BUSY_S, _HOLDS_S, _IDLE_S, _DRAIN_S = 0.005, 0.01, 0.25, 1.0
 
 class Poller:
     """``start()`` once, ``wake()`` after posting, ``aclose()`` once. A failed READ is checked
-    against the memory of the registration bound to ``peers`` before its peer is blamed."""
+    against the memory of the registration bound to ``peers`` before its peer is blamed. With
+    ``probe_s`` > 0 it also starts the idle cost probe (``peers.probe``) every ``probe_s``
+    seconds, one at a time, never waiting for it."""
 
     def __init__(
         self,
@@ -45,6 +48,7 @@ class Poller:
         producer: Producer,
         guard: PeerGuard,
         peers: PeerRegistry,
+        probe_s: float = 0.0,
     ) -> None:
         self._backend = backend
         self._transfers = transfers
@@ -55,6 +59,8 @@ class Poller:
         self._drained = 0.0  # loop time of the last NIXL notification drain
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._probe_s, self._probed = probe_s, 0.0  # loop time of the last probe started
+        self._probe: asyncio.Task[int] | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -73,6 +79,9 @@ class Poller:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = None
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -108,3 +117,7 @@ class Poller:
             except KvSidecarError:
                 log.exception("draining notifications failed")
         self._producer.reap()
+        idle = self._probe is None or self._probe.done()
+        if self._probe_s and idle and now - self._probed >= self._probe_s:
+            self._probed = now
+            self._probe = asyncio.get_running_loop().create_task(probe(self._peers, self._probe_s))

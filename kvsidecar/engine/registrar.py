@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvsidecar.engine.backend.contract import TransferBackend
 from kvsidecar.engine.events import EventHub
+from kvsidecar.engine.holds.canary import checker
 from kvsidecar.engine.holds.producer import Producer
 from kvsidecar.engine.local import LocalEngine, require_registered
 from kvsidecar.engine.model import Registration
@@ -101,6 +102,9 @@ class Registrar:
             self._peers.bind(local)
             self._producer.epoch = local.epoch  # the registration its holds are published under
             self._producer.trailing_holds = registration.trailing_holds
+            reader = local.host_reader()  # None: VRAM, no canary
+            self._transfers.canary.bind(reader, local)
+            self._producer.canary = checker(local.geometry, local.view_bases, reader, local)
             self._events.rebind(local.epoch)
         await self._on_registered(True)
         g = local.geometry
@@ -174,6 +178,8 @@ class Registrar:
         # Unbind first: RPCs arriving from here on see no engine and start no handshake.
         local, self._local = self._local, None
         self._peers.bind(None)
+        self._producer.canary = None  # its memory goes
+        self._transfers.canary.bind(None, None)
         # Before taking the guard: an abandoned handshake's backend phase may quarantine a stale
         # peer, which takes it.
         await self._peers.abandon_pending()

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvsidecar.engine.admission import AdmissionStats
-from kvsidecar.types import PeerState
+from kvsidecar.types import PeerCost, PeerState
 
 # Read durations span 100 µs (small local reads) to tens of seconds (deadline-bound reads).
 DURATION_BUCKETS = (
@@ -216,6 +216,8 @@ class EngineStats:
     events_discarded: int  # events of an ended registration, never shown to the next one
     registered_bytes: int
     kv_files_reclaimed: int = 0  # engine KV files unlinked after their engine exited
+    #: the cost matrix: one entry per live remote engine rank (``peers.costs``)
+    costs: tuple[PeerCost, ...] = ()
 
     def counters(self) -> dict[str, int]:
         """The flat counters of the ``Status`` RPC (each one is also a ``/metrics`` family)."""

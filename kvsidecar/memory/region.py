@@ -15,7 +15,14 @@ import numpy.typing as npt
 
 from kvsidecar.memory.types import MemType
 
-__all__ = ["OwnedRegion"]
+__all__ = ["OwnedRegion", "host_bytes"]
+
+
+def host_bytes(address: int, length: int) -> memoryview:
+    """``length`` bytes of host memory at ``address`` as a read-only memoryview, without a copy.
+    The caller guarantees the range lies inside a mapping that stays mapped while the view is
+    used (e.g. a registered engine memory the range was checked against)."""
+    return memoryview((ctypes.c_char * length).from_address(address)).cast("B").toreadonly()
 
 
 class OwnedRegion:

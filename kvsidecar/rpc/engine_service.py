@@ -23,7 +23,9 @@ from kvsidecar.errors import KvSidecarError
 from kvsidecar.limits import (
     MAX_BATCH_READS,
     MAX_GRACE_S,
+    MAX_ID_CHARS,
     MAX_STATUS_EVENTS,
+    check_chars,
     check_count,
     check_duration,
     check_max,
@@ -32,7 +34,7 @@ from kvsidecar.rpc import decode
 from kvsidecar.rpc.session import Session
 from kvsidecar.rpc.status import errors_to_status, status_for, status_message
 from kvsidecar.types import DiscoveryInfo, Drained, ReadPosted
-from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, trace_pb2
 from kvsidecar.wire.engine import (
     discovery_to_proto,
     drained_to_proto,
@@ -42,6 +44,7 @@ from kvsidecar.wire.engine import (
     registered_to_proto,
     status_to_proto,
 )
+from kvsidecar.wire.trace import explanation_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ class Drainer(Protocol):
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Every EngineService method: RegisterEngine, Handshake, Plan, Read, ReadBatch, Notify,
-    Step, Status, Watch, Session, Drain and Peers.
+    Step, Status, Watch, Session, Drain, Peers and Explain.
 
     ``read_one``, ``read_batch``, ``notify`` and ``step`` are Read, ReadBatch, Notify and Step
     raising ``KvSidecarError`` (the unary handlers map it to a status, a Session to its reply)."""
@@ -197,6 +200,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.PeersRequest, context: Any
     ) -> engine_pb2.PeersResponse:
         return discovery_to_proto(self._discovery())
+
+    @errors_to_status
+    async def Explain(
+        self, request: trace_pb2.ExplainRequest, context: Any
+    ) -> trace_pb2.ExplainResponse:
+        check_chars("request_id", request.request_id, MAX_ID_CHARS)
+        return explanation_to_proto(await self._core.explain(request.request_id))
 
     @errors_to_status
     async def Drain(

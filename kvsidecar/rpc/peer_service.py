@@ -11,13 +11,14 @@ from kvsidecar.engine.core import EngineCore
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.limits import MAX_ID_CHARS, check_chars
 from kvsidecar.rpc.status import errors_to_status, status_for, status_message
-from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+from kvsidecar.v1 import peer_pb2, peer_pb2_grpc, trace_pb2
 from kvsidecar.wire.peer import (
     agent_info_to_proto,
     directory_to_proto,
     notify_request_from_proto,
     notify_response_to_proto,
 )
+from kvsidecar.wire.trace import side_to_proto
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
@@ -56,6 +57,14 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                 context.set_details(status_message(exc))
                 return
             yield notify_response_to_proto(epoch, outcomes)
+
+    @errors_to_status
+    async def Trace(self, request: trace_pb2.TraceRequest, context: Any) -> trace_pb2.TraceResponse:
+        check_chars("engine_id", request.engine_id, MAX_ID_CHARS)
+        check_chars("request_id", request.request_id, MAX_ID_CHARS)
+        asker = (request.engine_id, request.tp_rank)
+        e = await self._core.explain(request.request_id, asker)
+        return trace_pb2.TraceResponse(side=side_to_proto(e.sides[0]), now_unix_ns=e.now_unix_ns)
 
     @errors_to_status
     async def GetEngine(

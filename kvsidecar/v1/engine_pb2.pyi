@@ -1225,6 +1225,11 @@ class RecvFailed(_message.Message):
         """The read was refused once the remote engine's geometry was known (a remote block id past
         the remote views, for instance). The message names the field and value.
         """
+        CORRUPT: RecvFailed._Reason.ValueType  # 10
+        """An integrity canary read (--canary-fraction) found the bytes received differ from the
+        producer's held bytes (CRC-32 over the ranges read): never use them. The peer is
+        quarantined.
+        """
 
     class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper): ...
     REASON_UNSPECIFIED: RecvFailed.Reason.ValueType  # 0
@@ -1249,6 +1254,11 @@ class RecvFailed(_message.Message):
     REJECTED: RecvFailed.Reason.ValueType  # 9
     """The read was refused once the remote engine's geometry was known (a remote block id past
     the remote views, for instance). The message names the field and value.
+    """
+    CORRUPT: RecvFailed.Reason.ValueType  # 10
+    """An integrity canary read (--canary-fraction) found the bytes received differ from the
+    producer's held bytes (CRC-32 over the ranges read): never use them. The peer is
+    quarantined.
     """
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
@@ -1469,6 +1479,7 @@ class StatusResponse(_message.Message):
     EVENTS_QUEUED_FIELD_NUMBER: _builtins.int
     READS_HANDSHAKING_FIELD_NUMBER: _builtins.int
     PEER_ENDPOINT_FIELD_NUMBER: _builtins.int
+    COSTS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Empty when no engine is registered."""
     tp_rank: _builtins.int
@@ -1501,6 +1512,12 @@ class StatusResponse(_message.Message):
     def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Counter name -> value (reads_done, reads_failed, bytes_read, leases_expired, stale_notifications, ...)."""
 
+    @_builtins.property
+    def costs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerCost]:
+        """The cost matrix: one entry per live remote engine rank this sidecar read from or notified
+        (at most 4096; a quarantined engine's entries are dropped).
+        """
+
     def __init__(
         self,
         *,
@@ -1522,11 +1539,59 @@ class StatusResponse(_message.Message):
         events_queued: _builtins.int = ...,
         reads_handshaking: _builtins.int = ...,
         peer_endpoint: _builtins.str = ...,
+        costs: _abc.Iterable[Global___PeerCost] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "confirm_reads", b"confirm_reads", "counters", b"counters", "draining", b"draining", "engine_id", b"engine_id", "epoch", b"epoch", "events", b"events", "events_queued", b"events_queued", "holds_active", b"holds_active", "peer_endpoint", b"peer_endpoint", "peer_tls", b"peer_tls", "peers", b"peers", "reads_handshaking", b"reads_handshaking", "reads_in_flight", b"reads_in_flight", "ready", b"ready", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "watch_connected", b"watch_connected"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "confirm_reads", b"confirm_reads", "costs", b"costs", "counters", b"counters", "draining", b"draining", "engine_id", b"engine_id", "epoch", b"epoch", "events", b"events", "events_queued", b"events_queued", "holds_active", b"holds_active", "peer_endpoint", b"peer_endpoint", "peer_tls", b"peer_tls", "peers", b"peers", "reads_handshaking", b"reads_handshaking", "reads_in_flight", b"reads_in_flight", "ready", b"ready", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "watch_connected", b"watch_connected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class PeerCost(_message.Message):
+    """What moving KV from one remote engine rank has cost lately, measured from real traffic: an
+    exponentially weighted moving average (the newest sample weighs 0.25) per kind. Ages are the
+    seconds since the last sample (0 with no sample).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TRANSFER_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    TRANSFER_SAMPLES_FIELD_NUMBER: _builtins.int
+    TRANSFER_AGE_S_FIELD_NUMBER: _builtins.int
+    CONTROL_RTT_S_FIELD_NUMBER: _builtins.int
+    CONTROL_SAMPLES_FIELD_NUMBER: _builtins.int
+    CONTROL_AGE_S_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    rank: _builtins.int
+    transfer_bytes_per_s: _builtins.float
+    """Bytes per second of its READs, post to completion."""
+    transfer_samples: _builtins.int
+    transfer_age_s: _builtins.float
+    control_rtt_s: _builtins.float
+    """Seconds per PeerService round trip (Notify: READ_DONE, CONSUMED, HEARTBEAT)."""
+    control_samples: _builtins.int
+    control_age_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        transfer_bytes_per_s: _builtins.float = ...,
+        transfer_samples: _builtins.int = ...,
+        transfer_age_s: _builtins.float = ...,
+        control_rtt_s: _builtins.float = ...,
+        control_samples: _builtins.int = ...,
+        control_age_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_age_s", b"control_age_s", "control_rtt_s", b"control_rtt_s", "control_samples", b"control_samples", "engine_id", b"engine_id", "rank", b"rank", "transfer_age_s", b"transfer_age_s", "transfer_bytes_per_s", b"transfer_bytes_per_s", "transfer_samples", b"transfer_samples"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerCost: _TypeAlias = PeerCost  # noqa: Y015

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from kvsidecar.v1 import engine_pb2 as kvsidecar_dot_v1_dot_engine__pb2
+from kvsidecar.v1 import trace_pb2 as kvsidecar_dot_v1_dot_trace__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -98,6 +99,11 @@ class EngineServiceStub:
                 '/kvsidecar.v1.EngineService/Peers',
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.PeersRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.PeersResponse.FromString,
+                _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/Explain',
+                request_serializer=kvsidecar_dot_v1_dot_trace__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_trace__pb2.ExplainResponse.FromString,
                 _registered_method=True)
 
 
@@ -224,6 +230,16 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Explain(self, request, context):
+        """One request's lifecycle (`kvsidecar explain`), by the consumer's local request id or the
+        producer's request id: this sidecar's states, merged with every producer rank's (asked over
+        PeerService.Trace, mTLS like every peer call), each side's clock offset, and the sides that
+        do not know it or could not be reached. NOT_FOUND only when no engine is registered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -286,6 +302,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Peers,
                     request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.PeersRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_engine__pb2.PeersResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=kvsidecar_dot_v1_dot_trace__pb2.ExplainRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_trace__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -617,6 +638,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/Peers',
             kvsidecar_dot_v1_dot_engine__pb2.PeersRequest.SerializeToString,
             kvsidecar_dot_v1_dot_engine__pb2.PeersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/Explain',
+            kvsidecar_dot_v1_dot_trace__pb2.ExplainRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_trace__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,

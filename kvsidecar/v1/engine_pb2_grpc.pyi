@@ -6,6 +6,7 @@ EngineService: the local engine <-> its sidecar (DESIGN §5). Served on a Unix s
 from collections import abc as _abc
 from grpc import aio as _aio
 from kvsidecar.v1 import engine_pb2 as _engine_pb2
+from kvsidecar.v1 import trace_pb2 as _trace_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
@@ -101,6 +102,12 @@ class EngineServiceStub:
     """Fleet discovery: its state and every engine it knows (etcd records), each with this sidecar's
     peer state and last error (`kvsidecar peers`). State "static" and no engines without it.
     """
+    Explain: _grpc.UnaryUnaryMultiCallable[_trace_pb2.ExplainRequest, _trace_pb2.ExplainResponse]
+    """One request's lifecycle (`kvsidecar explain`), by the consumer's local request id or the
+    producer's request id: this sidecar's states, merged with every producer rank's (asked over
+    PeerService.Trace, mTLS like every peer call), each side's clock offset, and the sides that
+    do not know it or could not be reached. NOT_FOUND only when no engine is registered.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -174,6 +181,12 @@ class EngineServiceAsyncStub(EngineServiceStub):
     Peers: _aio.UnaryUnaryMultiCallable[_engine_pb2.PeersRequest, _engine_pb2.PeersResponse]  # type: ignore[assignment]
     """Fleet discovery: its state and every engine it knows (etcd records), each with this sidecar's
     peer state and last error (`kvsidecar peers`). State "static" and no engines without it.
+    """
+    Explain: _aio.UnaryUnaryMultiCallable[_trace_pb2.ExplainRequest, _trace_pb2.ExplainResponse]  # type: ignore[assignment]
+    """One request's lifecycle (`kvsidecar explain`), by the consumer's local request id or the
+    producer's request id: this sidecar's states, merged with every producer rank's (asked over
+    PeerService.Trace, mTLS like every peer call), each side's clock offset, and the sides that
+    do not know it or could not be reached. NOT_FOUND only when no engine is registered.
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -317,6 +330,18 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_engine_pb2.PeersResponse, _abc.Awaitable[_engine_pb2.PeersResponse]]:
         """Fleet discovery: its state and every engine it knows (etcd records), each with this sidecar's
         peer state and last error (`kvsidecar peers`). State "static" and no engines without it.
+        """
+
+    @_abc_1.abstractmethod
+    def Explain(
+        self,
+        request: _trace_pb2.ExplainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trace_pb2.ExplainResponse, _abc.Awaitable[_trace_pb2.ExplainResponse]]:
+        """One request's lifecycle (`kvsidecar explain`), by the consumer's local request id or the
+        producer's request id: this sidecar's states, merged with every producer rank's (asked over
+        PeerService.Trace, mTLS like every peer call), each side's clock offset, and the sides that
+        do not know it or could not be reached. NOT_FOUND only when no engine is registered.
         """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -244,6 +244,8 @@ class PeerNotification(_message.Message):
     CONFIRM_FIELD_NUMBER: _builtins.int
     READ_BLOCK_COUNTS_FIELD_NUMBER: _builtins.int
     READ_BLOCKS_DIGEST_FIELD_NUMBER: _builtins.int
+    CANARY_RANGES_FIELD_NUMBER: _builtins.int
+    CANARY_CRC32_FIELD_NUMBER: _builtins.int
     kind: Global___PeerNotification.Kind.ValueType
     remote_request_id: _builtins.str
     """The producer's request id (the id the producer's engine used in HOLD).
@@ -271,6 +273,17 @@ class PeerNotification(_message.Message):
     bytes little-endian followed by the ids read as 8-byte little-endian integers. The producer
     recomputes it over the tail of the held ids and answers WRONG_BLOCKS unless they are equal: a
     token authorizes its request's blocks, not any block of the cache. 16 bytes.
+    """
+    canary_ranges: _builtins.bytes
+    """READ_DONE of a canary read (asks for confirmation): the producer's ranges the read covered,
+    as (address, length) pairs of 8-byte little-endian integers (16 bytes each, at most 65536
+    pairs), in the order the consumer wrote them, adjacent ones merged; each must lie inside a
+    held block of the request. Empty: not a canary read.
+    """
+    canary_crc32: _builtins.int
+    """The CRC-32 (zlib, chained over the ranges in order) of the bytes the consumer received. The
+    producer computes it over canary_ranges of its memory while the hold pins them and answers
+    CORRUPT when they differ.
     """
     @_builtins.property
     def heartbeat_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -302,10 +315,12 @@ class PeerNotification(_message.Message):
         confirm: _builtins.bool = ...,
         read_block_counts: _abc.Iterable[_builtins.int] | None = ...,
         read_blocks_digest: _builtins.bytes = ...,
+        canary_ranges: _builtins.bytes = ...,
+        canary_crc32: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["confirm", b"confirm", "consumer_engine_id", b"consumer_engine_id", "consumer_rank", b"consumer_rank", "epoch", b"epoch", "expected_consumers", b"expected_consumers", "heartbeat_request_ids", b"heartbeat_request_ids", "heartbeat_tokens", b"heartbeat_tokens", "kind", b"kind", "read_block_counts", b"read_block_counts", "read_blocks_digest", b"read_blocks_digest", "remote_request_id", b"remote_request_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_crc32", b"canary_crc32", "canary_ranges", b"canary_ranges", "confirm", b"confirm", "consumer_engine_id", b"consumer_engine_id", "consumer_rank", b"consumer_rank", "epoch", b"epoch", "expected_consumers", b"expected_consumers", "heartbeat_request_ids", b"heartbeat_request_ids", "heartbeat_tokens", b"heartbeat_tokens", "kind", b"kind", "read_block_counts", b"read_block_counts", "read_blocks_digest", b"read_blocks_digest", "remote_request_id", b"remote_request_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -377,6 +392,11 @@ class PeerNotifyResponse(_message.Message):
         sidecar and keeps the blocks unchanged meanwhile): not counted; ask again later, until the
         read's deadline.
         """
+        CORRUPT: PeerNotifyResponse._Outcome.ValueType  # 9
+        """A canary READ_DONE whose canary_crc32 differs from the CRC of the held bytes of
+        canary_ranges (or whose ranges are not inside the hold's blocks): the bytes the consumer
+        holds are not the held ones. Not counted; the consumer fails the read (CORRUPT).
+        """
 
     class Outcome(_Outcome, metaclass=_OutcomeEnumTypeWrapper): ...
     OUTCOME_UNSPECIFIED: PeerNotifyResponse.Outcome.ValueType  # 0
@@ -408,6 +428,11 @@ class PeerNotifyResponse(_message.Message):
     registered with trailing_holds (it hands out a hold's token before its HOLD reaches the
     sidecar and keeps the blocks unchanged meanwhile): not counted; ask again later, until the
     read's deadline.
+    """
+    CORRUPT: PeerNotifyResponse.Outcome.ValueType  # 9
+    """A canary READ_DONE whose canary_crc32 differs from the CRC of the held bytes of
+    canary_ranges (or whose ranges are not inside the hold's blocks): the bytes the consumer
+    holds are not the held ones. Not counted; the consumer fails the read (CORRUPT).
     """
 
     EPOCH_FIELD_NUMBER: _builtins.int

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from kvsidecar.v1 import peer_pb2 as kvsidecar_dot_v1_dot_peer__pb2
+from kvsidecar.v1 import trace_pb2 as kvsidecar_dot_v1_dot_trace__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -54,6 +55,11 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
                 _registered_method=True)
+        self.Trace = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/Trace',
+                request_serializer=kvsidecar_dot_v1_dot_trace__pb2.TraceRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_trace__pb2.TraceResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -94,6 +100,15 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Trace(self, request, context):
+        """What this rank remembers of a request it held (Explain on a consumer's sidecar asks every
+        producer rank): its states with this sidecar's clock, and that clock now. NOT_FOUND if this
+        sidecar does not serve engine_id/tp_rank.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +131,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.NotifyStream,
                     request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.SerializeToString,
+            ),
+            'Trace': grpc.unary_unary_rpc_method_handler(
+                    servicer.Trace,
+                    request_deserializer=kvsidecar_dot_v1_dot_trace__pb2.TraceRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_trace__pb2.TraceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +246,33 @@ class PeerService:
             '/kvsidecar.v1.PeerService/NotifyStream',
             kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyRequest.SerializeToString,
             kvsidecar_dot_v1_dot_peer__pb2.PeerNotifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Trace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/Trace',
+            kvsidecar_dot_v1_dot_trace__pb2.TraceRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_trace__pb2.TraceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,7 @@ PeerService: sidecar <-> sidecar control plane (DESIGN §5). The data plane is N
 from collections import abc as _abc
 from grpc import aio as _aio
 from kvsidecar.v1 import peer_pb2 as _peer_pb2
+from kvsidecar.v1 import trace_pb2 as _trace_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
@@ -48,6 +49,11 @@ class PeerServiceStub:
     message on an open stream costs well under a new call); a request Notify would refuse ends
     the stream with that status. Consumers fall back to Notify where a producer does not serve it.
     """
+    Trace: _grpc.UnaryUnaryMultiCallable[_trace_pb2.TraceRequest, _trace_pb2.TraceResponse]
+    """What this rank remembers of a request it held (Explain on a consumer's sidecar asks every
+    producer rank): its states with this sidecar's clock, and that clock now. NOT_FOUND if this
+    sidecar does not serve engine_id/tp_rank.
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -68,6 +74,11 @@ class PeerServiceAsyncStub(PeerServiceStub):
     with the same meaning and checks as Notify. A consumer keeps one stream per producer rank (a
     message on an open stream costs well under a new call); a request Notify would refuse ends
     the stream with that status. Consumers fall back to Notify where a producer does not serve it.
+    """
+    Trace: _aio.UnaryUnaryMultiCallable[_trace_pb2.TraceRequest, _trace_pb2.TraceResponse]  # type: ignore[assignment]
+    """What this rank remembers of a request it held (Explain on a consumer's sidecar asks every
+    producer rank): its states with this sidecar's clock, and that clock now. NOT_FOUND if this
+    sidecar does not serve engine_id/tp_rank.
     """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -110,6 +121,17 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         with the same meaning and checks as Notify. A consumer keeps one stream per producer rank (a
         message on an open stream costs well under a new call); a request Notify would refuse ends
         the stream with that status. Consumers fall back to Notify where a producer does not serve it.
+        """
+
+    @_abc_1.abstractmethod
+    def Trace(
+        self,
+        request: _trace_pb2.TraceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trace_pb2.TraceResponse, _abc.Awaitable[_trace_pb2.TraceResponse]]:
+        """What this rank remembers of a request it held (Explain on a consumer's sidecar asks every
+        producer rank): its states with this sidecar's clock, and that clock now. NOT_FOUND if this
+        sidecar does not serve engine_id/tp_rank.
         """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

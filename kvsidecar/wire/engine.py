@@ -30,6 +30,7 @@ from kvsidecar.types import (
     SidecarStatus,
 )
 from kvsidecar.v1 import engine_pb2
+from kvsidecar.wire.costs import costs_from_proto, costs_to_proto
 from kvsidecar.wire.geometry import block_ids_to_proto
 
 #: the length before every frame on the engine's lane (little-endian uint32, ``rpc/lane.py``)
@@ -236,6 +237,7 @@ def status_to_proto(status: SidecarStatus) -> engine_pb2.StatusResponse:
         events_queued=status.events_queued,
         reads_handshaking=status.reads_handshaking,
         peer_endpoint=status.peer_endpoint,
+        costs=costs_to_proto(status.costs),
     )
 
 
@@ -269,6 +271,7 @@ def status_from_proto(pb: engine_pb2.StatusResponse) -> SidecarStatus:
         events_queued=pb.events_queued,
         reads_handshaking=pb.reads_handshaking,
         peer_endpoint=pb.peer_endpoint,
+        costs=costs_from_proto(pb.costs),
     )
 
 

@@ -17,6 +17,7 @@ from kvsidecar.errors import InvalidArgumentError
 from kvsidecar.limits import (
     MAX_AGENT_METADATA,
     MAX_BOARD_BUCKETS,
+    MAX_CANARY_RANGES,
     MAX_DIGEST_BYTES,
     MAX_GROUPS,
     MAX_ID_CHARS,
@@ -27,6 +28,7 @@ from kvsidecar.limits import (
     check_count,
 )
 from kvsidecar.plan import EngineGeometry
+from kvsidecar.plan.canary import RANGE_BYTES
 from kvsidecar.plan.claims import ReadClaim
 from kvsidecar.plan.compat import CompatItems
 from kvsidecar.v1 import peer_pb2
@@ -39,6 +41,7 @@ from kvsidecar.wire.geometry import (
 
 __all__ = [
     "AgentInfo",
+    "Canary",
     "EngineDirectory",
     "NotificationKind",
     "Outcome",
@@ -171,6 +174,7 @@ class Outcome(enum.Enum):
     EXTRA_CONSUMER = 6  #: the hold already heard from every consumer it expected
     WRONG_BLOCKS = 7  #: a READ_DONE whose blocks read are not the tail of the hold's block ids
     PENDING = 8  #: a confirmation before its HOLD, at an engine with trailing holds: ask again
+    CORRUPT = 9  #: a canary READ_DONE whose CRC differs from the held bytes' (not counted)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,7 +184,9 @@ class PeerNotification:
     ranks that producer rank should hear from for ``remote_request_id``; ``token`` is the hold's
     (``heartbeat_tokens`` pair up with ``heartbeat_ids``). ``confirm``: the consumer reports its
     read only on an ACCEPTED outcome, so it must not be kept as an early notification.
-    ``claim``: for a READ_DONE, which of the hold's blocks the read covered (``plan.claims``)."""
+    ``claim``: for a READ_DONE, which of the hold's blocks the read covered (``plan.claims``).
+    ``canary``: for a canary READ_DONE, the producer's ranges read (``plan.canary`` wire form)
+    and the CRC-32 of the bytes received from them."""
 
     kind: NotificationKind
     remote_request_id: str
@@ -193,6 +199,17 @@ class PeerNotification:
     heartbeat_tokens: tuple[str, ...] = field(default=(), repr=False)
     confirm: bool = False
     claim: ReadClaim | None = None
+    canary: Canary | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Canary:
+    """What a canary READ_DONE carries: ``ranges`` (``plan.canary.pack_ranges``: the producer's
+    (address, length) pairs read, at most ``MAX_CANARY_RANGES``) and ``crc32`` of the bytes
+    received from them, in order."""
+
+    ranges: bytes = field(repr=False)
+    crc32: int
 
 
 _KINDS = {k.value: k for k in NotificationKind}
@@ -213,6 +230,8 @@ def notification_to_proto(n: PeerNotification) -> peer_pb2.PeerNotification:
         confirm=n.confirm,
         read_block_counts=list(n.claim.counts) if n.claim is not None else [],
         read_blocks_digest=n.claim.digest if n.claim is not None else b"",
+        canary_ranges=n.canary.ranges if n.canary is not None else b"",
+        canary_crc32=n.canary.crc32 if n.canary is not None else 0,
     )
 
 
@@ -233,6 +252,8 @@ def notification_from_proto(pb: peer_pb2.PeerNotification) -> PeerNotification:
     claim = None
     if pb.read_block_counts or pb.read_blocks_digest:
         claim = ReadClaim(counts=tuple(pb.read_block_counts), digest=bytes(pb.read_blocks_digest))
+    check_count("canary_ranges", pb.canary_ranges, MAX_CANARY_RANGES * RANGE_BYTES)
+    canary = Canary(bytes(pb.canary_ranges), pb.canary_crc32) if pb.canary_ranges else None
     return PeerNotification(
         kind=_KINDS.get(pb.kind, NotificationKind.UNSPECIFIED),
         remote_request_id=pb.remote_request_id,
@@ -245,6 +266,7 @@ def notification_from_proto(pb: peer_pb2.PeerNotification) -> PeerNotification:
         heartbeat_tokens=tuple(pb.heartbeat_tokens),
         confirm=pb.confirm,
         claim=claim,
+        canary=canary,
     )
 
 

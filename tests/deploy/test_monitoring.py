@@ -33,6 +33,9 @@ PANELS = {
     "CPU": "rate(process_cpu_seconds_total",
     "Session commands in flight": "kvsidecar_session_commands_in_flight",
     "Read phases (p99)": "sum by (phase, le) (rate(kvsidecar_read_phase_seconds_bucket",
+    "No P/D transfer": "kvsidecar_no_transfer_windows_total",
+    "Peer control round trip": "kvsidecar_peer_control_rtt_seconds",
+    "Peer transfer rate": "kvsidecar_peer_transfer_bytes_per_second",
 }
 # Alerts the rules must have, and a metric each must use.
 ALERTS = {
@@ -41,6 +44,7 @@ ALERTS = {
     "KvsidecarLeasesExpiring": "kvsidecar_leases_expired_total",
     "KvsidecarNotReady": "kvsidecar_ready == 0",
     "KvsidecarLoopLagHigh": "kvsidecar_poll_loop_lag_seconds_bucket",
+    "KvsidecarNoTransfers": "kvsidecar_no_transfer_windows_total",
 }
 
 

@@ -18,6 +18,7 @@ from kvsidecar.plan import EngineGeometry, hnd_kv_views
 from kvsidecar.plan.compat import CompatItems
 from kvsidecar.types import (
     FailReason,
+    PeerCost,
     PeerInfo,
     PeerState,
     PlanInfo,
@@ -131,6 +132,18 @@ def test_status_plan_and_results_round_trip() -> None:
         watch_connected=True,
         peer_tls=True,
         confirm_reads=False,
+        costs=(
+            PeerCost(
+                engine_id="p",
+                rank=1,
+                transfer_bytes_per_s=2.5e9,
+                transfer_samples=12,
+                transfer_age_s=0.25,
+                control_rtt_s=0.0015,
+                control_samples=13,
+                control_age_s=0.125,
+            ),
+        ),
     )
     pb = _bytes_round_trip(wire_engine.status_to_proto(status))
     back = wire_engine.status_from_proto(pb)  # type: ignore[arg-type]
@@ -394,3 +407,75 @@ def test_every_decoder_enforces_the_limits_naming_field_value_and_bound() -> Non
     for call, fragment in cases:
         msg = _bound_error(call)
         assert fragment in msg, (fragment, msg)
+
+
+def test_explanations_round_trip_and_a_peers_trace_is_bounded() -> None:
+    import pytest
+
+    from kvsidecar.errors import InvalidArgumentError
+    from kvsidecar.limits import MAX_TRACE_DETAIL, MAX_TRACE_RECORDS
+    from kvsidecar.wire.trace import (
+        Explanation,
+        SideTrace,
+        TracePlan,
+        TraceRecord,
+        TraceRole,
+        TraceState,
+        explanation_from_proto,
+        explanation_to_proto,
+        side_from_proto,
+        side_to_proto,
+    )
+
+    consumer = SideTrace(
+        role=TraceRole.CONSUMER,
+        engine_id="decode",
+        tp_rank=1,
+        request_id="r@d",
+        known=True,
+        records=(
+            TraceRecord(unix_ns=5, state=TraceState.ACCEPTED),
+            TraceRecord(unix_ns=9, state=TraceState.TRANSFER_POSTED, rank=0, bytes=4096),
+            TraceRecord(unix_ns=12, state=TraceState.FAILED, detail="stale: refused"),
+        ),
+        remote_engine_id="prefill",
+        remote_request_id="r",
+        plan=TracePlan(
+            local_tp=2, remote_tp=1, ranks_read=(0,), ranks_notified=(), block_size_ratios=(2,)
+        ),
+    )
+    producer = SideTrace(
+        role=TraceRole.PRODUCER,
+        engine_id="prefill",
+        tp_rank=0,
+        request_id="r",
+        known=False,
+        endpoint="127.0.0.1:1",
+        unknown="unreachable",
+        clock_offset_ns=-7,
+        clock_error_ns=300,
+    )
+    e = Explanation(request_id="r@d", now_unix_ns=99, sides=(consumer, producer))
+    assert explanation_from_proto(explanation_to_proto(e)) == e
+
+    long = side_to_proto(
+        SideTrace(
+            role=TraceRole.PRODUCER,
+            engine_id="p",
+            tp_rank=0,
+            request_id="r",
+            known=True,
+            records=(TraceRecord(unix_ns=1, state=TraceState.HELD, detail="x" * 5000),),
+        )
+    )
+    assert len(side_from_proto(long).records[0].detail) == MAX_TRACE_DETAIL
+    too_many = side_to_proto(producer)
+    too_many.records.extend(
+        side_to_proto(consumer).records[0] for _ in range(MAX_TRACE_RECORDS + 1)
+    )
+    with pytest.raises(InvalidArgumentError, match=f"at most {MAX_TRACE_RECORDS}"):
+        side_from_proto(too_many)
+    bad = side_to_proto(consumer)
+    bad.records[0].state = 99  # type: ignore[assignment]
+    with pytest.raises(InvalidArgumentError, match="state=99"):
+        side_from_proto(bad)

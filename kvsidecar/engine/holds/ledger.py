@@ -118,10 +118,8 @@ class ProducerLedger:
         return True
 
     def drop_all(self) -> int:
-        """The engine is gone: drop every hold (no SendDone) and every early notification.
-
-        Returns the number of holds dropped; dropped early notifications count as stale.
-        """
+        """The engine is gone: drop every hold (no SendDone) and every early notification
+        (counted stale). Returns the number of holds dropped."""
         dropped = len(self._holds)
         for request_id in self._holds:
             self._closed.add(request_id)
@@ -238,11 +236,9 @@ class ProducerLedger:
     # --- timer ----------------------------------------------------------------------------------
 
     def reap(self) -> tuple[SendDone, ...]:
-        """Expire every hold and early entry whose deadline is ``<= clock()``.
-
-        Returns SendDone(expired=True) per expired hold, earliest deadline first; expired early
-        entries count as stale.
-        """
+        """Expire every hold and early entry whose deadline is ``<= clock()``. Returns
+        SendDone(expired=True) per expired hold, earliest deadline first; expired early entries
+        count as stale."""
         out: list[SendDone] = []
         for request_id, _ in self._deadlines.due(self._clock()):
             entry = self._holds.pop(request_id, None)
@@ -264,6 +260,10 @@ class ProducerLedger:
     def holding(self, request_id: str) -> bool:
         """Whether ``request_id`` is held now."""
         return request_id in self._holds
+
+    def held(self, request_id: str) -> Entry | None:
+        """``request_id``'s live hold (read its ``token``, ``block_ids``); ``None``: not held."""
+        return self._holds.get(request_id)
 
     @property
     def counters(self) -> LedgerCounters:

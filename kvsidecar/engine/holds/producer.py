@@ -12,18 +12,19 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.holds.board import HoldBoard
 from kvsidecar.engine.holds.ledger import ConsumerId, NotificationOutcome, ProducerLedger
-from kvsidecar.engine.model import Hold
+from kvsidecar.engine.model import Hold, Tracer
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.stats import ProducerStats
 from kvsidecar.errors import NotFoundError
 from kvsidecar.plan.claims import ReadClaim
 from kvsidecar.types import SendDone
-from kvsidecar.wire.peer import NotificationKind, Outcome, PeerNotification
+from kvsidecar.wire.peer import Canary, NotificationKind, Outcome, PeerNotification
+from kvsidecar.wire.trace import TraceState
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +41,22 @@ _OUTCOMES = {
 }
 #: A READ_DONE without a claim covers no block (a read reports what it read).
 _NO_CLAIM = ReadClaim(counts=(), digest=b"")
+#: (canary, block ids per group of the live hold) -> ACCEPTED or CORRUPT (``holds.canary``);
+#: ``None``: not checked (the memory failed)
+CanaryCheck = Callable[[Canary, tuple[tuple[int, ...], ...]], Outcome | None]
 
 
 class Producer:
     """Holds and their completion for the current registration."""
 
-    def __init__(self, *, lease_s: float, events: EventHub, board: HoldBoard | None = None) -> None:
-        """``board``: where live holds are published for consumers to check with one READ."""
+    def __init__(
+        self, *, lease_s: float, events: EventHub, tracer: Tracer, board: HoldBoard | None = None
+    ) -> None:
+        """``board``: where live holds are published for consumers to check with one READ;
+        ``tracer``: where each hold's states are recorded (Explain)."""
         self.ledger = ProducerLedger(default_lease_s=lease_s, clock=time.monotonic)
         self._events = events
+        self._trace = tracer
         self.board = board if board is not None else HoldBoard(None)
         self.epoch = 0  #: the registration's epoch (set by the registrar)
         #: the engine hands out tokens before their HOLD arrives (``Registration.trailing_holds``)
@@ -56,6 +64,8 @@ class Producer:
         self._received = 0
         self._refused: dict[str, int] = {}
         self._nixl_ignored = 0
+        self.canaries_checked = 0  #: canary READ_DONEs whose held bytes were checksummed
+        self.canary: CanaryCheck | None = None  #: the registration's canary check (registrar)
         self._log = RateLimited(log)
 
     @property
@@ -71,6 +81,8 @@ class Producer:
         done = self.ledger.hold(
             cmd.request_id, lease_s=cmd.lease_s, block_ids=cmd.block_ids, token=token
         )
+        lease = "default lease" if cmd.lease_s is None else f"lease {cmd.lease_s:g}s"
+        self._trace.record(cmd.request_id, TraceState.HELD, detail=lease)
         if done is None:
             self.board.publish(cmd.request_id, token=token, epoch=self.epoch, held=cmd.block_ids)
         self._finish(done)
@@ -79,6 +91,7 @@ class Producer:
     def release(self, request_id: str) -> None:
         if not self.ledger.release(request_id):
             raise NotFoundError(f"request_id={request_id!r} is not held")
+        self._trace.record(request_id, TraceState.CANCELLED, detail="RELEASE by the engine")
         self.board.withdraw(request_id)
 
     def drop_all(self) -> int:
@@ -94,10 +107,14 @@ class Producer:
     def on_peer(self, notifications: Sequence[PeerNotification], epoch: int) -> list[Outcome]:
         """Apply consumer notifications for the registration of ``epoch``; one outcome each. A
         READ_DONE that asks for confirmation is ACCEPTED only while its hold is live under the
-        epoch and token it names. Never raises on peer data."""
-        out = [self._apply(n, epoch) for n in notifications]
+        epoch and token it names; a canary READ_DONE is first checked by ``self.canary`` (none:
+        its canary is ignored, e.g. memory the host cannot read) and answered CORRUPT, uncounted,
+        on a mismatch. Never raises on peer data."""
+        out = [self._canary(n, epoch, self.canary) or self._apply(n, epoch) for n in notifications]
         for n, outcome in zip(notifications, out, strict=True):
             self._received += 1
+            if n.kind is not NotificationKind.HEARTBEAT and outcome is not Outcome.ACCEPTED:
+                self._traced(n, outcome)  # a refusal (the counted ones are traced in _apply)
             if outcome not in (Outcome.ACCEPTED, Outcome.PENDING):  # PENDING: asked again
                 self._refused[outcome.name.lower()] = self._refused.get(outcome.name.lower(), 0) + 1
                 self._log.warning(
@@ -111,6 +128,30 @@ class Producer:
                     peer=n.consumer_engine_id,
                 )
         return out
+
+    def _canary(self, n: PeerNotification, epoch: int, check: CanaryCheck | None) -> Outcome | None:
+        """CORRUPT for a canary READ_DONE of a live hold (same epoch and token) whose held bytes
+        differ; ``None``: apply it as any other (the ledger refuses an ended hold exactly)."""
+        if check is None or n.canary is None or n.kind is not NotificationKind.READ_DONE:
+            return None
+        held = self.ledger.held(n.remote_request_id) if n.epoch == epoch else None
+        if held is None or not secrets.compare_digest(held.token.encode(), n.token.encode()):
+            return None
+        outcome = check(n.canary, held.block_ids)
+        self.canaries_checked += outcome is not None
+        return Outcome.CORRUPT if outcome is Outcome.CORRUPT else None
+
+    def _traced(self, n: PeerNotification, outcome: Outcome) -> None:
+        """Record a READ_DONE or CONSUMED: counted (before the SEND_DONE it may complete), or
+        refused."""
+        who = f"{n.kind.name} from {n.consumer_engine_id!r} rank {n.consumer_rank}"
+        if outcome is Outcome.ACCEPTED:
+            state, detail = TraceState.CONSUMER_COUNTED, f"{who}, {n.expected_consumers} expected"
+        elif outcome is not Outcome.PENDING:
+            state, detail = TraceState.CONSUMER_REFUSED, f"{who}: {outcome.name}"
+        else:
+            return
+        self._trace.record(n.remote_request_id, state, n.consumer_rank, 0, detail)
 
     def _apply(self, n: PeerNotification, epoch: int) -> Outcome:
         if n.epoch != epoch:
@@ -127,6 +168,8 @@ class Producer:
             trailing=self.trailing_holds,
             claim=(n.claim or _NO_CLAIM) if n.kind is NotificationKind.READ_DONE else None,
         )
+        if _OUTCOMES[result] is Outcome.ACCEPTED:
+            self._traced(n, Outcome.ACCEPTED)
         self._finish(done)
         return _OUTCOMES[result]
 
@@ -165,4 +208,6 @@ class Producer:
         on), then SEND_DONE tells the engine it may free the blocks."""
         if done is not None:
             self.board.withdraw(done.request_id)
+            state = TraceState.EXPIRED if done.expired else TraceState.SOURCE_RELEASED
+            self._trace.record(done.request_id, state, detail=f"{done.consumers} consumer(s)")
             self._events.emit(done)

@@ -24,13 +24,14 @@ from typing import Any, cast
 import grpc
 
 from kvsidecar.engine.model import PeerTls
+from kvsidecar.engine.peers.costs import CostMatrix
 from kvsidecar.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     NotFoundError,
     PeerUnavailableError,
 )
-from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+from kvsidecar.v1 import peer_pb2, peer_pb2_grpc, trace_pb2
 from kvsidecar.wire.peer import (
     AgentInfo,
     EngineDirectory,
@@ -41,6 +42,7 @@ from kvsidecar.wire.peer import (
     notify_request_to_proto,
     notify_response_from_proto,
 )
+from kvsidecar.wire.trace import SideTrace, side_from_proto
 
 _CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -124,6 +126,7 @@ class PeerLink:
         self._streams: dict[str, _NotifyStream] = {}
         self._unary_only: set[str] = set()  # endpoints that do not serve NotifyStream
         self._tls = tls
+        self.costs = CostMatrix()  #: what talking to each live remote engine rank costs
 
     async def reload(self, tls: PeerTls | None) -> None:
         """Use new certificates from now on (existing channels are closed and reconnect)."""
@@ -171,6 +174,21 @@ class PeerLink:
         except grpc.aio.AioRpcError as exc:
             raise _translate(endpoint, f"GetEngine({engine_id!r})", exc) from None
         return directory_from_proto(resp)
+
+    async def trace(
+        self, endpoint: str, engine_id: str, tp_rank: int, request_id: str
+    ) -> tuple[SideTrace, int]:
+        """Trace (what rank ``tp_rank`` remembers of the hold ``request_id``): its side and its
+        clock when it answered (Unix ns). Bounded by the handshake timeout."""
+        try:
+            call = self._stub(endpoint).Trace(
+                trace_pb2.TraceRequest(engine_id=engine_id, tp_rank=tp_rank, request_id=request_id),
+                timeout=self._timeout_s,
+            )
+            resp = cast(trace_pb2.TraceResponse, await cast(Awaitable[Any], call))
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(endpoint, f"Trace({engine_id!r}, rank {tp_rank})", exc) from None
+        return side_from_proto(resp.side), resp.now_unix_ns
 
     async def notify(
         self, endpoint: str, engine_id: str, notifications: Sequence[PeerNotification]

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvsidecar.engine.backend.contract import TransferBackend, XferState
 from kvsidecar.engine.events import EventHub
-from kvsidecar.engine.model import ReadCommand
+from kvsidecar.engine.model import ReadCommand, Tracer
 from kvsidecar.engine.peers.registry import Peer
 from kvsidecar.engine.reads.boards import LaterChecks
-from kvsidecar.engine.reads.ids import ReadIds
+from kvsidecar.engine.reads.canary import ReadCanaries
+from kvsidecar.engine.reads.ids import REMEMBERED_IDS, ReadIds
 from kvsidecar.engine.reads.report import ReadReport
-from kvsidecar.engine.reads.state import Admitted, InFlightRead
+from kvsidecar.engine.reads.state import Admitted, InFlightRead, Xfer
 from kvsidecar.engine.reads.transfers import Transfers
 from kvsidecar.engine.stats import PhaseHistograms, TransferStats
 from kvsidecar.types import FailReason
+from kvsidecar.wire.trace import TraceState
 
 
 class ReadBook:
@@ -34,19 +36,22 @@ class ReadBook:
         *,
         backend: TransferBackend,
         events: EventHub,
-        remember_ids: int,
-        clock: Callable[[], float],
+        tracer: Tracer,
+        remember_ids: int = REMEMBERED_IDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._backend = backend
+        self.trace = tracer  #: where each read's states are recorded (Explain)
         self._clock = clock
         self._later: LaterChecks | None = None  # board checks after an asynchronous READ
         self._reads: dict[str, InFlightRead] = {}
         self._waiting: dict[str, Admitted] = {}  # accepted, waiting for their peer's handshake
         self.ids = ReadIds(remember_ids)  # a read posted at once takes its id here first
         self.transfers = Transfers(backend)
-        self._report = ReadReport(events)
+        self._report = ReadReport(events, tracer)
         self.phases: PhaseHistograms = self._report.phases
         self.retries = 0  #: confirmations asked again after a PENDING answer
+        self.canary = ReadCanaries()  #: which reads carry an integrity canary (off: fraction 0)
 
     def stats(self) -> TransferStats:
         slots = self.transfers.slots
@@ -79,6 +84,15 @@ class ReadBook:
             cmd=cmd, started=time.perf_counter(), at=self._clock()
         )
         self._report.started += 1
+        self.accepted(cmd)
+        self.trace.record(cmd.request_id, TraceState.HANDSHAKING, detail=cmd.remote_engine_id)
+
+    def accepted(self, cmd: ReadCommand) -> None:
+        """Record ``cmd`` accepted (its id just taken): found by its id and the producer's."""
+        rid = cmd.request_id
+        about = (cmd.remote_engine_id, cmd.remote_request_id, cmd.endpoints)
+        self.trace.begin(rid, about, cmd.remote_request_id)
+        self.trace.record(rid, TraceState.ACCEPTED)
 
     def waiting(self, request_id: str) -> bool:
         return request_id in self._waiting
@@ -95,6 +109,32 @@ class ReadBook:
         if confirmed:
             self._report.confirmed(time.perf_counter() - read.done_at)
         self._report.success(read)
+
+    # --- what Explain records (``trace``) ------------------------------------------------------
+
+    def _posted(
+        self,
+        read: InFlightRead,
+        xfers: Sequence[Xfer],
+        sizes: Sequence[Sequence[int]],
+        i: int,
+        quiet: int,
+    ) -> None:
+        """``read`` (read ``i`` of its post) was posted: its plan, the bytes posted per producer
+        rank (``sizes[x][i]`` for READ ``x``) and the notify-only ranks told (``quiet``)."""
+        rid = read.cmd.request_id
+        self.trace.plan(rid, read.peer.plan)
+        for x, per in zip(xfers, sizes, strict=True):
+            if per[i]:
+                self.trace.record(rid, TraceState.TRANSFER_POSTED, x.rank, per[i])
+        if quiet:
+            self.trace.record(rid, TraceState.NOTIFIED, detail=f"{quiet} rank(s)")
+
+    def _by_board(self, read: InFlightRead, ranks: set[int]) -> set[int]:
+        """``ranks`` confirmed ``read`` by their hold boards (returned as they are)."""
+        for rank in sorted(ranks):
+            self.trace.record(read.cmd.request_id, TraceState.RANK_CONFIRMED, rank, 0, "hold board")
+        return ranks
 
     # --- failing --------------------------------------------------------------------------------
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvsidecar.engine.peers.costs import CostMatrix
 from kvsidecar.engine.peers.link import PeerLink
 from kvsidecar.engine.peers.registry import Peer, RankLink
 from kvsidecar.engine.ratelog import RateLimited
@@ -25,7 +27,7 @@ from kvsidecar.engine.reads.state import InFlightRead
 from kvsidecar.errors import DeadlineExceededError, KvSidecarError, PeerUnavailableError
 from kvsidecar.limits import MAX_NOTIFICATIONS
 from kvsidecar.plan.claims import ReadClaim
-from kvsidecar.wire.peer import NotificationKind, Outcome, PeerNotification
+from kvsidecar.wire.peer import Canary, NotificationKind, Outcome, PeerNotification
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ def notification(
     token: str = "",
     confirm: bool = False,
     claim: ReadClaim | None = None,
+    canary: Canary | None = None,
     heartbeat_ids: tuple[str, ...] = (),
     heartbeat_tokens: tuple[str, ...] = (),
 ) -> PeerNotification:
@@ -51,7 +54,7 @@ def notification(
     epoch the plan was built for and, except for a heartbeat, how many consumers that rank
     expects. With ``confirm`` the producer answers ACCEPTED only while the hold is live; a
     READ_DONE's ``claim`` names the held blocks it read (WRONG_BLOCKS unless the hold covers
-    them)."""
+    them); its ``canary``, the CRC of the bytes received (CORRUPT unless the held bytes match)."""
     return PeerNotification(
         kind=kind,
         remote_request_id=remote_request_id,
@@ -64,6 +67,7 @@ def notification(
         token=token,
         confirm=confirm,
         claim=claim,
+        canary=canary,
         heartbeat_ids=heartbeat_ids,
         heartbeat_tokens=heartbeat_tokens,
     )
@@ -103,6 +107,7 @@ def _about(
                 token=cmd.token,
                 confirm=confirm,
                 claim=read.claim if kind is NotificationKind.READ_DONE else None,
+                canary=read.canaries.get(link.rank) if confirm and wait else None,
             ),
             request_id=cmd.request_id if confirm and wait else "",
         )
@@ -120,17 +125,22 @@ class Confirmer:
         resolve: Resolve,
         invalidate: Invalidate,
         unreachable: Invalidate,
+        corrupt: Invalidate | None = None,
     ) -> None:
+        """``corrupt``: a producer rank answered CORRUPT (an integrity canary failed): the peer
+        is quarantined (after the read was failed through ``resolve``)."""
         self._link = link
         self._resolve = resolve
         self._invalidate = invalidate
         self._unreachable = unreachable
+        self._corrupt = corrupt
         self._tasks: set[asyncio.Task[None]] = set()
         self._queued: list[Outgoing] = []  # sent this turn of the loop, not yet delivered
         self._flush: asyncio.Handle | None = None
         self.sent: dict[str, int] = {}  #: notifications delivered, by kind
         self.refused: dict[str, int] = {}  #: outcomes other than ACCEPTED, by outcome
         self.undelivered = 0  #: notifications whose Notify call failed
+        self.costs: CostMatrix | None = None  #: fed each Notify round trip (set at build)
         self._log = RateLimited(log)
 
     # --- what a read tells its producer ranks ---------------------------------------------------
@@ -176,6 +186,7 @@ class Confirmer:
             *(
                 self._deliver_now(
                     peer,
+                    link.rank,
                     link.endpoint,
                     notification(
                         kind,
@@ -217,9 +228,11 @@ class Confirmer:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    async def _deliver_now(self, peer: Peer, endpoint: str, note: PeerNotification) -> int:
+    async def _deliver_now(
+        self, peer: Peer, rank: int, endpoint: str, note: PeerNotification
+    ) -> int:
         try:
-            epoch, outcomes = await self._call(peer, endpoint, [note])
+            epoch, outcomes = await self._call(peer, rank, endpoint, [note])
         except (PeerUnavailableError, DeadlineExceededError) as exc:
             await self._link_broken(peer, endpoint, exc)
             raise
@@ -229,7 +242,9 @@ class Confirmer:
     async def _deliver(self, items: list[Outgoing]) -> None:
         peer, endpoint = items[0].peer, items[0].endpoint
         try:
-            epoch, outcomes = await self._call(peer, endpoint, [i.notification for i in items])
+            epoch, outcomes = await self._call(
+                peer, items[0].rank, endpoint, [i.notification for i in items]
+            )
         except KvSidecarError as exc:
             self._log.warning(
                 "notifying %r at %s failed: %s",
@@ -256,13 +271,16 @@ class Confirmer:
         await self._unreachable(peer, f"notifying {peer.engine_id!r} at {endpoint} failed: {exc}")
 
     async def _call(
-        self, peer: Peer, endpoint: str, notes: Sequence[PeerNotification]
+        self, peer: Peer, rank: int, endpoint: str, notes: Sequence[PeerNotification]
     ) -> tuple[int, tuple[Outcome, ...]]:
+        sent = time.perf_counter()
         try:
             epoch, outcomes = await self._link.notify(endpoint, peer.engine_id, notes)
         except KvSidecarError:
             self.undelivered += len(notes)
             raise
+        if self.costs is not None:  # a round trip of rank's sidecar (ignored once released)
+            self.costs.control(peer, rank, time.perf_counter() - sent)
         if len(outcomes) != len(notes):
             self.undelivered += len(notes)
             raise PeerUnavailableError(
@@ -279,6 +297,9 @@ class Confirmer:
         if Outcome.STALE_EPOCH in outcomes:
             why = f"remote engine {peer.engine_id!r} re-registered (epoch {peer.epoch} -> {epoch})"
             await self._invalidate(peer, why)
+        if Outcome.CORRUPT in outcomes and self._corrupt is not None:
+            why = f"remote engine {peer.engine_id!r} served bytes that fail the integrity canary"
+            await self._corrupt(peer, why)
 
     async def aclose(self) -> None:
         if self._flush is not None:  # nobody waits for them any more: reads fail at shutdown

@@ -34,6 +34,7 @@ from kvsidecar.errors import (
 from kvsidecar.plan import validate_request_ids
 from kvsidecar.types import FailReason, ReadPosted
 from kvsidecar.wire.peer import NotificationKind
+from kvsidecar.wire.trace import TraceState
 
 log = RateLimited(logging.getLogger(__name__))  # a bug may repeat per read or poll
 
@@ -109,6 +110,7 @@ class Consumer:
             return ReadPosted(reads_posted=0, notifications_sent=0, bytes=0, handshaking=True)
         validate_request_ids(local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry)
         ticket = self._reads.ids.take(cmd.request_id)
+        self._reads.accepted(cmd)
         self._reads.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
         (posted,) = await self._post_many(local, peer, [(0, cmd, ticket)])
         return posted
@@ -137,6 +139,7 @@ class Consumer:
                     local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry
                 )
                 ticket = self._reads.ids.take(cmd.request_id)
+                self._reads.accepted(cmd)
             except KvSidecarError as exc:
                 outcomes[i] = exc
                 continue
@@ -180,10 +183,13 @@ class Consumer:
                     lambda: self._reads.post_many(cmds, peer, deadline_s=deadlines, consumer=me),
                     local=local,
                 )
-            except BaseException:
+            except BaseException as exc:
                 for _, cmd, ticket in items:
                     if ticket is not None:
                         self._reads.ids.give_back(cmd.request_id, ticket)
+                        self._reads.trace.record(
+                            cmd.request_id, TraceState.FAILED, detail=f"not posted: {exc}"
+                        )
                 raise
 
         # Shielded: a cancelled RPC must not orphan READs the backend already posted.

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvsidecar.engine.backend.contract import TransferBackend, XferHandle, XferState
 from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.local import LocalEngine
-from kvsidecar.engine.model import ReadCommand
+from kvsidecar.engine.model import ReadCommand, Tracer
 from kvsidecar.engine.peers.registry import Peer
 from kvsidecar.engine.reads.boards import BoardSlots, Guarded, LaterChecks, attach, confirmed
 from kvsidecar.engine.reads.book import ReadBook
 from kvsidecar.engine.reads.confirm import Confirmer
-from kvsidecar.engine.reads.ids import REMEMBERED_IDS
 from kvsidecar.engine.reads.post import post_reads
 from kvsidecar.engine.reads.state import InFlightRead, Phase, Xfer, refusal, started_read
 from kvsidecar.types import FailReason, ReadPosted
@@ -49,11 +48,10 @@ class InFlightReads(ReadBook):
         events: EventHub,
         confirmer: Confirmer,
         confirm: bool = True,
-        remember_ids: int = REMEMBERED_IDS,
-        clock: Callable[[], float] = time.monotonic,
         guarded: Guarded | None = None,
+        tracer: Tracer,
     ) -> None:
-        super().__init__(backend=backend, events=events, remember_ids=remember_ids, clock=clock)
+        super().__init__(backend=backend, events=events, tracer=tracer)
         self._confirmer = confirmer
         self._guarded = guarded
         self.confirm = confirm
@@ -111,6 +109,7 @@ class InFlightReads(ReadBook):
             )
             # READs first: if one could not be posted, no notify-only rank has been told.
             quiet = self._confirmer.not_reading(read)
+            self._posted(read, posted.xfers, posted.read_bytes, i, quiet)
             self._report.post_duration.observe(took)
             self._report.started += admitted is None
             if not xfers:  # full prefix hit: nothing was read, nothing to confirm
@@ -118,7 +117,7 @@ class InFlightReads(ReadBook):
                 self._report.success(read)
             else:
                 self._reads[cmd.request_id] = read
-                if i in boards:  # its READs are done and its board READs posted behind them
+                if i in boards and not self.canary.arm(read, self.confirm):  # READs, boards done
                     self._checking(read, boards[i])
                 elif all(x.state is XferState.DONE for x in xfers):  # done in the post (cma)
                     self._read_done(read)
@@ -139,8 +138,8 @@ class InFlightReads(ReadBook):
         read.xfers = []
         links = read.peer.links
         if (
-            self._later is not None
-            and self.confirm
+            not self.canary.arm(read, self.confirm)  # a canary read asks (with its CRCs)
+            and (self._later is not None and self.confirm)
             and any(links[r].board_dlist is not None for r in read.unconfirmed if r in links)
         ):
             read.phase = Phase.CHECKING
@@ -184,7 +183,7 @@ class InFlightReads(ReadBook):
         (and still told READ_DONE, so that they count the consumer); the others are asked."""
         slots = self.transfers.slots
         assert slots is not None
-        matched = confirmed(slots, read)
+        matched = self._by_board(read, confirmed(slots, read))
         self.transfers.retire(read.xfers)
         read.xfers, read.board_slots = [], {}
         slots.confirmed += len(matched)

@@ -82,6 +82,7 @@ async def post_reads(
         if slots is not None
         else []
     )
+    posting = time.perf_counter()
     try:
         handles, chained = await backend.post_reads(pairs, then=[c.pair for c in checks])
     except BaseException:
@@ -95,7 +96,16 @@ async def post_reads(
     try:
         for (link, ids), handle in zip(ranks, handles, strict=True):
             state = XferState.DONE if handle.done_at_post else XferState.PROC
-            xfers.append(Xfer(rank=link.rank, handle=handle, state=state))
+            xfers.append(
+                Xfer(
+                    rank=link.rank,
+                    handle=handle,
+                    state=state,
+                    peer=peer,
+                    bytes=handle.num_bytes,
+                    posted=posting,
+                )
+            )
             if handle.num_bytes != ids.num_bytes:
                 raise BackendError(
                     f"READ from rank {link.rank} of {peer.engine_id!r} posted "

@@ -6,7 +6,7 @@ import logging
 import time
 
 from kvsidecar.engine.events import EventHub
-from kvsidecar.engine.model import ReadCommand
+from kvsidecar.engine.model import ReadCommand, Tracer
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.state import InFlightRead
 from kvsidecar.engine.stats import (
@@ -19,6 +19,7 @@ from kvsidecar.engine.stats import (
     TransferStats,
 )
 from kvsidecar.types import FailReason, RecvDone, RecvFailed
+from kvsidecar.wire.trace import TraceState
 
 log = RateLimited(logging.getLogger(__name__))  # per-request lines: rate-limited
 
@@ -27,8 +28,9 @@ class ReadReport:
     """Emits RECV_DONE / RECV_FAILED and counts them; ``phases`` is where Read time goes (the RPC
     layer and the consumer observe their phases there too). One loop owns it."""
 
-    def __init__(self, events: EventHub) -> None:
+    def __init__(self, events: EventHub, tracer: Tracer) -> None:
         self._events = events
+        self._trace = tracer
         self.started = self.done = self.bytes = 0
         self.failed: dict[str, int] = {}
         self.read_duration = Histogram(DURATION_BUCKETS)
@@ -63,6 +65,7 @@ class ReadReport:
         label = reason.name.lower()
         self.failed[label] = self.failed.get(label, 0) + 1
         log.warning("read %r failed: %s", cmd.request_id, message, request_id=cmd.request_id)
+        self._trace.record(cmd.request_id, TraceState.FAILED, detail=f"{label}: {message}")
         self._events.emit(
             RecvFailed(
                 request_id=cmd.request_id,
@@ -78,5 +81,6 @@ class ReadReport:
         self.bytes += read.bytes
         self.read_duration.observe(duration)
         rid = read.cmd.request_id
+        self._trace.record(rid, TraceState.COMPLETED, nbytes=read.bytes)
         self._events.emit(RecvDone(request_id=rid, bytes=read.bytes, duration_s=duration))
         log.debug("read %r done: %d bytes in %.6f s", rid, read.bytes, duration, request_id=rid)

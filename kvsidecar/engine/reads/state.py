@@ -18,6 +18,7 @@ from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers.registry import Peer
 from kvsidecar.plan.claims import ReadClaim, read_claim
 from kvsidecar.types import FailReason
+from kvsidecar.wire.peer import Canary
 
 
 class Phase(enum.Enum):
@@ -38,6 +39,10 @@ class Xfer:
     reads: list[InFlightRead] = field(default_factory=list)
     board: bool = False  #: a READ of hold-board buckets (not of KV): it fails no read
     slots: tuple[int, ...] = ()  #: landing slots it writes (freed when it is released)
+    #: for the cost matrix: the peer read from, bytes read, perf_counter when it was posted
+    peer: Peer | None = None
+    bytes: int = 0
+    posted: float = 0.0
 
 
 @dataclass(slots=True, kw_only=True, eq=False)
@@ -60,6 +65,7 @@ class InFlightRead:
     board_slots: dict[int, int] = field(default_factory=dict)  # producer rank -> landing slot
     checks_posted: bool = False  # its board READs are posted (CHECKING)
     retry_s: float = 0.0  # delay before asking again after a PENDING answer (grows)
+    canaries: dict[int, Canary] = field(default_factory=dict)  # producer rank -> its canary
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,6 +91,12 @@ def refusal(
             FailReason.REJECTED,
             f"{where} refused to confirm: WRONG_BLOCKS (the remote block ids read are not the "
             f"tail of the blocks its hold {read.cmd.remote_request_id!r} covers) {detail}",
+        )
+    if outcome == "CORRUPT":  # the integrity canary: the bytes read are not the held ones
+        return (
+            FailReason.CORRUPT,
+            f"{where} refused to confirm: CORRUPT (the CRC-32 of the bytes received differs "
+            f"from its held bytes of {read.cmd.remote_request_id!r}) {detail}",
         )
     return FailReason.STALE, f"{where} refused to confirm: {outcome} {detail}"
 

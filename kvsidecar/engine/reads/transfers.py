@@ -11,15 +11,19 @@ its landing slots (board READs) are free again only then.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 
 from kvsidecar.engine.backend.contract import TransferBackend, XferHandle, XferState
+from kvsidecar.engine.peers.costs import CostMatrix
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.boards import BoardSlots
 from kvsidecar.engine.reads.state import Xfer
+from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import KvSidecarError
 
 log = RateLimited(logging.getLogger(__name__))
+_IN_POST = (ReadPhase.MAKE, ReadPhase.POST)  # a READ done inside its post took these
 
 
 class Transfers:
@@ -33,10 +37,17 @@ class Transfers:
         #: transfers by where their completion was seen first: inside the post (same-host cma),
         #: by the agent thread watching them, or by the poller's tick
         self.seen_done = {"post": 0, "agent": 0, "poll": 0}
+        self.costs: CostMatrix | None = None  #: fed each KV READ's bytes and time (set at build)
 
     @property
     def idle(self) -> bool:
         return not self._retired
+
+    def _cost(self, x: Xfer, seconds: float) -> None:
+        """``x`` is DONE after ``seconds``: a transfer sample of its peer's rank (KV READs of a
+        live peer only; board READs are no measure of a link)."""
+        if self.costs is not None and x.peer is not None and not x.board:
+            self.costs.transfer(x.peer, x.rank, x.bytes, seconds)
 
     def track(self, xfers: Iterable[Xfer]) -> None:
         """Newly posted transfers."""
@@ -45,6 +56,10 @@ class Transfers:
                 self._proc[x.handle.id] = x
             else:
                 self.seen_done["post"] += 1
+                # Done inside the post: its own make and post phases are its time (the one
+                # backend call posts every rank's READ, so the call's time is no rank's).
+                inside = sum(s for p, s in x.handle.phases if p in _IN_POST)
+                self._cost(x, inside or time.perf_counter() - x.posted)
 
     def completed(self, done: Sequence[tuple[XferHandle, XferState]]) -> list[Xfer]:
         """The backend saw these leave PROC (``set_completion_sink``): the ones DONE now. A
@@ -57,6 +72,7 @@ class Transfers:
             del self._proc[handle.id]
             x.state = XferState.DONE
             self.seen_done["agent"] += 1
+            self._cost(x, time.perf_counter() - x.posted)
             out.append(x)
         return out
 
@@ -74,9 +90,11 @@ class Transfers:
             x.state = state
             if state is XferState.PROC:
                 continue
-            self._proc.pop(x.handle.id, None)
+            watched = self._proc.pop(x.handle.id, None) is not None
             if state is XferState.DONE:
                 self.seen_done["poll"] += 1
+                if watched:  # not sampled already by ``completed`` during the poll's await
+                    self._cost(x, time.perf_counter() - x.posted)
             out.append(x)
         return out
 

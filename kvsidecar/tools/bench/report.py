@@ -32,7 +32,9 @@ class BenchConfig:
     loaded latency pass; ``idle_s``: idle-CPU window
     (s); ``workdir``: logs and sockets (a temporary directory, removed after, when None);
     ``shm_dir``: where the KV files live; ``timeout_s``: bound of every single wait (s);
-    ``engine_api``: Session streams or unary calls between the engines and their sidecars.
+    ``engine_api``: Session streams or unary calls between the engines and their sidecars;
+    ``canary_fraction``: the sidecars' ``--canary-fraction`` (reads checked by the integrity
+    canary, 0..1; 0: off).
     """
 
     block_kib: tuple[int, ...] = (64, 1024)
@@ -51,6 +53,7 @@ class BenchConfig:
     timeout_s: float = 30.0
     seed: int = 1
     engine_api: EngineApi = EngineApi.SESSION
+    canary_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("block_kib", "blocks_per_request"):
@@ -62,6 +65,8 @@ class BenchConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.loaded_holds < 0:
             raise ValueError(f"loaded_holds={self.loaded_holds} must be >= 0")
+        if not 0.0 <= self.canary_fraction <= 1.0:
+            raise ValueError(f"canary_fraction={self.canary_fraction} must be in [0, 1]")
         if self.idle_s <= 0 or self.timeout_s <= 0:
             raise ValueError(f"idle_s={self.idle_s} and timeout_s={self.timeout_s} must be > 0")
 
@@ -269,8 +274,8 @@ def format_table(report: BenchReport) -> str:
     c = report.config
     out = [
         f"kvsidecar bench: TP {c.tp}->{c.tp}, {c.requests} requests per measurement, best of "
-        f"{c.repeats} (median), {report.cpus} CPUs, engine API {c.engine_api.value}; "
-        "GB/s = 1e9 B/s",
+        f"{c.repeats} (median), {report.cpus} CPUs, engine API {c.engine_api.value}, "
+        f"canary {c.canary_fraction:g}; GB/s = 1e9 B/s",
         f"{'block':>8} {'request':>9} {'pattern':<10} {'memcpy':>14} {'raw NIXL':>14} "
         f"{'sidecar':>14} {'batch':>14} {'sc/NIXL':>7} {'sc/memcpy':>9} {'batch/NIXL':>10}",
     ]

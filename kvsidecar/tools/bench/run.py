@@ -145,7 +145,7 @@ def _cluster(cfg: BenchConfig, kib: int, pool: int, workdir: Path, *args: str) -
         workdir=workdir,
         seed=cfg.seed,
         shm_dir=cfg.shm_dir,
-        sidecar_args=args,
+        sidecar_args=(*args, "--canary-fraction", f"{cfg.canary_fraction!r}"),
         session=cfg.engine_api is EngineApi.SESSION,
     )
 

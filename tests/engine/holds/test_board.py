@@ -10,6 +10,7 @@ from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.holds.board import HoldBoard
 from kvsidecar.engine.holds.producer import Producer
 from kvsidecar.engine.model import Hold
+from kvsidecar.engine.trace.ring import TraceRing
 from kvsidecar.plan.board import BUCKET_WORDS, bucket_of, marker_of
 from kvsidecar.plan.claims import read_claim
 from kvsidecar.wire.peer import NotificationKind, PeerNotification
@@ -82,7 +83,8 @@ def test_the_producer_withdraws_a_hold_the_moment_it_ends(end: str) -> None:
     may free the blocks."""
     board, words = _board()
     events = EventHub(max_buffered=16)
-    producer = Producer(lease_s=30.0, events=events, board=board)
+    ring = TraceRing(size=16, max_age_s=60.0)
+    producer = Producer(lease_s=30.0, events=events, tracer=ring, board=board)
     producer.epoch = 5
     producer.hold(Hold(request_id="r1", block_ids=HELD, token=TOKEN))
     assert _shows(words, 4, "r1", marker_of(TOKEN, 5, "r1", HELD))

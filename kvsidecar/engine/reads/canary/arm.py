@@ -1,0 +1,52 @@
+"""Which reads are integrity canaries, armed once their READs are done (``ranges``: their CRCs).
+
+A read is a canary when ``plan.canary.sampled`` picks its request id at ``fraction`` (the
+``--canary-fraction`` setting) and both its bytes can be read by the host (DRAM: ``reader`` is
+set) and it is confirmed. When its READs are done, per producer rank it read from, the CRC-32 of
+the local ranges the READs wrote (from the plan's descriptor pairs of the request) goes with the
+remote ranges into that rank's READ_DONE, which then takes the asking path even where the rank
+has a hold board: the board proves the hold was live, not what the bytes are. The producer
+answers CORRUPT on a mismatch; the read fails CORRUPT and the peer is quarantined (``confirm``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvsidecar.engine.reads.canary.ranges import read_canaries
+from kvsidecar.engine.reads.state import InFlightRead
+from kvsidecar.plan.canary import Reader, sampled
+
+
+class Faults(Protocol):
+    def memory_fault(self) -> str | None: ...
+
+
+class ReadCanaries:
+    """Arms sampled reads with their canaries. ``fraction`` of reads (0: off, 1: all);
+    ``reader`` reads local registered bytes (``None``: memory the host cannot read, no canary)."""
+
+    def __init__(self, fraction: float = 0.0) -> None:
+        self.fraction = fraction
+        self.reader: Reader | None = None
+        self._memory: Faults | None = None
+
+    def bind(self, reader: Reader | None, memory: Faults | None) -> None:
+        """Read the registration's bytes with ``reader`` unless ``memory`` reports a fault
+        (``None``, ``None``: no registration, no canary)."""
+        self.reader, self._memory = reader, memory
+
+    def arm(self, read: InFlightRead, confirm: bool) -> bool:
+        """Whether ``read`` (its READs done) goes to its producer ranks with canaries: computed
+        here once (``read.canaries``). Not for unconfirmed reads: nobody would compare."""
+        if read.canaries:
+            return True
+        if not confirm or self.reader is None or not sampled(read.cmd.request_id, self.fraction):
+            return False
+        if self._memory is not None and self._memory.memory_fault() is not None:
+            return False  # a truncated file must not be read (the read fails LOCAL_MEMORY)
+        canaries = read_canaries(read, self.reader)
+        if canaries is None:  # more ranges than a READ_DONE carries: confirmed as any other
+            return False
+        read.canaries = canaries
+        return True

@@ -1,0 +1,54 @@
+"""A consumer's discovery record carries what reading from each producer engine costs it, from
+real transfers, republished while it reads (real etcd, real sidecar processes over real NIXL)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvsidecar.discovery.etcd_client import EtcdClient
+from kvsidecar.discovery.records import EngineRecord, record_key
+from kvsidecar.testing import toy
+from kvsidecar.testing.cluster import DECODE, PREFILL, request_ids, transfer
+from tests.discovery.etcd_server import EtcdServer
+from tests.discovery.test_e2e_discovery import _args, _knows, _peers_until
+from tests.e2e.conftest import ClusterFactory
+
+SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
+
+
+async def _record(client: EtcdClient, engine_id: str) -> EngineRecord | None:
+    _, kvs = await client.get_prefix(record_key("/kvsidecar", engine_id, 0))
+    return EngineRecord.from_json(kvs[0].value) if kvs else None
+
+
+async def test_the_consumers_record_carries_its_costs_of_each_producer(
+    local_cluster: ClusterFactory, etcd: EtcdServer
+) -> None:
+    args = (*_args(etcd), "--cost-publish-s", "0.5")
+    async with local_cluster(SHAPE, 1, 1, sidecar_args=args) as cluster:
+        await _peers_until(cluster.decode[0], _knows(PREFILL))
+        client = EtcdClient([etcd.endpoint], tls=None)
+        await client.connect()
+        try:
+            first = await _record(client, DECODE)
+            assert first is not None
+            assert first.costs == ()  # nothing read yet
+            for i in range(3):
+                pids, dids = request_ids(SHAPE, [1 + i, 5 + i], [9, 10])
+                await transfer(cluster, f"c-{i}", pids, dids, by_engine_id=True)
+            for _ in range(300):  # bounded: until a republished record shows them (<= 15 s)
+                record = await _record(client, DECODE)
+                if record is not None and record.costs:
+                    break
+                await asyncio.sleep(0.05)
+            assert record is not None
+            (cost,) = record.costs
+            assert cost.engine_id == PREFILL
+            assert cost.transfer_bytes_per_s > 0
+            assert cost.control_rtt_s > 0
+            assert record.epoch == first.epoch  # the same registration, republished
+            producer = await _record(client, PREFILL)
+            assert producer is not None
+            assert producer.costs == ()  # a producer reads from nobody
+        finally:
+            await client.aclose()

@@ -1,0 +1,150 @@
+"""The cost matrix from real traffic: a producer rank whose sidecar is CPU-throttled shows a
+higher cost than its healthy sibling within a bounded number of transfers, in Status, in
+`kvsidecar peers` and in `/metrics`.
+
+How the producer is slowed: prefill TP 2 -> decode TP 1, so the decode rank reads from both
+prefill ranks on every transfer and tells both READ_DONE. Prefill rank 1's sidecar process is
+throttled the way a CPU quota (cgroup ``cpu.max``) throttles: stopped (SIGSTOP) for 80 ms of
+every 100 ms, for real. Its PeerService answers then wait for it to run again, so its control
+round trips grow; rank 0's do not. (On one host the READ itself is a copy by the consumer's
+process, cma, which a stopped producer does not slow: the transfer estimates are checked to
+exist, the comparison is on control.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvsidecar.testing import toy
+from kvsidecar.testing.cluster import PREFILL, LocalCluster, request_ids, transfer
+from kvsidecar.types import PeerCost
+from tests.e2e.conftest import ClusterFactory
+
+SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=32)
+WARM = 4  # transfers before throttling
+BOUND = 16  # transfers within which the throttled rank must stand out
+
+
+async def _throttle(pid: int, stop: asyncio.Event) -> None:
+    """Stop ``pid`` 80 ms of every 100 ms until ``stop`` (always left running)."""
+    try:
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(0.08)
+            os.kill(pid, signal.SIGCONT)
+            await asyncio.sleep(0.02)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def _costs(cluster: LocalCluster) -> dict[int, PeerCost]:
+    client = cluster.decode[0].client
+    assert client is not None
+    status = await client.status()
+    return {c.rank: c for c in status.costs if c.engine_id == PREFILL}
+
+
+async def _one(cluster: LocalCluster, i: int) -> None:
+    blocks = [1 + (i % 8) * 3, 2 + (i % 8) * 3, 3 + (i % 8) * 3]
+    pids, dids = request_ids(SHAPE, blocks, blocks)
+    result = await transfer(cluster, f"cost-{i}", pids, dids)
+    assert result.bytes_verified == result.bytes_read > 0
+
+
+def _gauges(address: str) -> dict[tuple[str, str, str], float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if "remote_engine" in s.labels:
+                out[(s.name, s.labels["remote_engine"], s.labels["remote_rank"])] = s.value
+    return out
+
+
+async def test_a_throttled_producer_rank_costs_more_within_a_bounded_number_of_transfers(
+    local_cluster: ClusterFactory,
+) -> None:
+    async with local_cluster(SHAPE, 2, 1) as cluster:
+        await cluster.handshake()
+        for i in range(WARM):
+            await _one(cluster, i)
+        warm = await _costs(cluster)
+        assert set(warm) == {0, 1}
+        for c in warm.values():  # one READ and one READ_DONE per rank and transfer
+            assert c.transfer_samples == WARM
+            assert c.transfer_bytes_per_s > 0
+            assert c.control_samples >= WARM
+            assert c.control_rtt_s > 0
+
+        stop = asyncio.Event()
+        throttler = asyncio.create_task(_throttle(cluster.prefill[1].proc.pid, stop))
+        try:
+            for n in range(1, BOUND + 1):
+                await _one(cluster, WARM + n)
+                costs = await _costs(cluster)
+                if costs[1].control_rtt_s > 2 * costs[0].control_rtt_s:
+                    break
+        finally:
+            stop.set()
+            await throttler
+        print(f"after {n} throttled transfers: {costs}")
+        assert costs[1].control_rtt_s > 2 * costs[0].control_rtt_s, (n, costs)
+        assert costs[1].control_samples > warm[1].control_samples
+        assert all(c.transfer_samples == WARM + n for c in costs.values())
+
+        # /metrics reads the same matrix, labelled by remote engine and rank.
+        gauges = await asyncio.to_thread(_gauges, cluster.decode[0].addresses["metrics"])
+        rtt = {r: gauges[("kvsidecar_peer_control_rtt_seconds", PREFILL, r)] for r in "01"}
+        assert rtt["1"] > 2 * rtt["0"]
+        for r in "01":
+            assert gauges[("kvsidecar_peer_transfer_bytes_per_second", PREFILL, r)] > 0
+        # The producers measured nothing: they never read.
+        assert await asyncio.to_thread(_gauges, cluster.prefill[0].addresses["metrics"]) == {}
+
+        # `kvsidecar peers` prints the matrix as a table.
+        socket = cluster.decode[0].addresses["engine_socket"]
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "kvsidecar.cli", "peers", "--socket", socket],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        lines = out.stdout.splitlines()
+        head = lines.index(next(line for line in lines if line.startswith("cost matrix")))
+        assert lines[head + 1].split()[:4] == ["ENGINE", "RANK", "GB/S", "N"]
+        rows = [line.split() for line in lines[head + 2 :]]
+        assert sorted(row[:2] for row in rows) == [[PREFILL, "0"], [PREFILL, "1"]]
+        with contextlib.suppress(ProcessLookupError):  # left running, whatever happened
+            os.kill(cluster.prefill[1].proc.pid, signal.SIGCONT)
+
+
+async def test_the_idle_probe_measures_control_without_touching_holds(
+    local_cluster: ClusterFactory,
+) -> None:
+    """``--cost-probe-s``: a ready peer with no traffic gets a GetEngine round trip per rank
+    every 0.2 s of idleness; nothing is read and the producer hears no notification."""
+    shape = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=8)
+    async with local_cluster(shape, 1, 1, sidecar_args=("--cost-probe-s", "0.2")) as cluster:
+        await cluster.handshake()
+        for _ in range(300):  # bounded: until two probes were timed (<= 15 s)
+            costs = await _costs(cluster)
+            if 0 in costs and costs[0].control_samples >= 2:
+                break
+            await asyncio.sleep(0.05)
+        assert costs[0].control_samples >= 2
+        assert costs[0].control_rtt_s > 0
+        assert costs[0].transfer_samples == 0
+        producer = cluster.prefill[0].client
+        assert producer is not None
+        assert (await producer.status()).counters["notifications_received"] == 0
