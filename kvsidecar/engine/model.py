@@ -34,6 +34,8 @@ class Tracer(Protocol):
 
     def plan(self, key: str, plan: object) -> None: ...
 
+    def known(self, key: str) -> bool: ...
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerTls:

@@ -12,6 +12,8 @@ import signal
 import sys
 from typing import Any
 
+import pytest
+
 from kvsidecar import errors
 from kvsidecar.client import RecvFailed
 from kvsidecar.testing import toy
@@ -154,20 +156,54 @@ async def test_a_read_whose_producer_died_names_the_unreachable_rank(
                 token=token,
                 deadline_s=3,
             )
-        except errors.KvSidecarError:  # refused at posting: reported synchronously
-            pass
+        except errors.KvSidecarError:  # refused at once (the dead peer already quarantined)
+            refused = True
         else:
+            refused = False
             assert isinstance(await asyncio.wait_for(fut, 30), RecvFailed)
         e = await _explain(cluster, "orphan@decode")
         c, p = _side(e, "consumer"), _side(e, "producer")
-        assert _states(c)[0] == "ACCEPTED"
         assert _states(c)[-1] == "FAILED"
+        if _states(c)[0] != "ACCEPTED":  # refused before acceptance: remembered with why
+            assert refused
+            assert _states(c) == ["FAILED"]
+            assert c["records"][0]["detail"].startswith("refused: ")
         assert not p["known"]
         assert p["engine_id"] == PREFILL
         assert p["endpoint"] == cluster.prefill_endpoints[0]
         assert p["unknown"].startswith("unreachable or refused: ")
         text = await _explain(cluster, "orphan@decode", json_out=False)
         assert "  unknown: unreachable or refused: " in text
+
+
+async def test_a_read_refused_at_once_is_explained_with_its_producer(
+    local_cluster: ClusterFactory,
+) -> None:
+    """A read refused before acceptance (here: an engine nobody knows, no endpoints) is
+    remembered with the reason, and its producer side is named with why it cannot be asked (a CI
+    run once found no side at all for a read refused at once)."""
+    async with local_cluster(SHAPE, 1, 1) as cluster:
+        pids, dids = request_ids(SHAPE, [1, 2], [3, 4])
+        consumer = cluster.decode[0]
+        assert consumer.client is not None
+        with pytest.raises(errors.NotFoundError):
+            await consumer.client.read(
+                "lost@decode",
+                remote_engine_id="nobody",
+                remote_request_id="lost",
+                local_block_ids=dids,
+                remote_block_ids=pids,
+                endpoints=(),
+                token="t" * 32,
+            )
+        e = await _explain(cluster, "lost@decode")
+        c, p = _side(e, "consumer"), _side(e, "producer")
+        assert _states(c) == ["FAILED"]
+        assert c["records"][0]["detail"].startswith("refused: ")
+        assert "remote_engine_id='nobody' is unknown" in c["records"][0]["detail"]
+        assert p["known"] is False
+        assert p["engine_id"] == "nobody"
+        assert "its ranks are not known" in p["unknown"]
 
 
 async def test_a_request_the_producer_forgot_is_named_unknown_there(

@@ -24,6 +24,7 @@ from kvsidecar.engine.reads.report import ReadReport
 from kvsidecar.engine.reads.state import Admitted, InFlightRead, Xfer
 from kvsidecar.engine.reads.transfers import Transfers
 from kvsidecar.engine.stats import PhaseHistograms, TransferStats
+from kvsidecar.errors import AlreadyExistsError
 from kvsidecar.types import FailReason
 from kvsidecar.wire.trace import TraceState
 
@@ -93,6 +94,16 @@ class ReadBook:
         about = (cmd.remote_engine_id, cmd.remote_request_id, cmd.endpoints)
         self.trace.begin(rid, about, cmd.remote_request_id)
         self.trace.record(rid, TraceState.ACCEPTED)
+
+    def refused(self, cmd: ReadCommand, exc: Exception) -> None:
+        """Record a read refused before it was accepted, so that Explain names why (and asks its
+        producer). Not when its id has a record: a repeated id's refusal must not write into the
+        story of the read that holds the id, and a read accepted then not posted has its own."""
+        rid = cmd.request_id
+        if isinstance(exc, AlreadyExistsError) or self.trace.known(rid):
+            return
+        self.trace.begin(rid, (cmd.remote_engine_id, cmd.remote_request_id, cmd.endpoints))
+        self.trace.record(rid, TraceState.FAILED, detail=f"refused: {exc}")
 
     def waiting(self, request_id: str) -> bool:
         return request_id in self._waiting

@@ -69,23 +69,23 @@ class Consumer:
         """Validate and accept a read; never waits for the network. With a ready peer the READs
         are posted before returning; otherwise the read waits for the handshake in the background
         (``ReadPosted.handshaking``) and ends with one event either way. Raises typed errors for
-        what can be refused at once; never loses other requests."""
+        what can be refused at once (remembered for Explain); never loses other requests."""
         try:
-            return await self._read(cmd)
-        except PeerReplacedError:
-            # The peer went away between validation and post (its release takes milliseconds,
-            # and an engine reads again the moment a STALE event arrives): once more, against
-            # the current peer or a new handshake. Backoff still refuses it after a failure.
-            return await self._read(cmd)
+            try:
+                return await self._read(cmd)
+            except PeerReplacedError:  # released between validation and post: once more
+                return await self._read(cmd)
+        except KvSidecarError as exc:
+            self._reads.refused(cmd, exc)
+            raise
 
     async def _read_outcome(self, cmd: ReadCommand) -> ReadOutcome:
         try:
-            return await self._read(cmd)
+            return await self.read(cmd)
         except KvSidecarError as exc:
             return exc
 
-    async def _read(self, cmd: ReadCommand) -> ReadPosted:
-        """One attempt of ``read``."""
+    async def _read(self, cmd: ReadCommand) -> ReadPosted:  # one attempt of ``read``
         t0 = time.perf_counter()
         local = self._peers.require_local()
         deadline_s = self._read_deadline_s if cmd.deadline_s is None else cmd.deadline_s
@@ -141,6 +141,7 @@ class Consumer:
                 ticket = self._reads.ids.take(cmd.request_id)
                 self._reads.accepted(cmd)
             except KvSidecarError as exc:
+                self._reads.refused(cmd, exc)
                 outcomes[i] = exc
                 continue
             self._reads.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)

@@ -98,6 +98,10 @@ class TraceRing:
         if entry is not None:
             entry.plan = plan
 
+    def known(self, key: str) -> bool:
+        """Whether ``key`` (or the record it is another id of) is remembered."""
+        return self.get(key) is not None
+
     def get(self, key: str) -> Entry | None:
         """``key``'s record, or the record ``key`` is another id of; ``None`` if forgotten."""
         self._expire(self._clock_ns())
