@@ -45,6 +45,7 @@ ALERTS = {
     "KvsidecarNotReady": "kvsidecar_ready == 0",
     "KvsidecarLoopLagHigh": "kvsidecar_poll_loop_lag_seconds_bucket",
     "KvsidecarNoTransfers": "kvsidecar_no_transfer_windows_total",
+    "KvsidecarCorruptRead": 'kvsidecar_reads_failed_total{reason="corrupt"}',
 }
 
 
