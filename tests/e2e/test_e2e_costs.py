@@ -4,11 +4,13 @@ higher cost than its healthy sibling within a bounded number of transfers, in St
 
 How the producer is slowed: prefill TP 2 -> decode TP 1, so the decode rank reads from both
 prefill ranks on every transfer and tells both READ_DONE. Prefill rank 1's sidecar process is
-throttled the way a CPU quota (cgroup ``cpu.max``) throttles: stopped (SIGSTOP) for 80 ms of
-every 100 ms, for real. Its PeerService answers then wait for it to run again, so its control
-round trips grow; rank 0's do not. (On one host the READ itself is a copy by the consumer's
-process, cma, which a stopped producer does not slow: the transfer estimates are checked to
-exist, the comparison is on control.)
+stopped (SIGSTOP, as a CPU quota or a stalled host stops it) from just after each request's
+holds until 150 ms later, while the decode side reads and tells it READ_DONE: its PeerService
+answers wait for it to run again, so its control round trips grow; rank 0's do not. (A periodic
+throttle was tried first and flaked: each transfer's HOLD on rank 1 waits for a running window,
+which phase-locks the READ_DONE into the same window. On one host the READ itself is a copy by
+the consumer's process, cma, which a stopped producer does not slow: the transfer estimates are
+checked to exist, the comparison is on control.)
 """
 
 from __future__ import annotations
@@ -33,16 +35,28 @@ WARM = 4  # transfers before throttling
 BOUND = 16  # transfers within which the throttled rank must stand out
 
 
-async def _throttle(pid: int, stop: asyncio.Event) -> None:
-    """Stop ``pid`` 80 ms of every 100 ms until ``stop`` (always left running)."""
+STOPPED_S = 0.15  # how long rank 1's sidecar is stopped per request, from its holds on
+
+
+async def _slowed(cluster: LocalCluster, i: int) -> None:
+    """One transfer whose prefill rank 1 sidecar is stopped from just after the holds until
+    ``STOPPED_S`` later (always left running)."""
+    blocks = [1 + (i % 8) * 3, 2 + (i % 8) * 3, 3 + (i % 8) * 3]
+    pids, dids = request_ids(SHAPE, blocks, blocks)
+    rid, token = f"cost-{i}", f"token-{i:04d}-0123456789abcdef"
+    for rank in cluster.prefill:
+        assert rank.client is not None
+        await rank.client.hold(rid, block_ids=pids, token=token)
+    pid, loop = cluster.prefill[1].proc.pid, asyncio.get_running_loop()
+    os.kill(pid, signal.SIGSTOP)
+    until = loop.time() + STOPPED_S
     try:
-        while not stop.is_set():
-            os.kill(pid, signal.SIGSTOP)
-            await asyncio.sleep(0.08)
-            os.kill(pid, signal.SIGCONT)
-            await asyncio.sleep(0.02)
+        result = await transfer(cluster, rid, pids, dids, hold=False, token=token)
+        # RECV_DONE does not wait for rank 1 (its hold board answers): its READ_DONE does.
+        await asyncio.sleep(max(0.0, until - loop.time()))
     finally:
         os.kill(pid, signal.SIGCONT)
+    assert result.bytes_verified == result.bytes_read > 0
 
 
 async def _costs(cluster: LocalCluster) -> dict[int, PeerCost]:
@@ -85,17 +99,11 @@ async def test_a_throttled_producer_rank_costs_more_within_a_bounded_number_of_t
             assert c.control_samples >= WARM
             assert c.control_rtt_s > 0
 
-        stop = asyncio.Event()
-        throttler = asyncio.create_task(_throttle(cluster.prefill[1].proc.pid, stop))
-        try:
-            for n in range(1, BOUND + 1):
-                await _one(cluster, WARM + n)
-                costs = await _costs(cluster)
-                if costs[1].control_rtt_s > 2 * costs[0].control_rtt_s:
-                    break
-        finally:
-            stop.set()
-            await throttler
+        for n in range(1, BOUND + 1):
+            await _slowed(cluster, WARM + n)
+            costs = await _costs(cluster)
+            if costs[1].control_rtt_s > 2 * costs[0].control_rtt_s:
+                break
         print(f"after {n} throttled transfers: {costs}")
         assert costs[1].control_rtt_s > 2 * costs[0].control_rtt_s, (n, costs)
         assert costs[1].control_samples > warm[1].control_samples
