@@ -34,7 +34,7 @@ from .params import ParamsError, RemoteKv, wants_remote_decode, wants_remote_pre
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Heartbeat", "Hold", "Load", "SchedulerSide", "StepWork", "clip_block_ids"]
+__all__ = ["Heartbeat", "Hold", "Load", "SchedulerSide", "StepWork"]
 
 # RequestStatus names after which a prefill's KV is complete (not aborted or failed).
 _COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -79,12 +79,6 @@ class StepWork:
     loads: tuple[Load, ...] = ()
     holds: tuple[Hold, ...] = ()
     heartbeats: tuple[Heartbeat, ...] = ()
-
-
-def clip_block_ids(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    """Per group, the blocks that hold data: vLLM pads sliding-window groups with the null block
-    (id 0) before the in-window tail. (State groups: :meth:`StateGroups.clip`.)"""
-    return StateGroups().clip(block_ids)
 
 
 @dataclass
