@@ -71,6 +71,14 @@ class WatchBusyError(AlreadyExistsError):
     """A Watch stream of the current registration is already open (maps to ALREADY_EXISTS)."""
 
 
+# --- PERMISSION_DENIED ---------------------------------------------------------------------------
+
+
+class PermissionDeniedError(KvSidecarError):
+    """A caller named a secret it does not hold (a push grant's token, or a rank that is not one
+    of the grant's writers) (maps to PERMISSION_DENIED)."""
+
+
 # --- FAILED_PRECONDITION -------------------------------------------------------------------------
 
 
@@ -88,6 +96,10 @@ class IncompatibleError(FailedPreconditionError):
     def __init__(self, mismatches: tuple[str, ...] | list[str]) -> None:
         self.mismatches: tuple[str, ...] = tuple(mismatches)
         super().__init__("incompatible: " + "; ".join(self.mismatches))
+
+
+class GrantRevokedError(FailedPreconditionError):
+    """Push mode: the consumer revoked the grant a push writes into."""
 
 
 class NotRegisteredError(FailedPreconditionError):

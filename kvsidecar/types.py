@@ -14,16 +14,21 @@ from dataclasses import dataclass, field
 __all__ = [
     "Event",
     "FailReason",
+    "GrantIssued",
     "NotifyDone",
     "PeerInfo",
     "PeerState",
     "PlanInfo",
+    "PushPosted",
+    "PushTarget",
     "RankPlanInfo",
     "ReadPosted",
     "RecvDone",
     "RecvFailed",
     "Registered",
+    "Revoked",
     "SendDone",
+    "SendFailed",
     "SidecarStatus",
     "StepDone",
     "lane_path",
@@ -49,6 +54,8 @@ class FailReason(enum.Enum):
     HANDSHAKE = 8  #: the handshake the read waited for failed (unreachable, refused, incompatible)
     REJECTED = 9  #: refused once the remote geometry was known (e.g. a remote block id too large)
     CORRUPT = 10  #: an integrity canary found the bytes received differ from the producer's
+    ABORTED = 11  #: push mode: the producer gave up the push, or one of its WRITEs failed
+    REVOKED = 12  #: push mode: the engine revoked the grant
 
 
 # Events. ``seq`` and ``timestamp`` are stamped by the sidecar when it emits the event (``seq``
@@ -92,7 +99,62 @@ class SendDone:
     timestamp: float = 0.0
 
 
-Event = RecvDone | RecvFailed | SendDone
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendFailed:
+    """Producer side, push mode: the push failed (its first failure); nothing more is written."""
+
+    request_id: str
+    reason: FailReason
+    message: str
+    seq: int = 0
+    timestamp: float = 0.0
+
+
+Event = RecvDone | RecvFailed | SendDone | SendFailed
+
+
+# Push mode (docs/push.md).
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GrantIssued:
+    """A write grant (``Grant``): hand ``token``, ``epoch``, ``tp_rank`` and ``peer_endpoint`` to
+    each producer rank of ``writer_ranks`` with the granted block ids."""
+
+    token: str = field(repr=False)
+    epoch: int
+    engine_id: str
+    tp_rank: int
+    peer_endpoint: str
+    writer_ranks: tuple[int, ...]
+    deadline_unix_ns: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Revoked:
+    """What ``Revoke`` established: ``quiet`` (no WRITE of the grant lands from now on), else the
+    ranks that did not confirm and the Unix time (ns) until which they still might write."""
+
+    quiet: bool
+    unconfirmed_ranks: tuple[int, ...] = ()
+    exposed_until_unix_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushTarget:
+    """One consumer rank a push writes into (from its ``GrantIssued``)."""
+
+    rank: int
+    endpoint: str
+    token: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushPosted:
+    """A push chunk was accepted: WRITEs posted and the bytes they move."""
+
+    writes_posted: int
+    bytes: int
 
 
 # Results and state.

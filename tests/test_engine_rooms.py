@@ -13,7 +13,7 @@ import pytest
 from tests.test_architecture import PACKAGE, _imports, _sources
 
 ENGINE = PACKAGE / "engine"
-WINGS = ("backend", "peers", "reads", "holds")
+WINGS = ("backend", "peers", "reads", "holds", "writes")
 #: Engine modules every wing (and code outside the engine) may import: they import no engine
 #: module but each other.
 LEAVES = frozenset(
@@ -92,6 +92,8 @@ def engine_rule_violations() -> list[str]:
     problems += _wing_offenders("peers", leaves | backend | {LOCAL}, modules)
     # reads/: peers/, backend/, local and the leaves (never holds/).
     problems += _wing_offenders("reads", leaves | backend | peers | {LOCAL}, modules)
+    # writes/: peers/, backend/, local and the leaves (never reads/ or holds/).
+    problems += _wing_offenders("writes", leaves | backend | peers | {LOCAL}, modules)
     # local: backend/ and the leaves.
     extra = _engine_imports(modules[LOCAL], modules) - leaves - backend
     problems += [f"{LOCAL} imports {m}" for m in sorted(extra)]

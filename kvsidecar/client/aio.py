@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from kvsidecar.client import requests
+from kvsidecar.client.push import AsyncPushCalls
 from kvsidecar.client.requests import BlockIdGroups, ReadSpec, StepSpec
 from kvsidecar.client.session import AsyncSession
 from kvsidecar.errors import KvSidecarError, UnimplementedError
@@ -39,7 +40,7 @@ from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire import engine as wire
 
 
-class AsyncSidecarClient:
+class AsyncSidecarClient(AsyncPushCalls):
     """asyncio client; same methods as ``SidecarClient``, awaitable. Use ``async with``."""
 
     def __init__(self, target: str, *, timeout_s: float = 10.0, session: bool = True) -> None:

@@ -103,6 +103,7 @@ _CODES: dict[grpc.StatusCode, type[errors.KvSidecarError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
     grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExistsError,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
     grpc.StatusCode.UNAVAILABLE: errors.PeerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,

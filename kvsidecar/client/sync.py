@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from kvsidecar.client import requests
+from kvsidecar.client.push import PushCalls
 from kvsidecar.client.requests import BlockIdGroups, ReadSpec, StepSpec
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory.types import MemorySpec
@@ -38,7 +39,7 @@ from kvsidecar.wire import engine as wire
 from kvsidecar.wire.trace import Explanation, explanation_from_proto
 
 
-class SidecarClient:
+class SidecarClient(PushCalls):
     """Blocking client. ``target``: a socket path, ``unix:PATH`` or ``host:port``."""
 
     def __init__(self, target: str, *, timeout_s: float = 10.0) -> None:

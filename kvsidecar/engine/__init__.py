@@ -6,7 +6,8 @@ nothing behind it. The wings, each a folder that imports downward only:
 - ``backend/`` — the transfer-library seam (contract, handles, fake, NIXL and its thread);
 - ``peers/`` — remote engines: registry, PeerService client, handshake;
 - ``reads/`` — the consumer side: accepting reads and batches, in-flight state, confirmation, guard;
-- ``holds/`` — the producer side: ledger, leases, tokens, SEND_DONE.
+- ``holds/`` — the producer side: ledger, leases, tokens, SEND_DONE;
+- ``writes/`` — push mode: the consumer's write grants, the producer's WRITEs into them.
 
 The root composes them: ``core`` (the face), ``parts`` (the wiring and the snapshot of every
 counter), ``registrar`` (the registered engine, one epoch at a time, and its liveness stream),

@@ -41,6 +41,7 @@ from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.batch import ReadBatch, ReadOutcome
 from kvsidecar.engine.stats import CommandKind, EngineStats, ReadPhase, SessionCounters
 from kvsidecar.engine.tasks import shielded
+from kvsidecar.engine.writes.face import PushFace
 from kvsidecar.errors import KvSidecarError, NotFoundError, ShuttingDownError
 from kvsidecar.types import Event, PeerInfo, ReadPosted, Registered, SidecarStatus
 from kvsidecar.wire.peer import AgentInfo, EngineDirectory, Outcome, PeerNotification
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 _bugs = RateLimited(log)  # a bug may fail one item of every step
 
 
-class EngineCore:
+class EngineCore(PushFace):  # push mode's methods: writes.face
     """Everything behind the gRPC services. Call ``start`` once, ``aclose`` once."""
 
     def __init__(
@@ -71,11 +72,11 @@ class EngineCore:
         self._events, self._peers, self._reads, self._guard = p.events, p.peers, p.reads, p.guard
         self._producer, self._consumer, self._registrar = p.producer, p.consumer, p.registrar
         self._handshakes, self._poller, self._link = p.handshakes, p.poller, p.link
+        self._granter, self._pusher = p.granter, p.pusher  # PushFace's
         self._sessions = SessionCounters()
         self.draining = False  # refusing new reads, holds and registrations (drain or stop)
-        self.stopping = (
-            False  # the sidecar is closing its listeners: dropped streams are not deaths
-        )
+        # the sidecar is closing its listeners: dropped streams are not deaths
+        self.stopping = False
         # This sidecar's advertised PeerService address: the server sets it once PeerService is
         # bound, before any RPC is served.
         self.peer_endpoint = ""

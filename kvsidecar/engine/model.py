@@ -16,7 +16,7 @@ from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory import MemorySpec
 from kvsidecar.plan import EngineGeometry, PeerPlan
 from kvsidecar.plan.compat import CompatItems
-from kvsidecar.types import EngineRole, ReadPosted
+from kvsidecar.types import EngineRole, PushTarget, ReadPosted
 from kvsidecar.wire.trace import TraceState
 
 IdArrays = tuple[npt.NDArray[np.int64], ...]
@@ -50,6 +50,46 @@ class PeerTls:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PushConfig:
+    """Push mode's bounds (seconds): ``grant_ttl_s`` a grant's default life;
+    ``write_timeout_s`` how long a WRITE may stay in flight before it is aborted;
+    ``beat_s`` a writer's WatchWriter beat (silent 3x it plus a call's bound: lost);
+    ``clock_skew_s`` the clock difference between sidecars a grant's deadline allows for;
+    ``revoke_timeout_s`` how long Revoke waits for each writer's confirmation."""
+
+    grant_ttl_s: float = 30.0
+    write_timeout_s: float = 10.0
+    beat_s: float = 1.0
+    clock_skew_s: float = 1.0
+    revoke_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GrantCommand:
+    """A Grant call: let ``remote_engine_id`` write ``local_ids`` (per group) for ``ttl_s``
+    seconds (``None``: the default)."""
+
+    request_id: str
+    remote_engine_id: str
+    local_ids: IdArrays = field(compare=False)
+    endpoints: Endpoints
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushCommand:
+    """One Push call: write chunk ``local_ids`` (per group) into the grants of ``targets`` at
+    ``offsets`` (per group) of their block ids; ``last``: the request's last chunk."""
+
+    request_id: str
+    remote_engine_id: str
+    targets: tuple[PushTarget, ...]
+    local_ids: IdArrays = field(compare=False)
+    offsets: tuple[int, ...]
+    last: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CoreConfig:
     """``lease_s``: default hold lease; ``read_deadline_s``: default Read deadline;
     ``handshake_timeout_s``: bound on one call to a remote sidecar (all seconds).
@@ -73,6 +113,7 @@ class CoreConfig:
     trace_requests: int = 4096  # requests kept for Explain, each side (oldest forgotten first)
     trace_age_s: float = 600.0  # seconds a request is kept for Explain (from its first state)
     cost_probe_s: float = 0.0  # probe remote ranks with no control sample this long (0: off)
+    push: PushConfig = field(default_factory=PushConfig)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -38,10 +38,12 @@ from kvsidecar.engine.registrar import Registrar
 from kvsidecar.engine.stats import EngineStats, SessionCounters
 from kvsidecar.engine.trace.explain import Explainer
 from kvsidecar.engine.trace.ring import TraceRing
+from kvsidecar.engine.writes.granter import Granter
+from kvsidecar.engine.writes.pusher import Pusher
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory.region import OwnedRegion
 from kvsidecar.plan.board import BUCKET_BYTES, DEFAULT_BUCKETS
-from kvsidecar.types import SidecarStatus
+from kvsidecar.types import FailReason, SidecarStatus
 from kvsidecar.wire.peer import Outcome
 from kvsidecar.wire.trace import TraceState
 
@@ -130,6 +132,8 @@ class Parts:
     registrar: Registrar
     boards: BoardMemory
     explainer: Explainer  # Explain: the rings the reads and holds record into, and the merge
+    granter: Granter  # push mode, consumer side
+    pusher: Pusher  # push mode, producer side
 
     @classmethod
     def build(
@@ -211,6 +215,13 @@ class Parts:
             read_deadline_s=config.read_deadline_s,
             on_posted=poller.wake,
         )
+        granter = Granter(peers=peers, events=events, config=config.push)
+        pusher = Pusher(backend=backend, peers=peers, events=events, config=config.push)
+
+        async def drop_writes(reason: FailReason, why: str) -> None:
+            granter.drop_all(reason, why)
+            await pusher.drop_all(reason, why)
+
         registrar = Registrar(
             backend=backend,
             shm_roots=config.shm_roots,
@@ -220,6 +231,7 @@ class Parts:
             events=events,
             guard=guard,
             on_registered=on_registered,
+            drop_writes=drop_writes,
         )
         return cls(
             config=config,
@@ -243,6 +255,8 @@ class Parts:
                 ask=link.trace,
                 directory=link.get_engine,
             ),
+            granter=granter,
+            pusher=pusher,
         )
 
     async def start(self) -> None:
@@ -255,12 +269,15 @@ class Parts:
                 self.reads.use_boards(slots)
         self.reads.watch()
         self.poller.start()
+        self.granter.start()
 
     async def aclose(self) -> None:
         """Fail what is left, release peers, memory and channels; stop the poller (in order)."""
         await self.handshakes.aclose()
         await self.consumer.aclose()
         await self.registrar.shutdown()
+        await self.pusher.aclose()
+        await self.granter.aclose()
         await self.poller.aclose()
         await self.confirmer.aclose()
         await self.link.aclose()

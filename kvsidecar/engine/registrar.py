@@ -47,6 +47,7 @@ class Registrar:
         events: EventHub,
         guard: PeerGuard,
         on_registered: Callable[[bool], Awaitable[None]],
+        drop_writes: Callable[[FailReason, str], Awaitable[None]] | None = None,
     ) -> None:
         self._backend = backend
         self._shm_roots = shm_roots
@@ -56,6 +57,7 @@ class Registrar:
         self._events = events
         self._guard = guard
         self._on_registered = on_registered
+        self._drop_writes = drop_writes  # push mode's grants and WRITEs (before memory goes)
         self._local: LocalEngine | None = None
         self._epoch = int(time.time() * 1000)  # survives restarts as "newer"
         self._lock = asyncio.Lock()
@@ -185,6 +187,8 @@ class Registrar:
         await self._peers.abandon_pending()
         async with self._guard.exclusive():  # no Read is mid-post while its handles go
             await self._transfers.fail_all(reason, why)
+            if self._drop_writes is not None:
+                await self._drop_writes(reason, why)
             dropped = self._producer.drop_all()
             if dropped:
                 engine_id = local.geometry.engine_id if local is not None else None

@@ -239,8 +239,12 @@ def build_peer_plan(
     remote: EngineGeometry,
     local_bases: Mapping[str, tuple[int, int]],
     remote_bases: Mapping[int, Mapping[str, tuple[int, int]]],
+    only_remote_rank: int | None = None,
 ) -> PeerPlan:
     """Plan local rank ``local.tp_rank`` reading from the remote engine.
+
+    ``only_remote_rank``: plan the rows of that remote rank only (push mode: a producer rank
+    plans what it writes into one consumer rank; no notify-only ranks).
 
     ``remote``: geometry of any one remote rank (all ranks share views and spans).
     ``local_bases``: view name -> (address of block 0 in bytes, device id) on this rank.
@@ -259,6 +263,8 @@ def build_peer_plan(
     per_rank: dict[int, list[tuple[int, int, int, int, tuple[str, ...], int]]] = {}
     for vr in reads:
         for pc in vr.pieces:
+            if only_remote_rank is not None and pc.remote_rank != only_remote_rank:
+                continue
             per_rank.setdefault(pc.remote_rank, []).append(
                 (vr.view_index, pc.local_offset, pc.remote_offset, pc.length, pc.keys, pc.slot)
             )
@@ -334,7 +340,7 @@ def build_peer_plan(
                 batches=_batches(groups, bpi, slots, lengths, l_starts, r_starts, lc, rc, ratios),
             )
         )
-    for p in notify_only_ranks(local, remote, d):
+    for p in notify_only_ranks(local, remote, d) if only_remote_rank is None else ():
         ranks.append(_empty_rank(p, consumers[p]))
     ranks.sort(key=lambda r: r.remote_rank)
 

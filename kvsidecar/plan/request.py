@@ -39,6 +39,7 @@ __all__ = [
     "RequestIds",
     "batch_request_ids",
     "expand_kernel_ids",
+    "rank_request_ids",
     "request_descriptor_ids",
     "request_ids",
     "validate_request_ids",
@@ -101,6 +102,14 @@ def _rank_ids(
         )
     loc, rem, per = _rank_batch(rank_plan, (local_ids,), (remote_ids,))
     return loc, rem, per[0]
+
+
+def rank_request_ids(
+    rank_plan: RankPlan, local_ids: Sequence[IdArray], remote_ids: Sequence[IdArray]
+) -> tuple[DescIds, DescIds, int]:
+    """(local descriptor ids, remote descriptor ids, bytes) of one request against one rank (the
+    fast path of :func:`request_descriptor_ids`, with the bytes it moves)."""
+    return _rank_ids(rank_plan, local_ids, remote_ids)
 
 
 def _rank_batch(

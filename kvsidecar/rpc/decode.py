@@ -14,9 +14,11 @@ from typing import Any, TypeVar
 from kvsidecar.engine.model import (
     Consumed,
     Endpoints,
+    GrantCommand,
     Heartbeat,
     Hold,
     NotifyCommand,
+    PushCommand,
     ReadCommand,
     Registration,
     Release,
@@ -48,6 +50,7 @@ from kvsidecar.wire.geometry import (
     geometry_from_proto,
     memory_from_proto,
 )
+from kvsidecar.wire.push import check_ttl, targets_from_proto
 
 
 def endpoints(ranks: Any, any_rank: str, field: str = "") -> Endpoints:
@@ -111,6 +114,32 @@ def read_command(request: engine_pb2.ReadRequest) -> ReadCommand:
         endpoints=endpoints(request.remote_endpoints, request.remote_endpoint),
         deadline_s=request.deadline_s or None,
         token=request.remote_token,
+    )
+
+
+def grant_command(request: engine_pb2.GrantRequest) -> GrantCommand:
+    check_id("request_id", request.request_id)
+    check_id("remote_engine_id", request.remote_engine_id)
+    return GrantCommand(
+        request_id=request.request_id,
+        remote_engine_id=request.remote_engine_id,
+        local_ids=block_ids_from_proto("local_block_ids", request.local_block_ids),
+        endpoints=endpoints(request.remote_endpoints, request.remote_endpoint),
+        ttl_s=check_ttl(request.ttl_s) or None,
+    )
+
+
+def push_command(request: engine_pb2.PushRequest) -> PushCommand:
+    check_id("request_id", request.request_id)
+    check_id("remote_engine_id", request.remote_engine_id)
+    check_count("offsets", request.offsets, MAX_GROUPS)
+    return PushCommand(
+        request_id=request.request_id,
+        remote_engine_id=request.remote_engine_id,
+        targets=targets_from_proto(request.targets),
+        local_ids=block_ids_from_proto("local_block_ids", request.local_block_ids),
+        offsets=tuple(int(o) for o in request.offsets),
+        last=request.last,
     )
 
 

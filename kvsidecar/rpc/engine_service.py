@@ -28,6 +28,7 @@ from kvsidecar.limits import (
     check_chars,
     check_count,
     check_duration,
+    check_id,
     check_max,
 )
 from kvsidecar.rpc import decode
@@ -44,6 +45,7 @@ from kvsidecar.wire.engine import (
     registered_to_proto,
     status_to_proto,
 )
+from kvsidecar.wire.push import grant_issued_to_proto, push_posted_to_proto, revoked_to_proto
 from kvsidecar.wire.trace import explanation_to_proto
 
 log = logging.getLogger(__name__)
@@ -194,6 +196,32 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     @errors_to_status
     async def Step(self, request: engine_pb2.StepRequest, context: Any) -> engine_pb2.StepResponse:
         return await self.step(request)
+
+    @errors_to_status
+    async def Grant(
+        self, request: engine_pb2.GrantRequest, context: Any
+    ) -> engine_pb2.GrantResponse:
+        return grant_issued_to_proto(await self._core.grant(decode.grant_command(request)))
+
+    @errors_to_status
+    async def Revoke(
+        self, request: engine_pb2.RevokeRequest, context: Any
+    ) -> engine_pb2.RevokeResponse:
+        check_id("request_id", request.request_id)
+        return revoked_to_proto(await self._core.revoke(request.request_id))
+
+    @errors_to_status
+    async def Push(self, request: engine_pb2.PushRequest, context: Any) -> engine_pb2.PushResponse:
+        return push_posted_to_proto(await self._core.push(decode.push_command(request)))
+
+    @errors_to_status
+    async def AbortPush(
+        self, request: engine_pb2.AbortPushRequest, context: Any
+    ) -> engine_pb2.AbortPushResponse:
+        check_id("request_id", request.request_id)
+        check_chars("message", request.message, MAX_ID_CHARS)
+        await self._core.abort_push(request.request_id, request.message)
+        return engine_pb2.AbortPushResponse()
 
     @errors_to_status
     async def Peers(

@@ -9,7 +9,7 @@ import grpc
 
 from kvsidecar.engine.core import EngineCore
 from kvsidecar.errors import KvSidecarError
-from kvsidecar.limits import MAX_ID_CHARS, check_chars
+from kvsidecar.limits import MAX_ID_CHARS, check_chars, check_duration
 from kvsidecar.rpc.status import errors_to_status, status_for, status_message
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc, trace_pb2
 from kvsidecar.wire.peer import (
@@ -17,6 +17,12 @@ from kvsidecar.wire.peer import (
     directory_to_proto,
     notify_request_from_proto,
     notify_response_to_proto,
+)
+from kvsidecar.wire.push import (
+    MAX_GRANT_TTL_S,
+    grant_view_to_proto,
+    notices_from_proto,
+    outcomes_to_proto,
 )
 from kvsidecar.wire.trace import side_to_proto
 
@@ -65,6 +71,52 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         asker = (request.engine_id, request.tp_rank)
         e = await self._core.explain(request.request_id, asker)
         return trace_pb2.TraceResponse(side=side_to_proto(e.sides[0]), now_unix_ns=e.now_unix_ns)
+
+    # --- push mode (docs/push.md) -------------------------------------------------------------
+
+    @errors_to_status
+    async def GetGrant(
+        self, request: peer_pb2.GetGrantRequest, context: Any
+    ) -> peer_pb2.GetGrantResponse:
+        check_chars("engine_id", request.engine_id, MAX_ID_CHARS)
+        check_chars("writer_engine_id", request.writer_engine_id, MAX_ID_CHARS)
+        check_chars("token", request.token)
+        writer = (request.writer_engine_id, request.writer_rank)
+        view = self._core.get_grant(request.engine_id, request.tp_rank, request.token, writer)
+        return grant_view_to_proto(view)
+
+    @errors_to_status
+    async def WriteNotify(
+        self, request: peer_pb2.WriteNotifyRequest, context: Any
+    ) -> peer_pb2.WriteNotifyResponse:
+        engine_id, rank, notices = notices_from_proto(request)
+        epoch, outcomes = self._core.write_notify(engine_id, rank, notices)
+        return outcomes_to_proto(epoch, outcomes)
+
+    @errors_to_status
+    async def RevokeGrant(
+        self, request: peer_pb2.RevokeGrantRequest, context: Any
+    ) -> peer_pb2.RevokeGrantResponse:
+        check_chars("engine_id", request.engine_id, MAX_ID_CHARS)
+        check_chars("token", request.token)
+        check_duration("timeout_s", request.timeout_s, MAX_GRANT_TTL_S)
+        waited = await self._core.revoke_grant(
+            request.engine_id, request.tp_rank, request.token, request.timeout_s
+        )
+        return peer_pb2.RevokeGrantResponse(writes_waited=waited)
+
+    async def WatchWriter(
+        self,
+        request: peer_pb2.WatchWriterRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[peer_pb2.WriterBeat]:
+        try:
+            check_chars("engine_id", request.engine_id, MAX_ID_CHARS)
+            async for epoch in self._core.writer_beats(request.engine_id, request.tp_rank):
+                yield peer_pb2.WriterBeat(epoch=epoch)
+        except KvSidecarError as exc:
+            context.set_code(status_for(exc))
+            context.set_details(status_message(exc))
 
     @errors_to_status
     async def GetEngine(

@@ -29,6 +29,7 @@ _TABLE: tuple[tuple[type[errors.KvSidecarError], grpc.StatusCode], ...] = (
     (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
     (errors.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.PeerUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),

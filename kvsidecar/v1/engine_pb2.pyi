@@ -46,6 +46,294 @@ ENGINE_ROLE_BOTH: EngineRole.ValueType  # 3
 Global___EngineRole: _TypeAlias = EngineRole  # noqa: Y015
 
 @_typing.final
+class GrantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    REMOTE_ENDPOINTS_FIELD_NUMBER: _builtins.int
+    REMOTE_ENDPOINT_FIELD_NUMBER: _builtins.int
+    LOCAL_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The consumer's id for the grant (its RECV_DONE / RECV_FAILED carry it). At most 1024
+    characters; unique among open grants and reads.
+    """
+    remote_engine_id: _builtins.str
+    """The producer engine that will write. At most 1024 characters."""
+    remote_endpoint: _builtins.str
+    ttl_s: _builtins.float
+    """Seconds the grant lives (0: the sidecar's push_grant_ttl_s). At most 3600."""
+    @_builtins.property
+    def remote_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """As in ReadRequest: every rank's PeerService address, or one rank's (the directory), or
+        neither (the last handshake's, or discovery's).
+        """
+
+    @_builtins.property
+    def local_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.BlockIds]:
+        """The local blocks the producer may write, one list per KV-cache group (a chunk names a range
+        of these by offset). At most 64 groups of 65536 ids.
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        remote_engine_id: _builtins.str = ...,
+        remote_endpoints: _abc.Iterable[_builtins.str] | None = ...,
+        remote_endpoint: _builtins.str = ...,
+        local_block_ids: _abc.Iterable[_geometry_pb2.BlockIds] | None = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_block_ids", b"local_block_ids", "remote_endpoint", b"remote_endpoint", "remote_endpoints", b"remote_endpoints", "remote_engine_id", b"remote_engine_id", "request_id", b"request_id", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantRequest: _TypeAlias = GrantRequest  # noqa: Y015
+
+@_typing.final
+class GrantResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    PEER_ENDPOINT_FIELD_NUMBER: _builtins.int
+    WRITER_RANKS_FIELD_NUMBER: _builtins.int
+    DEADLINE_UNIX_NS_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """The grant's secret: a producer names it in every Push. 32 URL-safe characters."""
+    epoch: _builtins.int
+    """This engine's registration epoch (a Push for an older one is refused)."""
+    engine_id: _builtins.str
+    tp_rank: _builtins.int
+    peer_endpoint: _builtins.str
+    """This sidecar's PeerService address (where producer sidecars confirm their writes)."""
+    deadline_unix_ns: _builtins.int
+    """When the grant ends, in Unix nanoseconds (this sidecar's clock)."""
+    @_builtins.property
+    def writer_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The producer ranks that write into this rank (from the plan): hand the grant to each."""
+
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        engine_id: _builtins.str = ...,
+        tp_rank: _builtins.int = ...,
+        peer_endpoint: _builtins.str = ...,
+        writer_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        deadline_unix_ns: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_ns", b"deadline_unix_ns", "engine_id", b"engine_id", "epoch", b"epoch", "peer_endpoint", b"peer_endpoint", "token", b"token", "tp_rank", b"tp_rank", "writer_ranks", b"writer_ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantResponse: _TypeAlias = GrantResponse  # noqa: Y015
+
+@_typing.final
+class RevokeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeRequest: _TypeAlias = RevokeRequest  # noqa: Y015
+
+@_typing.final
+class RevokeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUIET_FIELD_NUMBER: _builtins.int
+    UNCONFIRMED_RANKS_FIELD_NUMBER: _builtins.int
+    EXPOSED_UNTIL_UNIX_NS_FIELD_NUMBER: _builtins.int
+    quiet: _builtins.bool
+    """Every writer rank confirmed: no WRITE of the grant lands after this answer."""
+    exposed_until_unix_ns: _builtins.int
+    """0 when quiet."""
+    @_builtins.property
+    def unconfirmed_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Writer ranks that did not confirm in time (unreachable, hung): they may still write until
+        exposed_until_unix_ns (the grant's deadline plus the producer's write timeout plus
+        push_clock_skew_s), never after: a producer sidecar posts no WRITE past a grant's deadline
+        and aborts its WRITEs that outlive their timeout.
+        """
+
+    def __init__(
+        self,
+        *,
+        quiet: _builtins.bool = ...,
+        unconfirmed_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        exposed_until_unix_ns: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exposed_until_unix_ns", b"exposed_until_unix_ns", "quiet", b"quiet", "unconfirmed_ranks", b"unconfirmed_ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeResponse: _TypeAlias = RevokeResponse  # noqa: Y015
+
+@_typing.final
+class PushTarget(_message.Message):
+    """One consumer rank a Push writes into (from that rank's GrantResponse)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    endpoint: _builtins.str
+    """The consumer rank's PeerService address (GrantResponse.peer_endpoint). At most 256 characters."""
+    token: _builtins.str
+    """GrantResponse.token. At most 256 characters."""
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        endpoint: _builtins.str = ...,
+        token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "rank", b"rank", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushTarget: _TypeAlias = PushTarget  # noqa: Y015
+
+@_typing.final
+class PushRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
+    LOCAL_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The producer's id for the push (its SEND_DONE / SEND_FAILED carry it); every chunk of one
+    request uses the same id. At most 1024 characters.
+    """
+    remote_engine_id: _builtins.str
+    """The consumer engine. At most 1024 characters."""
+    last: _builtins.bool
+    """The request's last chunk: the push ends once it and every earlier chunk are written."""
+    @_builtins.property
+    def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___PushTarget]:
+        """Every consumer rank this producer rank writes into (at most 1024); the same set for every
+        chunk of the request.
+        """
+
+    @_builtins.property
+    def local_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.BlockIds]:
+        """This chunk's local (producer) block ids, one list per group (at most 64 groups of 65536 ids)."""
+
+    @_builtins.property
+    def offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per group: the index into the grant's block ids of that group where this chunk lands (its
+        i-th block goes to the grant's block offsets[g] + i). Empty: all zero.
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        remote_engine_id: _builtins.str = ...,
+        targets: _abc.Iterable[Global___PushTarget] | None = ...,
+        local_block_ids: _abc.Iterable[_geometry_pb2.BlockIds] | None = ...,
+        offsets: _abc.Iterable[_builtins.int] | None = ...,
+        last: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last", b"last", "local_block_ids", b"local_block_ids", "offsets", b"offsets", "remote_engine_id", b"remote_engine_id", "request_id", b"request_id", "targets", b"targets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushRequest: _TypeAlias = PushRequest  # noqa: Y015
+
+@_typing.final
+class PushResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WRITES_POSTED_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    writes_posted: _builtins.int
+    """WRITEs posted (one per consumer rank written and producer-side row batch)."""
+    bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        writes_posted: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "writes_posted", b"writes_posted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushResponse: _TypeAlias = PushResponse  # noqa: Y015
+
+@_typing.final
+class AbortPushRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    message: _builtins.str
+    """Why (passed on to the consumers). At most 1024 characters."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortPushRequest: _TypeAlias = AbortPushRequest  # noqa: Y015
+
+@_typing.final
+class AbortPushResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortPushResponse: _TypeAlias = AbortPushResponse  # noqa: Y015
+
+@_typing.final
 class PeersRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1230,6 +1518,12 @@ class RecvFailed(_message.Message):
         producer's held bytes (CRC-32 over the ranges read): never use them. The peer is
         quarantined.
         """
+        ABORTED: RecvFailed._Reason.ValueType  # 11
+        """Push mode: the producer gave up the push (its prefill failed or was aborted, its engine
+        went away) or one of its WRITEs failed; the granted blocks may hold part of it.
+        """
+        REVOKED: RecvFailed._Reason.ValueType  # 12
+        """Push mode: the engine revoked the grant (Revoke)."""
 
     class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper): ...
     REASON_UNSPECIFIED: RecvFailed.Reason.ValueType  # 0
@@ -1260,6 +1554,12 @@ class RecvFailed(_message.Message):
     producer's held bytes (CRC-32 over the ranges read): never use them. The peer is
     quarantined.
     """
+    ABORTED: RecvFailed.Reason.ValueType  # 11
+    """Push mode: the producer gave up the push (its prefill failed or was aborted, its engine
+    went away) or one of its WRITEs failed; the granted blocks may hold part of it.
+    """
+    REVOKED: RecvFailed.Reason.ValueType  # 12
+    """Push mode: the engine revoked the grant (Revoke)."""
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
@@ -1320,6 +1620,34 @@ class SendDone(_message.Message):
 Global___SendDone: _TypeAlias = SendDone  # noqa: Y015
 
 @_typing.final
+class SendFailed(_message.Message):
+    """Push mode: a push failed (its first failure; nothing more of it is written)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    reason: Global___RecvFailed.Reason.ValueType
+    """The reason, numbered as RecvFailed.Reason."""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        reason: Global___RecvFailed.Reason.ValueType = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendFailed: _TypeAlias = SendFailed  # noqa: Y015
+
+@_typing.final
 class Event(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1328,6 +1656,7 @@ class Event(_message.Message):
     RECV_DONE_FIELD_NUMBER: _builtins.int
     RECV_FAILED_FIELD_NUMBER: _builtins.int
     SEND_DONE_FIELD_NUMBER: _builtins.int
+    SEND_FAILED_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Monotonic sequence number per sidecar."""
     timestamp: _builtins.float
@@ -1338,6 +1667,8 @@ class Event(_message.Message):
     def recv_failed(self) -> Global___RecvFailed: ...
     @_builtins.property
     def send_done(self) -> Global___SendDone: ...
+    @_builtins.property
+    def send_failed(self) -> Global___SendFailed: ...
     def __init__(
         self,
         *,
@@ -1346,12 +1677,13 @@ class Event(_message.Message):
         recv_done: Global___RecvDone | None = ...,
         recv_failed: Global___RecvFailed | None = ...,
         send_done: Global___SendDone | None = ...,
+        send_failed: Global___SendFailed | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "recv_done", b"recv_done", "recv_failed", b"recv_failed", "send_done", b"send_done"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "recv_done", b"recv_done", "recv_failed", b"recv_failed", "send_done", b"send_done", "send_failed", b"send_failed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "recv_done", b"recv_done", "recv_failed", b"recv_failed", "send_done", b"send_done", "seq", b"seq", "timestamp", b"timestamp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "recv_done", b"recv_done", "recv_failed", b"recv_failed", "send_done", b"send_done", "send_failed", b"send_failed", "seq", b"seq", "timestamp", b"timestamp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["recv_done", "recv_failed", "send_done"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["recv_done", "recv_failed", "send_done", "send_failed"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -105,6 +105,26 @@ class EngineServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_trace__pb2.ExplainRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_trace__pb2.ExplainResponse.FromString,
                 _registered_method=True)
+        self.Grant = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/Grant',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.GrantRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.GrantResponse.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/Revoke',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.RevokeResponse.FromString,
+                _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/Push',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.PushRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.PushResponse.FromString,
+                _registered_method=True)
+        self.AbortPush = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/AbortPush',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.AbortPushRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.AbortPushResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -240,6 +260,53 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Grant(self, request, context):
+        """Push mode (docs/push.md; frameworks whose decode side allocates first, e.g. SGLang).
+        Consumer: grant the producer engine a write into named local blocks. Handshakes with the
+        producer engine first (to learn which of its ranks write which bytes here; no NIXL resource is
+        built) and returns the grant's token, which the consumer engine hands to the producer engine
+        with the block ids (the token is the grant's secret). Exactly one Event ends the grant, under
+        GrantRequest.request_id: RECV_DONE once every writer rank confirmed writes covering every
+        granted block (over PeerService, after its WRITEs completed), or RECV_FAILED (DEADLINE_EXCEEDED
+        when the grant expires, PEER_DISCONNECTED when a writer's sidecar is lost, ABORTED when the
+        producer gave up, REVOKED after Revoke, ENGINE_GONE, SHUTDOWN) with every granted block id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Consumer: end a grant now (decode aborted). Asks every writer rank to stop; returns once each
+        confirmed that no WRITE of the grant is in flight and none will be posted, or after
+        revoke_timeout_s with the ranks that did not confirm and until when they still might write
+        (RevokeResponse). A grant still open ends with RECV_FAILED (REVOKED). NOT_FOUND for a
+        request id that has no grant (never granted, or ended more than a minute ago).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Push(self, request, context):
+        """Producer: WRITE one chunk of a request into the grants of the consumer ranks it names.
+        Returns once the WRITEs are posted; their completion is confirmed to each consumer's sidecar
+        (PeerService.WriteNotify) by this sidecar. Exactly one Event ends the push, under
+        PushRequest.request_id: SEND_DONE once the chunk marked last and every earlier chunk were
+        written and accepted by every consumer rank, or SEND_FAILED (the first failure; the consumer
+        sidecars are told at once).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortPush(self, request, context):
+        """Producer: give up a push (prefill failed or aborted): the consumer sidecars of its grants are
+        told at once (their grants end RECV_FAILED ABORTED); the push ends SEND_FAILED (ABORTED) once
+        its WRITEs in flight ended. NOT_FOUND for an unknown or ended push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -307,6 +374,26 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Explain,
                     request_deserializer=kvsidecar_dot_v1_dot_trace__pb2.ExplainRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_trace__pb2.ExplainResponse.SerializeToString,
+            ),
+            'Grant': grpc.unary_unary_rpc_method_handler(
+                    servicer.Grant,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.GrantRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.GrantResponse.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.RevokeRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.RevokeResponse.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.PushRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.PushResponse.SerializeToString,
+            ),
+            'AbortPush': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortPush,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.AbortPushRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.AbortPushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -665,6 +752,114 @@ class EngineService:
             '/kvsidecar.v1.EngineService/Explain',
             kvsidecar_dot_v1_dot_trace__pb2.ExplainRequest.SerializeToString,
             kvsidecar_dot_v1_dot_trace__pb2.ExplainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Grant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/Grant',
+            kvsidecar_dot_v1_dot_engine__pb2.GrantRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.GrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/Revoke',
+            kvsidecar_dot_v1_dot_engine__pb2.RevokeRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.RevokeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/Push',
+            kvsidecar_dot_v1_dot_engine__pb2.PushRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortPush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/AbortPush',
+            kvsidecar_dot_v1_dot_engine__pb2.AbortPushRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.AbortPushResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -108,6 +108,37 @@ class EngineServiceStub:
     PeerService.Trace, mTLS like every peer call), each side's clock offset, and the sides that
     do not know it or could not be reached. NOT_FOUND only when no engine is registered.
     """
+    Grant: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GrantRequest, _engine_pb2.GrantResponse]
+    """Push mode (docs/push.md; frameworks whose decode side allocates first, e.g. SGLang).
+    Consumer: grant the producer engine a write into named local blocks. Handshakes with the
+    producer engine first (to learn which of its ranks write which bytes here; no NIXL resource is
+    built) and returns the grant's token, which the consumer engine hands to the producer engine
+    with the block ids (the token is the grant's secret). Exactly one Event ends the grant, under
+    GrantRequest.request_id: RECV_DONE once every writer rank confirmed writes covering every
+    granted block (over PeerService, after its WRITEs completed), or RECV_FAILED (DEADLINE_EXCEEDED
+    when the grant expires, PEER_DISCONNECTED when a writer's sidecar is lost, ABORTED when the
+    producer gave up, REVOKED after Revoke, ENGINE_GONE, SHUTDOWN) with every granted block id.
+    """
+    Revoke: _grpc.UnaryUnaryMultiCallable[_engine_pb2.RevokeRequest, _engine_pb2.RevokeResponse]
+    """Consumer: end a grant now (decode aborted). Asks every writer rank to stop; returns once each
+    confirmed that no WRITE of the grant is in flight and none will be posted, or after
+    revoke_timeout_s with the ranks that did not confirm and until when they still might write
+    (RevokeResponse). A grant still open ends with RECV_FAILED (REVOKED). NOT_FOUND for a
+    request id that has no grant (never granted, or ended more than a minute ago).
+    """
+    Push: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PushRequest, _engine_pb2.PushResponse]
+    """Producer: WRITE one chunk of a request into the grants of the consumer ranks it names.
+    Returns once the WRITEs are posted; their completion is confirmed to each consumer's sidecar
+    (PeerService.WriteNotify) by this sidecar. Exactly one Event ends the push, under
+    PushRequest.request_id: SEND_DONE once the chunk marked last and every earlier chunk were
+    written and accepted by every consumer rank, or SEND_FAILED (the first failure; the consumer
+    sidecars are told at once).
+    """
+    AbortPush: _grpc.UnaryUnaryMultiCallable[_engine_pb2.AbortPushRequest, _engine_pb2.AbortPushResponse]
+    """Producer: give up a push (prefill failed or aborted): the consumer sidecars of its grants are
+    told at once (their grants end RECV_FAILED ABORTED); the push ends SEND_FAILED (ABORTED) once
+    its WRITEs in flight ended. NOT_FOUND for an unknown or ended push.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -187,6 +218,37 @@ class EngineServiceAsyncStub(EngineServiceStub):
     producer's request id: this sidecar's states, merged with every producer rank's (asked over
     PeerService.Trace, mTLS like every peer call), each side's clock offset, and the sides that
     do not know it or could not be reached. NOT_FOUND only when no engine is registered.
+    """
+    Grant: _aio.UnaryUnaryMultiCallable[_engine_pb2.GrantRequest, _engine_pb2.GrantResponse]  # type: ignore[assignment]
+    """Push mode (docs/push.md; frameworks whose decode side allocates first, e.g. SGLang).
+    Consumer: grant the producer engine a write into named local blocks. Handshakes with the
+    producer engine first (to learn which of its ranks write which bytes here; no NIXL resource is
+    built) and returns the grant's token, which the consumer engine hands to the producer engine
+    with the block ids (the token is the grant's secret). Exactly one Event ends the grant, under
+    GrantRequest.request_id: RECV_DONE once every writer rank confirmed writes covering every
+    granted block (over PeerService, after its WRITEs completed), or RECV_FAILED (DEADLINE_EXCEEDED
+    when the grant expires, PEER_DISCONNECTED when a writer's sidecar is lost, ABORTED when the
+    producer gave up, REVOKED after Revoke, ENGINE_GONE, SHUTDOWN) with every granted block id.
+    """
+    Revoke: _aio.UnaryUnaryMultiCallable[_engine_pb2.RevokeRequest, _engine_pb2.RevokeResponse]  # type: ignore[assignment]
+    """Consumer: end a grant now (decode aborted). Asks every writer rank to stop; returns once each
+    confirmed that no WRITE of the grant is in flight and none will be posted, or after
+    revoke_timeout_s with the ranks that did not confirm and until when they still might write
+    (RevokeResponse). A grant still open ends with RECV_FAILED (REVOKED). NOT_FOUND for a
+    request id that has no grant (never granted, or ended more than a minute ago).
+    """
+    Push: _aio.UnaryUnaryMultiCallable[_engine_pb2.PushRequest, _engine_pb2.PushResponse]  # type: ignore[assignment]
+    """Producer: WRITE one chunk of a request into the grants of the consumer ranks it names.
+    Returns once the WRITEs are posted; their completion is confirmed to each consumer's sidecar
+    (PeerService.WriteNotify) by this sidecar. Exactly one Event ends the push, under
+    PushRequest.request_id: SEND_DONE once the chunk marked last and every earlier chunk were
+    written and accepted by every consumer rank, or SEND_FAILED (the first failure; the consumer
+    sidecars are told at once).
+    """
+    AbortPush: _aio.UnaryUnaryMultiCallable[_engine_pb2.AbortPushRequest, _engine_pb2.AbortPushResponse]  # type: ignore[assignment]
+    """Producer: give up a push (prefill failed or aborted): the consumer sidecars of its grants are
+    told at once (their grants end RECV_FAILED ABORTED); the push ends SEND_FAILED (ABORTED) once
+    its WRITEs in flight ended. NOT_FOUND for an unknown or ended push.
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -342,6 +404,61 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         producer's request id: this sidecar's states, merged with every producer rank's (asked over
         PeerService.Trace, mTLS like every peer call), each side's clock offset, and the sides that
         do not know it or could not be reached. NOT_FOUND only when no engine is registered.
+        """
+
+    @_abc_1.abstractmethod
+    def Grant(
+        self,
+        request: _engine_pb2.GrantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.GrantResponse, _abc.Awaitable[_engine_pb2.GrantResponse]]:
+        """Push mode (docs/push.md; frameworks whose decode side allocates first, e.g. SGLang).
+        Consumer: grant the producer engine a write into named local blocks. Handshakes with the
+        producer engine first (to learn which of its ranks write which bytes here; no NIXL resource is
+        built) and returns the grant's token, which the consumer engine hands to the producer engine
+        with the block ids (the token is the grant's secret). Exactly one Event ends the grant, under
+        GrantRequest.request_id: RECV_DONE once every writer rank confirmed writes covering every
+        granted block (over PeerService, after its WRITEs completed), or RECV_FAILED (DEADLINE_EXCEEDED
+        when the grant expires, PEER_DISCONNECTED when a writer's sidecar is lost, ABORTED when the
+        producer gave up, REVOKED after Revoke, ENGINE_GONE, SHUTDOWN) with every granted block id.
+        """
+
+    @_abc_1.abstractmethod
+    def Revoke(
+        self,
+        request: _engine_pb2.RevokeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.RevokeResponse, _abc.Awaitable[_engine_pb2.RevokeResponse]]:
+        """Consumer: end a grant now (decode aborted). Asks every writer rank to stop; returns once each
+        confirmed that no WRITE of the grant is in flight and none will be posted, or after
+        revoke_timeout_s with the ranks that did not confirm and until when they still might write
+        (RevokeResponse). A grant still open ends with RECV_FAILED (REVOKED). NOT_FOUND for a
+        request id that has no grant (never granted, or ended more than a minute ago).
+        """
+
+    @_abc_1.abstractmethod
+    def Push(
+        self,
+        request: _engine_pb2.PushRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.PushResponse, _abc.Awaitable[_engine_pb2.PushResponse]]:
+        """Producer: WRITE one chunk of a request into the grants of the consumer ranks it names.
+        Returns once the WRITEs are posted; their completion is confirmed to each consumer's sidecar
+        (PeerService.WriteNotify) by this sidecar. Exactly one Event ends the push, under
+        PushRequest.request_id: SEND_DONE once the chunk marked last and every earlier chunk were
+        written and accepted by every consumer rank, or SEND_FAILED (the first failure; the consumer
+        sidecars are told at once).
+        """
+
+    @_abc_1.abstractmethod
+    def AbortPush(
+        self,
+        request: _engine_pb2.AbortPushRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.AbortPushResponse, _abc.Awaitable[_engine_pb2.AbortPushResponse]]:
+        """Producer: give up a push (prefill failed or aborted): the consumer sidecars of its grants are
+        told at once (their grants end RECV_FAILED ABORTED); the push ends SEND_FAILED (ABORTED) once
+        its WRITEs in flight ended. NOT_FOUND for an unknown or ended push.
         """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

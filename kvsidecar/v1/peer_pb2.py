@@ -26,33 +26,55 @@ from kvsidecar.v1 import geometry_pb2 as kvsidecar_dot_v1_dot_geometry__pb2
 from kvsidecar.v1 import trace_pb2 as kvsidecar_dot_v1_dot_trace__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/peer.proto\x12\x0ckvsidecar.v1\x1a\x1bkvsidecar/v1/geometry.proto\x1a\x18kvsidecar/v1/trace.proto\"5\n\x0fGetAgentRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"W\n\nRemoteView\x12 \n\x04view\x18\x01 \x01(\x0b\x32\x12.kvsidecar.v1.View\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\xe1\x02\n\x10GetAgentResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x15\n\rcompat_digest\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x1b\n\x13nixl_agent_metadata\x18\x04 \x01(\x0c\x12\x12\n\nagent_name\x18\x05 \x01(\t\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\'\n\x05views\x18\t \x03(\x0b\x32\x18.kvsidecar.v1.RemoteView\x12$\n\x06\x63ompat\x18\n \x01(\x0b\x32\x14.kvsidecar.v1.Compat\x12\x12\n\nnum_groups\x18\x0b \x01(\r\x12\x10\n\x08mem_type\x18\r \x01(\t\x12\x15\n\rboard_address\x18\x0e \x01(\x04\x12\x15\n\rboard_buckets\x18\x0f \x01(\rJ\x04\x08\x0c\x10\r\"%\n\x10GetEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"Y\n\x11GetEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x11\n\tendpoints\x18\x03 \x03(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xc5\x03\n\x10PeerNotification\x12\x31\n\x04kind\x18\x01 \x01(\x0e\x32#.kvsidecar.v1.PeerNotification.Kind\x12\x19\n\x11remote_request_id\x18\x02 \x01(\t\x12\x1a\n\x12\x65xpected_consumers\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x1a\n\x12\x63onsumer_engine_id\x18\x05 \x01(\t\x12\x15\n\rconsumer_rank\x18\x06 \x01(\r\x12\x1d\n\x15heartbeat_request_ids\x18\x07 \x03(\t\x12\r\n\x05token\x18\x08 \x01(\t\x12\x18\n\x10heartbeat_tokens\x18\t \x03(\t\x12\x0f\n\x07\x63onfirm\x18\n \x01(\x08\x12\x19\n\x11read_block_counts\x18\x0b \x03(\r\x12\x1a\n\x12read_blocks_digest\x18\x0c \x01(\x0c\x12\x15\n\rcanary_ranges\x18\r \x01(\x0c\x12\x14\n\x0c\x63\x61nary_crc32\x18\x0e \x01(\x07\"H\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\r\n\tREAD_DONE\x10\x01\x12\x0c\n\x08\x43ONSUMED\x10\x02\x12\r\n\tHEARTBEAT\x10\x03\"]\n\x11PeerNotifyRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x35\n\rnotifications\x18\x02 \x03(\x0b\x32\x1e.kvsidecar.v1.PeerNotification\"\x99\x02\n\x12PeerNotifyResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12:\n\x08outcomes\x18\x02 \x03(\x0e\x32(.kvsidecar.v1.PeerNotifyResponse.Outcome\"\xb7\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x0f\n\x0bSTALE_EPOCH\x10\x02\x12\x13\n\x0fUNKNOWN_REQUEST\x10\x03\x12\x0e\n\nHOLD_ENDED\x10\x04\x12\x0f\n\x0bWRONG_TOKEN\x10\x05\x12\x12\n\x0e\x45XTRA_CONSUMER\x10\x06\x12\x10\n\x0cWRONG_BLOCKS\x10\x07\x12\x0b\n\x07PENDING\x10\x08\x12\x0b\n\x07\x43ORRUPT\x10\t2\x8c\x03\n\x0bPeerService\x12I\n\x08GetAgent\x12\x1d.kvsidecar.v1.GetAgentRequest\x1a\x1e.kvsidecar.v1.GetAgentResponse\x12L\n\tGetEngine\x12\x1e.kvsidecar.v1.GetEngineRequest\x1a\x1f.kvsidecar.v1.GetEngineResponse\x12K\n\x06Notify\x12\x1f.kvsidecar.v1.PeerNotifyRequest\x1a .kvsidecar.v1.PeerNotifyResponse\x12U\n\x0cNotifyStream\x12\x1f.kvsidecar.v1.PeerNotifyRequest\x1a .kvsidecar.v1.PeerNotifyResponse(\x01\x30\x01\x12@\n\x05Trace\x12\x1a.kvsidecar.v1.TraceRequest\x1a\x1b.kvsidecar.v1.TraceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/peer.proto\x12\x0ckvsidecar.v1\x1a\x1bkvsidecar/v1/geometry.proto\x1a\x18kvsidecar/v1/trace.proto\"s\n\x0fGetGrantRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\r\n\x05token\x18\x03 \x01(\t\x12\x18\n\x10writer_engine_id\x18\x04 \x01(\t\x12\x13\n\x0bwriter_rank\x18\x05 \x01(\r\"z\n\x10GetGrantResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12)\n\tblock_ids\x18\x02 \x03(\x0b\x32\x16.kvsidecar.v1.BlockIds\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x03 \x01(\x03\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\x92\x02\n\x0bWriteNotice\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.kvsidecar.v1.WriteNotice.Kind\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x18\n\x10writer_engine_id\x18\x04 \x01(\t\x12\x13\n\x0bwriter_rank\x18\x05 \x01(\r\x12\x0f\n\x07offsets\x18\x06 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x07 \x03(\r\x12\r\n\x05\x62ytes\x18\x08 \x01(\x04\x12\x0c\n\x04last\x18\t \x01(\x08\x12\x0f\n\x07message\x18\n \x01(\t\"9\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nCHUNK_DONE\x10\x01\x12\x0b\n\x07\x41\x42ORTED\x10\x02\"d\n\x12WriteNotifyRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12*\n\x07notices\x18\x03 \x03(\x0b\x32\x19.kvsidecar.v1.WriteNotice\"\xed\x01\n\x13WriteNotifyResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12;\n\x08outcomes\x18\x02 \x03(\x0e\x32).kvsidecar.v1.WriteNotifyResponse.Outcome\"\x89\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x0f\n\x0bSTALE_EPOCH\x10\x02\x12\x11\n\rUNKNOWN_GRANT\x10\x03\x12\x0f\n\x0bGRANT_ENDED\x10\x04\x12\x10\n\x0cNOT_A_WRITER\x10\x05\x12\x10\n\x0cWRONG_BLOCKS\x10\x06\"Z\n\x12RevokeGrantRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\r\n\x05token\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\",\n\x13RevokeGrantResponse\x12\x15\n\rwrites_waited\x18\x01 \x01(\r\"8\n\x12WatchWriterRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"\x1b\n\nWriterBeat\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"5\n\x0fGetAgentRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"W\n\nRemoteView\x12 \n\x04view\x18\x01 \x01(\x0b\x32\x12.kvsidecar.v1.View\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\xe1\x02\n\x10GetAgentResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x15\n\rcompat_digest\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x1b\n\x13nixl_agent_metadata\x18\x04 \x01(\x0c\x12\x12\n\nagent_name\x18\x05 \x01(\t\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\'\n\x05views\x18\t \x03(\x0b\x32\x18.kvsidecar.v1.RemoteView\x12$\n\x06\x63ompat\x18\n \x01(\x0b\x32\x14.kvsidecar.v1.Compat\x12\x12\n\nnum_groups\x18\x0b \x01(\r\x12\x10\n\x08mem_type\x18\r \x01(\t\x12\x15\n\rboard_address\x18\x0e \x01(\x04\x12\x15\n\rboard_buckets\x18\x0f \x01(\rJ\x04\x08\x0c\x10\r\"%\n\x10GetEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"Y\n\x11GetEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x11\n\tendpoints\x18\x03 \x03(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xc5\x03\n\x10PeerNotification\x12\x31\n\x04kind\x18\x01 \x01(\x0e\x32#.kvsidecar.v1.PeerNotification.Kind\x12\x19\n\x11remote_request_id\x18\x02 \x01(\t\x12\x1a\n\x12\x65xpected_consumers\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x1a\n\x12\x63onsumer_engine_id\x18\x05 \x01(\t\x12\x15\n\rconsumer_rank\x18\x06 \x01(\r\x12\x1d\n\x15heartbeat_request_ids\x18\x07 \x03(\t\x12\r\n\x05token\x18\x08 \x01(\t\x12\x18\n\x10heartbeat_tokens\x18\t \x03(\t\x12\x0f\n\x07\x63onfirm\x18\n \x01(\x08\x12\x19\n\x11read_block_counts\x18\x0b \x03(\r\x12\x1a\n\x12read_blocks_digest\x18\x0c \x01(\x0c\x12\x15\n\rcanary_ranges\x18\r \x01(\x0c\x12\x14\n\x0c\x63\x61nary_crc32\x18\x0e \x01(\x07\"H\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\r\n\tREAD_DONE\x10\x01\x12\x0c\n\x08\x43ONSUMED\x10\x02\x12\r\n\tHEARTBEAT\x10\x03\"]\n\x11PeerNotifyRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x35\n\rnotifications\x18\x02 \x03(\x0b\x32\x1e.kvsidecar.v1.PeerNotification\"\x99\x02\n\x12PeerNotifyResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12:\n\x08outcomes\x18\x02 \x03(\x0e\x32(.kvsidecar.v1.PeerNotifyResponse.Outcome\"\xb7\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x0f\n\x0bSTALE_EPOCH\x10\x02\x12\x13\n\x0fUNKNOWN_REQUEST\x10\x03\x12\x0e\n\nHOLD_ENDED\x10\x04\x12\x0f\n\x0bWRONG_TOKEN\x10\x05\x12\x12\n\x0e\x45XTRA_CONSUMER\x10\x06\x12\x10\n\x0cWRONG_BLOCKS\x10\x07\x12\x0b\n\x07PENDING\x10\x08\x12\x0b\n\x07\x43ORRUPT\x10\t2\xcc\x05\n\x0bPeerService\x12I\n\x08GetAgent\x12\x1d.kvsidecar.v1.GetAgentRequest\x1a\x1e.kvsidecar.v1.GetAgentResponse\x12L\n\tGetEngine\x12\x1e.kvsidecar.v1.GetEngineRequest\x1a\x1f.kvsidecar.v1.GetEngineResponse\x12K\n\x06Notify\x12\x1f.kvsidecar.v1.PeerNotifyRequest\x1a .kvsidecar.v1.PeerNotifyResponse\x12U\n\x0cNotifyStream\x12\x1f.kvsidecar.v1.PeerNotifyRequest\x1a .kvsidecar.v1.PeerNotifyResponse(\x01\x30\x01\x12@\n\x05Trace\x12\x1a.kvsidecar.v1.TraceRequest\x1a\x1b.kvsidecar.v1.TraceResponse\x12I\n\x08GetGrant\x12\x1d.kvsidecar.v1.GetGrantRequest\x1a\x1e.kvsidecar.v1.GetGrantResponse\x12R\n\x0bWriteNotify\x12 .kvsidecar.v1.WriteNotifyRequest\x1a!.kvsidecar.v1.WriteNotifyResponse\x12R\n\x0bRevokeGrant\x12 .kvsidecar.v1.RevokeGrantRequest\x1a!.kvsidecar.v1.RevokeGrantResponse\x12K\n\x0bWatchWriter\x12 .kvsidecar.v1.WatchWriterRequest\x1a\x18.kvsidecar.v1.WriterBeat0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsidecar.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETAGENTREQUEST']._serialized_start=96
-  _globals['_GETAGENTREQUEST']._serialized_end=149
-  _globals['_REMOTEVIEW']._serialized_start=151
-  _globals['_REMOTEVIEW']._serialized_end=238
-  _globals['_GETAGENTRESPONSE']._serialized_start=241
-  _globals['_GETAGENTRESPONSE']._serialized_end=594
-  _globals['_GETENGINEREQUEST']._serialized_start=596
-  _globals['_GETENGINEREQUEST']._serialized_end=633
-  _globals['_GETENGINERESPONSE']._serialized_start=635
-  _globals['_GETENGINERESPONSE']._serialized_end=724
-  _globals['_PEERNOTIFICATION']._serialized_start=727
-  _globals['_PEERNOTIFICATION']._serialized_end=1180
-  _globals['_PEERNOTIFICATION_KIND']._serialized_start=1108
-  _globals['_PEERNOTIFICATION_KIND']._serialized_end=1180
-  _globals['_PEERNOTIFYREQUEST']._serialized_start=1182
-  _globals['_PEERNOTIFYREQUEST']._serialized_end=1275
-  _globals['_PEERNOTIFYRESPONSE']._serialized_start=1278
-  _globals['_PEERNOTIFYRESPONSE']._serialized_end=1559
-  _globals['_PEERNOTIFYRESPONSE_OUTCOME']._serialized_start=1376
-  _globals['_PEERNOTIFYRESPONSE_OUTCOME']._serialized_end=1559
-  _globals['_PEERSERVICE']._serialized_start=1562
-  _globals['_PEERSERVICE']._serialized_end=1958
+  _globals['_GETGRANTREQUEST']._serialized_start=96
+  _globals['_GETGRANTREQUEST']._serialized_end=211
+  _globals['_GETGRANTRESPONSE']._serialized_start=213
+  _globals['_GETGRANTRESPONSE']._serialized_end=335
+  _globals['_WRITENOTICE']._serialized_start=338
+  _globals['_WRITENOTICE']._serialized_end=612
+  _globals['_WRITENOTICE_KIND']._serialized_start=555
+  _globals['_WRITENOTICE_KIND']._serialized_end=612
+  _globals['_WRITENOTIFYREQUEST']._serialized_start=614
+  _globals['_WRITENOTIFYREQUEST']._serialized_end=714
+  _globals['_WRITENOTIFYRESPONSE']._serialized_start=717
+  _globals['_WRITENOTIFYRESPONSE']._serialized_end=954
+  _globals['_WRITENOTIFYRESPONSE_OUTCOME']._serialized_start=817
+  _globals['_WRITENOTIFYRESPONSE_OUTCOME']._serialized_end=954
+  _globals['_REVOKEGRANTREQUEST']._serialized_start=956
+  _globals['_REVOKEGRANTREQUEST']._serialized_end=1046
+  _globals['_REVOKEGRANTRESPONSE']._serialized_start=1048
+  _globals['_REVOKEGRANTRESPONSE']._serialized_end=1092
+  _globals['_WATCHWRITERREQUEST']._serialized_start=1094
+  _globals['_WATCHWRITERREQUEST']._serialized_end=1150
+  _globals['_WRITERBEAT']._serialized_start=1152
+  _globals['_WRITERBEAT']._serialized_end=1179
+  _globals['_GETAGENTREQUEST']._serialized_start=1181
+  _globals['_GETAGENTREQUEST']._serialized_end=1234
+  _globals['_REMOTEVIEW']._serialized_start=1236
+  _globals['_REMOTEVIEW']._serialized_end=1323
+  _globals['_GETAGENTRESPONSE']._serialized_start=1326
+  _globals['_GETAGENTRESPONSE']._serialized_end=1679
+  _globals['_GETENGINEREQUEST']._serialized_start=1681
+  _globals['_GETENGINEREQUEST']._serialized_end=1718
+  _globals['_GETENGINERESPONSE']._serialized_start=1720
+  _globals['_GETENGINERESPONSE']._serialized_end=1809
+  _globals['_PEERNOTIFICATION']._serialized_start=1812
+  _globals['_PEERNOTIFICATION']._serialized_end=2265
+  _globals['_PEERNOTIFICATION_KIND']._serialized_start=2193
+  _globals['_PEERNOTIFICATION_KIND']._serialized_end=2265
+  _globals['_PEERNOTIFYREQUEST']._serialized_start=2267
+  _globals['_PEERNOTIFYREQUEST']._serialized_end=2360
+  _globals['_PEERNOTIFYRESPONSE']._serialized_start=2363
+  _globals['_PEERNOTIFYRESPONSE']._serialized_end=2644
+  _globals['_PEERNOTIFYRESPONSE_OUTCOME']._serialized_start=2461
+  _globals['_PEERNOTIFYRESPONSE_OUTCOME']._serialized_end=2644
+  _globals['_PEERSERVICE']._serialized_start=2647
+  _globals['_PEERSERVICE']._serialized_end=3363
 # @@protoc_insertion_point(module_scope)

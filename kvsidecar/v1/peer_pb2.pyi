@@ -21,6 +21,337 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class GetGrantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    WRITER_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    WRITER_RANK_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    """The consumer engine and rank that issued the grant. At most 1024 characters."""
+    tp_rank: _builtins.int
+    token: _builtins.str
+    """At most 256 characters."""
+    writer_engine_id: _builtins.str
+    """Who asks: the producer engine and its rank (must be one of the grant's writers)."""
+    writer_rank: _builtins.int
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        tp_rank: _builtins.int = ...,
+        token: _builtins.str = ...,
+        writer_engine_id: _builtins.str = ...,
+        writer_rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "token", b"token", "tp_rank", b"tp_rank", "writer_engine_id", b"writer_engine_id", "writer_rank", b"writer_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetGrantRequest: _TypeAlias = GetGrantRequest  # noqa: Y015
+
+@_typing.final
+class GetGrantResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    DEADLINE_UNIX_NS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """The consumer's registration epoch the grant belongs to."""
+    deadline_unix_ns: _builtins.int
+    request_id: _builtins.str
+    """The consumer's request id (for logs and Explain)."""
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.BlockIds]:
+        """The granted block ids, one list per group."""
+
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        block_ids: _abc.Iterable[_geometry_pb2.BlockIds] | None = ...,
+        deadline_unix_ns: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "deadline_unix_ns", b"deadline_unix_ns", "epoch", b"epoch", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetGrantResponse: _TypeAlias = GetGrantResponse  # noqa: Y015
+
+@_typing.final
+class WriteNotice(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[WriteNotice._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_UNSPECIFIED: WriteNotice._Kind.ValueType  # 0
+        CHUNK_DONE: WriteNotice._Kind.ValueType  # 1
+        """WRITEs of one chunk completed (NIXL reported them done: the bytes are in place)."""
+        ABORTED: WriteNotice._Kind.ValueType  # 2
+        """The producer gave up the push; the grant fails (ABORTED) with `message`."""
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
+    KIND_UNSPECIFIED: WriteNotice.Kind.ValueType  # 0
+    CHUNK_DONE: WriteNotice.Kind.ValueType  # 1
+    """WRITEs of one chunk completed (NIXL reported them done: the bytes are in place)."""
+    ABORTED: WriteNotice.Kind.ValueType  # 2
+    """The producer gave up the push; the grant fails (ABORTED) with `message`."""
+
+    KIND_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    WRITER_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    WRITER_RANK_FIELD_NUMBER: _builtins.int
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    kind: Global___WriteNotice.Kind.ValueType
+    token: _builtins.str
+    """At most 256 characters."""
+    epoch: _builtins.int
+    """The consumer's epoch named by the grant."""
+    writer_engine_id: _builtins.str
+    """The writer: producer engine and rank."""
+    writer_rank: _builtins.int
+    bytes: _builtins.int
+    """CHUNK_DONE: bytes written into this rank (checked against the plan)."""
+    last: _builtins.bool
+    """CHUNK_DONE: the writer's last chunk of the grant."""
+    message: _builtins.str
+    """ABORTED: why. At most 1024 characters."""
+    @_builtins.property
+    def offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """CHUNK_DONE: per group, where the chunk starts in the grant's ids and how many it wrote (at
+        most 64 groups). A group this rank writes nothing of has count 0.
+        """
+
+    @_builtins.property
+    def counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        kind: Global___WriteNotice.Kind.ValueType = ...,
+        token: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        writer_engine_id: _builtins.str = ...,
+        writer_rank: _builtins.int = ...,
+        offsets: _abc.Iterable[_builtins.int] | None = ...,
+        counts: _abc.Iterable[_builtins.int] | None = ...,
+        bytes: _builtins.int = ...,
+        last: _builtins.bool = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "counts", b"counts", "epoch", b"epoch", "kind", b"kind", "last", b"last", "message", b"message", "offsets", b"offsets", "token", b"token", "writer_engine_id", b"writer_engine_id", "writer_rank", b"writer_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteNotice: _TypeAlias = WriteNotice  # noqa: Y015
+
+@_typing.final
+class WriteNotifyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    NOTICES_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    """The consumer engine and rank the notices are for."""
+    tp_rank: _builtins.int
+    @_builtins.property
+    def notices(self) -> _containers.RepeatedCompositeFieldContainer[Global___WriteNotice]:
+        """At most 4096."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        tp_rank: _builtins.int = ...,
+        notices: _abc.Iterable[Global___WriteNotice] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "notices", b"notices", "tp_rank", b"tp_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteNotifyRequest: _TypeAlias = WriteNotifyRequest  # noqa: Y015
+
+@_typing.final
+class WriteNotifyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Outcome:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _OutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[WriteNotifyResponse._Outcome.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        OUTCOME_UNSPECIFIED: WriteNotifyResponse._Outcome.ValueType  # 0
+        ACCEPTED: WriteNotifyResponse._Outcome.ValueType  # 1
+        STALE_EPOCH: WriteNotifyResponse._Outcome.ValueType  # 2
+        """The notice named another registration of the consumer engine."""
+        UNKNOWN_GRANT: WriteNotifyResponse._Outcome.ValueType  # 3
+        """No grant with that token (never granted, or ended long ago)."""
+        GRANT_ENDED: WriteNotifyResponse._Outcome.ValueType  # 4
+        """The grant ended (completed, failed, revoked, expired) before the notice arrived."""
+        NOT_A_WRITER: WriteNotifyResponse._Outcome.ValueType  # 5
+        """The sender is not one of the grant's writer ranks."""
+        WRONG_BLOCKS: WriteNotifyResponse._Outcome.ValueType  # 6
+        """The chunk's ranges are outside the grant, overlap what the writer already covered, its
+        bytes differ from the plan's, or a last chunk leaves granted blocks unwritten. The grant
+        fails (its blocks' contents are unknown).
+        """
+
+    class Outcome(_Outcome, metaclass=_OutcomeEnumTypeWrapper): ...
+    OUTCOME_UNSPECIFIED: WriteNotifyResponse.Outcome.ValueType  # 0
+    ACCEPTED: WriteNotifyResponse.Outcome.ValueType  # 1
+    STALE_EPOCH: WriteNotifyResponse.Outcome.ValueType  # 2
+    """The notice named another registration of the consumer engine."""
+    UNKNOWN_GRANT: WriteNotifyResponse.Outcome.ValueType  # 3
+    """No grant with that token (never granted, or ended long ago)."""
+    GRANT_ENDED: WriteNotifyResponse.Outcome.ValueType  # 4
+    """The grant ended (completed, failed, revoked, expired) before the notice arrived."""
+    NOT_A_WRITER: WriteNotifyResponse.Outcome.ValueType  # 5
+    """The sender is not one of the grant's writer ranks."""
+    WRONG_BLOCKS: WriteNotifyResponse.Outcome.ValueType  # 6
+    """The chunk's ranges are outside the grant, overlap what the writer already covered, its
+    bytes differ from the plan's, or a last chunk leaves granted blocks unwritten. The grant
+    fails (its blocks' contents are unknown).
+    """
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedScalarFieldContainer[Global___WriteNotifyResponse.Outcome.ValueType]: ...
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        outcomes: _abc.Iterable[Global___WriteNotifyResponse.Outcome.ValueType] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "outcomes", b"outcomes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteNotifyResponse: _TypeAlias = WriteNotifyResponse  # noqa: Y015
+
+@_typing.final
+class RevokeGrantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    """The producer engine and rank asked to stop."""
+    tp_rank: _builtins.int
+    token: _builtins.str
+    """At most 256 characters."""
+    timeout_s: _builtins.float
+    """Seconds the producer may wait for its WRITEs in flight (bounded by its write timeout)."""
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        tp_rank: _builtins.int = ...,
+        token: _builtins.str = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "timeout_s", b"timeout_s", "token", b"token", "tp_rank", b"tp_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeGrantRequest: _TypeAlias = RevokeGrantRequest  # noqa: Y015
+
+@_typing.final
+class RevokeGrantResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WRITES_WAITED_FIELD_NUMBER: _builtins.int
+    writes_waited: _builtins.int
+    """WRITEs of the grant that were still in flight when the revoke arrived (they ended before
+    this answer).
+    """
+    def __init__(
+        self,
+        *,
+        writes_waited: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["writes_waited", b"writes_waited"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeGrantResponse: _TypeAlias = RevokeGrantResponse  # noqa: Y015
+
+@_typing.final
+class WatchWriterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    """The producer engine and rank watched."""
+    tp_rank: _builtins.int
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        tp_rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "tp_rank", b"tp_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchWriterRequest: _TypeAlias = WatchWriterRequest  # noqa: Y015
+
+@_typing.final
+class WriterBeat(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """The producer's registration epoch (a change means it restarted: its writes are lost)."""
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriterBeat: _TypeAlias = WriterBeat  # noqa: Y015
+
+@_typing.final
 class GetAgentRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -60,6 +60,26 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_trace__pb2.TraceRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_trace__pb2.TraceResponse.FromString,
                 _registered_method=True)
+        self.GetGrant = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/GetGrant',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.GetGrantRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GetGrantResponse.FromString,
+                _registered_method=True)
+        self.WriteNotify = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/WriteNotify',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.WriteNotifyRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.WriteNotifyResponse.FromString,
+                _registered_method=True)
+        self.RevokeGrant = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/RevokeGrant',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.RevokeGrantRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.RevokeGrantResponse.FromString,
+                _registered_method=True)
+        self.WatchWriter = channel.unary_stream(
+                '/kvsidecar.v1.PeerService/WatchWriter',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.WatchWriterRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.WriterBeat.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -109,6 +129,41 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetGrant(self, request, context):
+        """Push mode (docs/push.md), producer -> consumer. The grant a token names, for a writer rank
+        of the producer engine it was granted to: the block ids it may write and until when. A
+        producer sidecar asks once per (grant, consumer rank) before its first WRITE and writes only
+        inside it. NOT_FOUND for an unknown or ended grant, PERMISSION_DENIED for a wrong token or a
+        rank that is not one of the grant's writers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteNotify(self, request, context):
+        """Producer -> consumer: WRITEs of a grant completed (CHUNK_DONE), or the producer gave up
+        (ABORTED). One outcome per notice. Over this authenticated channel, like READ_DONE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeGrant(self, request, context):
+        """Consumer -> producer: stop writing a grant. Answers once no WRITE of it is in flight at this
+        producer rank and none will be posted (the token is refused from then on).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchWriter(self, request, context):
+        """Consumer -> producer: a stream of beats (every push_beat_s) while the consumer waits for a
+        rank's writes; its end or silence tells the consumer at once that the writer is lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +191,26 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Trace,
                     request_deserializer=kvsidecar_dot_v1_dot_trace__pb2.TraceRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_trace__pb2.TraceResponse.SerializeToString,
+            ),
+            'GetGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGrant,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GetGrantRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.GetGrantResponse.SerializeToString,
+            ),
+            'WriteNotify': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteNotify,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.WriteNotifyRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.WriteNotifyResponse.SerializeToString,
+            ),
+            'RevokeGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeGrant,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.RevokeGrantRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.RevokeGrantResponse.SerializeToString,
+            ),
+            'WatchWriter': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchWriter,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.WatchWriterRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.WriterBeat.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +348,114 @@ class PeerService:
             '/kvsidecar.v1.PeerService/Trace',
             kvsidecar_dot_v1_dot_trace__pb2.TraceRequest.SerializeToString,
             kvsidecar_dot_v1_dot_trace__pb2.TraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/GetGrant',
+            kvsidecar_dot_v1_dot_peer__pb2.GetGrantRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.GetGrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteNotify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/WriteNotify',
+            kvsidecar_dot_v1_dot_peer__pb2.WriteNotifyRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.WriteNotifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/RevokeGrant',
+            kvsidecar_dot_v1_dot_peer__pb2.RevokeGrantRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.RevokeGrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchWriter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/WatchWriter',
+            kvsidecar_dot_v1_dot_peer__pb2.WatchWriterRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.WriterBeat.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,25 @@ class PeerServiceStub:
     producer rank): its states with this sidecar's clock, and that clock now. NOT_FOUND if this
     sidecar does not serve engine_id/tp_rank.
     """
+    GetGrant: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GetGrantRequest, _peer_pb2.GetGrantResponse]
+    """Push mode (docs/push.md), producer -> consumer. The grant a token names, for a writer rank
+    of the producer engine it was granted to: the block ids it may write and until when. A
+    producer sidecar asks once per (grant, consumer rank) before its first WRITE and writes only
+    inside it. NOT_FOUND for an unknown or ended grant, PERMISSION_DENIED for a wrong token or a
+    rank that is not one of the grant's writers.
+    """
+    WriteNotify: _grpc.UnaryUnaryMultiCallable[_peer_pb2.WriteNotifyRequest, _peer_pb2.WriteNotifyResponse]
+    """Producer -> consumer: WRITEs of a grant completed (CHUNK_DONE), or the producer gave up
+    (ABORTED). One outcome per notice. Over this authenticated channel, like READ_DONE.
+    """
+    RevokeGrant: _grpc.UnaryUnaryMultiCallable[_peer_pb2.RevokeGrantRequest, _peer_pb2.RevokeGrantResponse]
+    """Consumer -> producer: stop writing a grant. Answers once no WRITE of it is in flight at this
+    producer rank and none will be posted (the token is refused from then on).
+    """
+    WatchWriter: _grpc.UnaryStreamMultiCallable[_peer_pb2.WatchWriterRequest, _peer_pb2.WriterBeat]
+    """Consumer -> producer: a stream of beats (every push_beat_s) while the consumer waits for a
+    rank's writes; its end or silence tells the consumer at once that the writer is lost.
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -79,6 +98,25 @@ class PeerServiceAsyncStub(PeerServiceStub):
     """What this rank remembers of a request it held (Explain on a consumer's sidecar asks every
     producer rank): its states with this sidecar's clock, and that clock now. NOT_FOUND if this
     sidecar does not serve engine_id/tp_rank.
+    """
+    GetGrant: _aio.UnaryUnaryMultiCallable[_peer_pb2.GetGrantRequest, _peer_pb2.GetGrantResponse]  # type: ignore[assignment]
+    """Push mode (docs/push.md), producer -> consumer. The grant a token names, for a writer rank
+    of the producer engine it was granted to: the block ids it may write and until when. A
+    producer sidecar asks once per (grant, consumer rank) before its first WRITE and writes only
+    inside it. NOT_FOUND for an unknown or ended grant, PERMISSION_DENIED for a wrong token or a
+    rank that is not one of the grant's writers.
+    """
+    WriteNotify: _aio.UnaryUnaryMultiCallable[_peer_pb2.WriteNotifyRequest, _peer_pb2.WriteNotifyResponse]  # type: ignore[assignment]
+    """Producer -> consumer: WRITEs of a grant completed (CHUNK_DONE), or the producer gave up
+    (ABORTED). One outcome per notice. Over this authenticated channel, like READ_DONE.
+    """
+    RevokeGrant: _aio.UnaryUnaryMultiCallable[_peer_pb2.RevokeGrantRequest, _peer_pb2.RevokeGrantResponse]  # type: ignore[assignment]
+    """Consumer -> producer: stop writing a grant. Answers once no WRITE of it is in flight at this
+    producer rank and none will be posted (the token is refused from then on).
+    """
+    WatchWriter: _aio.UnaryStreamMultiCallable[_peer_pb2.WatchWriterRequest, _peer_pb2.WriterBeat]  # type: ignore[assignment]
+    """Consumer -> producer: a stream of beats (every push_beat_s) while the consumer waits for a
+    rank's writes; its end or silence tells the consumer at once that the writer is lost.
     """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -132,6 +170,49 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         """What this rank remembers of a request it held (Explain on a consumer's sidecar asks every
         producer rank): its states with this sidecar's clock, and that clock now. NOT_FOUND if this
         sidecar does not serve engine_id/tp_rank.
+        """
+
+    @_abc_1.abstractmethod
+    def GetGrant(
+        self,
+        request: _peer_pb2.GetGrantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.GetGrantResponse, _abc.Awaitable[_peer_pb2.GetGrantResponse]]:
+        """Push mode (docs/push.md), producer -> consumer. The grant a token names, for a writer rank
+        of the producer engine it was granted to: the block ids it may write and until when. A
+        producer sidecar asks once per (grant, consumer rank) before its first WRITE and writes only
+        inside it. NOT_FOUND for an unknown or ended grant, PERMISSION_DENIED for a wrong token or a
+        rank that is not one of the grant's writers.
+        """
+
+    @_abc_1.abstractmethod
+    def WriteNotify(
+        self,
+        request: _peer_pb2.WriteNotifyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.WriteNotifyResponse, _abc.Awaitable[_peer_pb2.WriteNotifyResponse]]:
+        """Producer -> consumer: WRITEs of a grant completed (CHUNK_DONE), or the producer gave up
+        (ABORTED). One outcome per notice. Over this authenticated channel, like READ_DONE.
+        """
+
+    @_abc_1.abstractmethod
+    def RevokeGrant(
+        self,
+        request: _peer_pb2.RevokeGrantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.RevokeGrantResponse, _abc.Awaitable[_peer_pb2.RevokeGrantResponse]]:
+        """Consumer -> producer: stop writing a grant. Answers once no WRITE of it is in flight at this
+        producer rank and none will be posted (the token is refused from then on).
+        """
+
+    @_abc_1.abstractmethod
+    def WatchWriter(
+        self,
+        request: _peer_pb2.WatchWriterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_peer_pb2.WriterBeat], _abc.AsyncIterator[_peer_pb2.WriterBeat]]:
+        """Consumer -> producer: a stream of beats (every push_beat_s) while the consumer waits for a
+        rank's writes; its end or silence tells the consumer at once that the writer is lost.
         """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -27,6 +27,7 @@ from kvsidecar.types import (
     RecvFailed,
     Registered,
     SendDone,
+    SendFailed,
     SidecarStatus,
 )
 from kvsidecar.v1 import engine_pb2
@@ -77,6 +78,14 @@ def event_to_proto(event: Event) -> engine_pb2.Event:
                 invalid_block_ids=block_ids_to_proto(event.invalid_block_ids, "invalid_block_ids"),
             )
         )
+    elif isinstance(event, SendFailed):
+        pb.send_failed.CopyFrom(
+            engine_pb2.SendFailed(
+                request_id=event.request_id,
+                reason=event.reason.value,  # type: ignore[arg-type]  # same numbering by design
+                message=event.message,
+            )
+        )
     else:
         pb.send_done.CopyFrom(
             engine_pb2.SendDone(
@@ -109,6 +118,15 @@ def event_from_proto(pb: engine_pb2.Event) -> Event:
             reason=FailReason(f.reason),
             message=f.message,
             invalid_block_ids=tuple(tuple(g.ids) for g in f.invalid_block_ids),
+        )
+    if kind == "send_failed":
+        sf = pb.send_failed
+        return SendFailed(
+            seq=pb.seq,
+            timestamp=pb.timestamp,
+            request_id=sf.request_id,
+            reason=FailReason(sf.reason),
+            message=sf.message,
         )
     s = pb.send_done
     return SendDone(

@@ -1,6 +1,7 @@
 """The transfer-backend contract: value types, the ``TransferBackend`` protocol and shared checks.
 
-A backend owns one transfer agent (NIXL in production, ``FakeBackend`` in tests). Every method is a
+A backend owns one transfer agent (NIXL in production, ``FakeBackend`` in tests). It posts READs
+(pull: remote memory into local) and WRITEs (push: local memory into remote). Every method is a
 coroutine because the NIXL backend runs all agent calls on one dedicated thread and the asyncio loop
 awaits them. Handles are small frozen values carrying backend-assigned ids; a handle is released
 exactly once, by ``release_*`` or by ``aclose()``; releasing twice raises ``BackendNotFoundError``.
@@ -84,14 +85,15 @@ class DlistHandle:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class XferHandle:
-    """A posted READ of ``num_descs`` descriptors, ``num_bytes`` bytes in all, from ``remote_agent``."""
+    """A posted READ (WRITE) of ``num_descs`` descriptors, ``num_bytes`` bytes in all, from (to)
+    ``remote_agent``."""
 
     id: int
     remote_agent: str
     num_descs: int
     num_bytes: int
-    #: the READ had already completed when ``post_read`` returned (same-host ``cma`` copies
-    #: synchronously); the notification was sent and no poll is needed
+    #: the transfer had already completed when ``post_read`` (``post_write``) returned (same-host
+    #: ``cma`` copies synchronously); the notification (if any) was sent and no poll is needed
     done_at_post: bool = False
     #: seconds the post spent per phase, as far as the backend can tell (for /metrics); not part
     #: of the handle's identity
@@ -118,7 +120,7 @@ class ReadPair:
     remote_ids: npt.ArrayLike
 
 
-#: what ``TransferBackend.set_completion_sink`` calls: READs that left PROC, with their state
+#: what ``TransferBackend.set_completion_sink`` calls: transfers that left PROC, with their state
 CompletionSink = Callable[[Sequence[tuple["XferHandle", "XferState"]]], None]
 
 
@@ -185,11 +187,25 @@ class TransferBackend(Protocol):
         Failing to post raises (and leaves no handle behind)."""
         ...
 
+    async def post_write(
+        self,
+        local: DlistHandle,
+        local_ids: npt.ArrayLike,
+        remote: DlistHandle,
+        remote_ids: npt.ArrayLike,
+    ) -> XferHandle:
+        """Create and post a WRITE of ``local[local_ids[k]]`` into ``remote[remote_ids[k]]`` (push
+        mode), with no notification: completion is learned by ``poll`` (``DONE``: the bytes are in
+        the remote memory) or ``done_at_post``. Failing to post raises (and leaves no handle
+        behind). Released like a READ (``release_xfer``), polled like one;
+        ``XferHandle.remote_agent`` is the agent written to."""
+        ...
+
     def set_completion_sink(self, sink: CompletionSink | None) -> None:
-        """Have ``sink`` called on the event loop (the one running now) with READs that left
-        PROC since their post, as soon as the backend sees it, instead of waiting for the next
-        ``poll``. Optional: a backend may never call it (callers keep polling, which stays the
-        authority on every state); ``None`` stops it."""
+        """Have ``sink`` called on the event loop (the one running now) with transfers (READs
+        and WRITEs) that left PROC since their post, as soon as the backend sees it, instead of
+        waiting for the next ``poll``. Optional: a backend may never call it (callers keep
+        polling, which stays the authority on every state); ``None`` stops it."""
         ...
 
     async def post_reads(

@@ -1,11 +1,11 @@
 """An in-process transfer backend that really copies bytes: for tests, demos and the contract suite.
 
 Several ``FakeBackend`` agents share one ``FakeFabric`` (the "network"). Memory must be mapped in
-this process (e.g. ``host_shm`` imports, numpy buffers); a READ copies every descriptor with
-``ctypes.memmove`` after checking that both ends lie inside memory that is registered *now* (so a
-stale descriptor fails instead of touching unmapped memory). Notifications are delivered to the
-remote agent's inbox when the READ completes. Faults are injected per agent with ``FakeFaults`` or
-``FakeFabric.disconnect``.
+this process (e.g. ``host_shm`` imports, numpy buffers); a READ (or WRITE) copies every descriptor
+with ``ctypes.memmove`` after checking that both ends lie inside memory that is registered *now*
+(so a stale descriptor fails instead of touching unmapped memory). Notifications are delivered to
+the remote agent's inbox when the READ completes (a WRITE sends none). Faults are injected per
+agent with ``FakeFaults`` or ``FakeFabric.disconnect``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from kvsidecar.engine.backend.contract import (
     XferTelemetry,
 )
 from kvsidecar.engine.backend.handles import HandleBook, StridedRows
+from kvsidecar.engine.backend.handles import ReadPair as CheckedPair
 from kvsidecar.errors import (
     BackendError,
     BackendInvalidParamError,
@@ -41,20 +42,21 @@ from kvsidecar.errors import (
 from kvsidecar.memory.types import MemoryRegion, MemType
 
 _names = itertools.count(1)
+Copies = tuple[tuple[int, int, int], ...]  # (dst, src, length) of each descriptor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FakeFaults:
-    """Faults a ``FakeBackend`` injects into READs it posts (replace the whole value to change)."""
+    """Faults a ``FakeBackend`` injects into READs and WRITEs it posts (replace the whole value)."""
 
-    fail_post: bool = False  #: ``post_read`` raises ``BackendError``
-    err_after_polls: int | None = None  #: the READ turns ``ERR`` on poll number N (1-based)
-    stall: bool = False  #: the READ stays ``PROC`` forever (until released or its peer dies)
+    fail_post: bool = False  #: ``post_read`` (``post_write``) raises ``BackendError``
+    err_after_polls: int | None = None  #: the transfer turns ``ERR`` on poll number N (1-based)
+    stall: bool = False  #: it stays ``PROC`` forever (until released or its peer dies)
 
 
 class FakeFabric:
     """The agents that can reach each other. ``disconnect(name)`` simulates that agent's process
-    dying: READs from it and notifications to it fail with ``RemoteDisconnectedError``."""
+    dying: READs from it, WRITEs and notifications to it fail with ``RemoteDisconnectedError``."""
 
     def __init__(self) -> None:
         self.token = uuid.uuid4().hex
@@ -82,11 +84,11 @@ class FakeFabric:
 
 @dataclass(slots=True, kw_only=True)
 class _Xfer:
-    """Mutable state of one fake READ (owned by its backend's ``HandleBook``)."""
+    """Mutable state of one fake READ or WRITE (owned by its backend's ``HandleBook``)."""
 
     remote: str
     faults: FakeFaults
-    copies: tuple[tuple[int, int, int], ...]  # (dst, src, length)
+    copies: Copies
     notification: bytes
     state: XferState = XferState.PROC
     polls: int = 0
@@ -99,6 +101,17 @@ def _covered(regions: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]
         if not any(lo <= start and end <= hi for lo, hi in regions):
             return i
     return None
+
+
+def _copies(what: str, r: CheckedPair[None], here: FakeBackend, peer: FakeBackend) -> Copies:
+    """The copies of ``what``: ``post_read`` remote into local, ``post_write`` the reverse."""
+    (la, lens), (ra, _) = r.local_rows.lookup(r.local_ids), r.remote_rows.lookup(r.remote_ids)
+    pairs = tuple(zip(la.tolist(), ra.tolist(), lens.tolist(), strict=True))  # (local, remote, n)
+    if _covered(here.regions(), [(a, a + n) for a, _, n in pairs]) is not None:
+        raise BackendNotFoundError(f"{what}: local memory was deregistered")
+    if _covered(peer.regions(), [(b, b + n) for _, b, n in pairs]) is not None:
+        raise BackendNotFoundError(f"{what}: {peer.agent_name!r} deregistered the memory")
+    return tuple((b, a, n) for a, b, n in pairs) if what == "post_write" else pairs
 
 
 class FakeBackend:
@@ -255,24 +268,28 @@ class FakeBackend:
         remote_ids: npt.ArrayLike,
         notification: bytes,
     ) -> XferHandle:
-        self._check_open("post_read")
-        r = self._book.read_pair(local, local_ids, remote, remote_ids)
+        pair = ReadPair(local=local, local_ids=local_ids, remote=remote, remote_ids=remote_ids)
+        return self._post("post_read", pair, notification)
+
+    async def post_write(
+        self,
+        local: DlistHandle,
+        local_ids: npt.ArrayLike,
+        remote: DlistHandle,
+        remote_ids: npt.ArrayLike,
+    ) -> XferHandle:
+        pair = ReadPair(local=local, local_ids=local_ids, remote=remote, remote_ids=remote_ids)
+        return self._post("post_write", pair, b"")
+
+    def _post(self, what: str, p: ReadPair, notification: bytes) -> XferHandle:
+        """``post_read`` or ``post_write`` (``what``) of the descriptor pairs ``p``."""
+        self._check_open(what)
+        r = self._book.read_pair(p.local, p.local_ids, p.remote, p.remote_ids)
         faults = self.faults
         if faults.fail_post:
-            raise BackendError("post_read: injected failure")
+            raise BackendError(f"{what}: injected failure")
         peer = self._fabric.reach(r.remote_agent)
-        dst, lens = r.local_rows.lookup(r.local_ids)
-        src, _ = r.remote_rows.lookup(r.remote_ids)
-        copies = tuple(
-            (int(d), int(s), int(n))
-            for d, s, n in zip(dst.tolist(), src.tolist(), lens.tolist(), strict=True)
-        )
-        spans_l = tuple((d, d + n) for d, _, n in copies)
-        spans_r = tuple((s, s + n) for _, s, n in copies)
-        if _covered(self.regions(), spans_l) is not None:
-            raise BackendNotFoundError("post_read: local memory was deregistered")
-        if _covered(peer.regions(), spans_r) is not None:
-            raise BackendNotFoundError(f"post_read: {peer.agent_name!r} deregistered the memory")
+        copies = _copies(what, r, self, peer)
         x = _Xfer(remote=peer.agent_name, faults=faults, copies=copies, notification=notification)
         synchronous = not (faults.stall or faults.err_after_polls is not None)
         h = XferHandle(
@@ -282,7 +299,7 @@ class FakeBackend:
             num_bytes=r.num_bytes,
             done_at_post=synchronous,
         )
-        self._book.xfers[h.id] = (h, x, local.id, remote.id)
+        self._book.xfers[h.id] = (h, x, p.local.id, p.remote.id)
         if synchronous:
             _complete(x, peer, self._name)
         return h
@@ -351,11 +368,9 @@ def _complete(x: _Xfer, peer: FakeBackend, name: str) -> None:
     for dst, src, n in x.copies:
         ctypes.memmove(dst, src, n)
     x.state = XferState.DONE
+    total = sum(n for _, _, n in x.copies)
     x.telemetry = XferTelemetry(
-        total_bytes=sum(n for _, _, n in x.copies),
-        desc_count=len(x.copies),
-        post_duration_us=0,
-        xfer_duration_us=0,
+        total_bytes=total, desc_count=len(x.copies), post_duration_us=0, xfer_duration_us=0
     )
     if x.notification:  # as NIXL: an empty payload sends nothing
         peer.deliver(Notification(name, x.notification))

@@ -218,13 +218,27 @@ class NixlBackend:
         remote_ids: npt.ArrayLike,
         notification: bytes,
     ) -> XferHandle:
-        agent = self._require_agent("post_read")
-        timing = CallTiming()
-        h = await self._thread.call(
-            lambda: agent.post_read(local, local_ids, remote, remote_ids, notification),
-            what="post_read",
-            timing=timing,
+        return await self._post(
+            "post_read",
+            lambda a: a.post("READ", local, local_ids, remote, remote_ids, notification),
         )
+
+    async def post_write(
+        self,
+        local: DlistHandle,
+        local_ids: npt.ArrayLike,
+        remote: DlistHandle,
+        remote_ids: npt.ArrayLike,
+    ) -> XferHandle:
+        return await self._post(
+            "post_write", lambda a: a.post("WRITE", local, local_ids, remote, remote_ids, b"")
+        )
+
+    async def _post(self, what: str, post: Callable[[NixlAgent], XferHandle]) -> XferHandle:
+        """Run ``post`` on the agent thread; the handle's phases gain the call's hops."""
+        agent = self._require_agent(what)
+        timing = CallTiming()
+        h = await self._thread.call(functools.partial(post, agent), what=what, timing=timing)
         hops = ((ReadPhase.HOP, timing.hop), (ReadPhase.BACK, timing.back))
         return dataclasses.replace(h, phases=(*h.phases, *hops))
 
@@ -243,7 +257,7 @@ class NixlBackend:
         return first, second
 
     def set_completion_sink(self, sink: CompletionSink | None) -> None:
-        """Call ``sink`` on the running event loop with READs that completed (``DONE`` or
+        """Call ``sink`` on the running event loop with transfers that completed (``DONE`` or
         ``ERR``) while the agent thread watched them between calls (see
         ``NixlAgent.check_watched``); ``None`` stops it."""
         if sink is None:

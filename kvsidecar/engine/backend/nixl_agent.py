@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy.typing as npt
 
@@ -46,7 +46,7 @@ from kvsidecar.memory.types import MemoryRegion, MemType
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_WATCH_MIN_S, _WATCH_MAX_S = 50e-6, 1e-3  # checking READs in progress: 50 µs doubling to 1 ms
+_WATCH_MIN_S, _WATCH_MAX_S = 50e-6, 1e-3  # checking transfers in progress: 50 µs doubling to 1 ms
 PARKED_AGENTS = 64  # remote agents kept loaded without a handle (bounds their sockets)
 
 
@@ -68,7 +68,7 @@ class NixlAgent:
         # NIXL 1.5 that leaves the endpoint's connection open on both sides (a forced close that
         # tells the peer nothing): one socket per failed endpoint, not per quarantine.
         self._suspect: set[str] = set()
-        # READs still in progress after their post, checked between calls by the agent thread
+        # Transfers still in progress after their post, checked between calls by the agent thread
         # (``check_watched``) so that a completion reaches the loop without waiting for its poll.
         self.watched = Watched()
 
@@ -87,23 +87,16 @@ class NixlAgent:
         fails and going on; then drop the agent, whose destructor stops its threads."""
         book = self._book
         for x, _, _, _ in list(book.xfers.values()):
-            self._guard(functools.partial(self.release_xfer, x))
+            _guard(functools.partial(self.release_xfer, x))
         for d, _, _ in list(book.dlists.values()):
-            self._guard(functools.partial(self.release_dlist, d))
+            _guard(functools.partial(self.release_dlist, d))
         for a, _ in list(book.agents.values()):
-            self._guard(functools.partial(self.remove_agent, a))
+            _guard(functools.partial(self.remove_agent, a))
         for r, _ in list(book.regs.values()):
-            self._guard(functools.partial(self.deregister, r))
+            _guard(functools.partial(self.deregister, r))
         while self._parked:
-            self._guard(functools.partial(self._invalidate, self._parked.popitem(last=False)[0]))
+            _guard(functools.partial(self._invalidate, self._parked.popitem(last=False)[0]))
         self._agent = None
-
-    @staticmethod
-    def _guard(fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BackendError as exc:
-            log.error("NIXL release during close failed: %s", exc)
 
     # --- metadata, memory, agents -------------------------------------------------------------
 
@@ -140,7 +133,7 @@ class NixlAgent:
         except BackendError:
             if expected:
                 self._parked.pop(expected, None)
-                self._guard(functools.partial(self._invalidate, expected))
+                _guard(functools.partial(self._invalidate, expected))
             raise
         try:
             name = raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -148,7 +141,7 @@ class NixlAgent:
             raise BackendInvalidParamError(f"remote agent name {raw[:32]!r} is not UTF-8") from None
         if expected and name != expected:
             self._parked.pop(name, None)
-            self._guard(functools.partial(self._invalidate, name))
+            _guard(functools.partial(self._invalidate, name))
             raise BackendInvalidParamError(
                 f"remote agent metadata names agent {name!r}, its sidecar said {expected!r}"
             )
@@ -165,8 +158,8 @@ class NixlAgent:
         self._book.agent(h)
         for d in self._book.dlists_of(h.name):
             for x in self._book.xfers_using(d.id):
-                self._guard(functools.partial(self.release_xfer, x))
-            self._guard(functools.partial(self.release_dlist, d))
+                _guard(functools.partial(self.release_xfer, x))
+            _guard(functools.partial(self.release_dlist, d))
         del self._book.agents[h.id]
         if h.name in self._suspect:
             self._suspect.discard(h.name)
@@ -206,21 +199,25 @@ class NixlAgent:
 
     # --- transfers ----------------------------------------------------------------------------
 
-    def post_read(
+    def post(
         self,
+        op: Literal["READ", "WRITE"],
         local: DlistHandle,
         local_ids: npt.ArrayLike,
         remote: DlistHandle,
         remote_ids: npt.ArrayLike,
         notification: bytes,
     ) -> XferHandle:
+        """Post a READ of ``remote[remote_ids[k]]`` into ``local[local_ids[k]]`` or a WRITE of
+        ``local[local_ids[k]]`` into ``remote[remote_ids[k]]``; both are watched alike."""
         b, book = self._b, self._book
         r = book.read_pair(local, local_ids, remote, remote_ids)
+        nixl_op = b.NIXL_WRITE if op == "WRITE" else b.NIXL_READ
         t0 = time.perf_counter()
         raw = self._run(
             "makeXferReq",
             lambda: self._agent.makeXferReq(
-                b.NIXL_READ, r.local, r.local_ids, r.remote, r.remote_ids, notification, [], False
+                nixl_op, r.local, r.local_ids, r.remote, r.remote_ids, notification, [], False
             ),
         )
         n, nbytes = r.local_ids.size, r.num_bytes
@@ -233,7 +230,7 @@ class NixlAgent:
                 raise BackendError(f"postXferReq returned {status}")
         except BaseException:
             self._suspect.add(r.remote_agent)
-            self._guard(lambda: self.release_xfer(h))
+            _guard(lambda: self.release_xfer(h))
             raise
         timed = ((ReadPhase.MAKE, t1 - t0), (ReadPhase.POST, time.perf_counter() - t1))
         # done_at_post: completed inside the post (same-host cma)
@@ -302,8 +299,16 @@ class NixlAgent:
         return notifications_from(self._run("getNotifs", lambda: self._agent.getNotifs({}, [])))
 
 
+def _guard(fn: Callable[[], None]) -> None:
+    """Run one release step; log its failure and go on (``close`` releases what it can)."""
+    try:
+        fn()
+    except BackendError as exc:
+        log.error("NIXL release during close failed: %s", exc)
+
+
 class Watched:
-    """READs in progress after their post, checked by the agent thread between calls."""
+    """Transfers in progress after their post, checked by the agent thread between calls."""
 
     def __init__(self) -> None:
         self._xfers: dict[int, XferHandle] = {}
@@ -319,7 +324,7 @@ class Watched:
     def check(
         self, agent: NixlAgent
     ) -> tuple[tuple[tuple[XferHandle, XferState], ...], float | None]:
-        """(READs that left PROC since the last check, with their state; how long to wait before
+        """(Transfers that left PROC since the last check, with their state; how long to wait before
         checking again, ``None`` when none is left). The wait starts at 50 µs after a post and
         doubles to 1 ms: a completion is seen within about half of its transfer's time, without
         a busy thread."""
@@ -346,11 +351,11 @@ def post_chain(
     first = 0
     try:
         for r in reads:
-            posted.append(agent.post_read(r.local, r.local_ids, r.remote, r.remote_ids, b""))
+            posted.append(agent.post("READ", r.local, r.local_ids, r.remote, r.remote_ids, b""))
         first = len(posted)
         if then and all(h.done_at_post for h in posted):
             for r in then:
-                posted.append(agent.post_read(r.local, r.local_ids, r.remote, r.remote_ids, b""))
+                posted.append(agent.post("READ", r.local, r.local_ids, r.remote, r.remote_ids, b""))
     except BaseException:
         for h in posted:
             with contextlib.suppress(Exception):

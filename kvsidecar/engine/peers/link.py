@@ -30,6 +30,7 @@ from kvsidecar.errors import (
     FailedPreconditionError,
     NotFoundError,
     PeerUnavailableError,
+    PermissionDeniedError,
 )
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc, trace_pb2
 from kvsidecar.wire.peer import (
@@ -52,7 +53,7 @@ _CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
 )
 
 
-def _translate(endpoint: str, what: str, exc: grpc.aio.AioRpcError) -> Exception:
+def translate(endpoint: str, what: str, exc: grpc.aio.AioRpcError) -> Exception:
     code = exc.code()
     detail = f"{what} from {endpoint}: {exc.details()}"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -61,6 +62,8 @@ def _translate(endpoint: str, what: str, exc: grpc.aio.AioRpcError) -> Exception
         return NotFoundError(detail)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return FailedPreconditionError(detail)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDeniedError(detail)
     return PeerUnavailableError(f"{detail} ({code.name})")
 
 
@@ -92,7 +95,7 @@ class _NotifyStream:
                     fut.set_result(resp)
         except grpc.aio.AioRpcError as exc:
             self.unimplemented = exc.code() == grpc.StatusCode.UNIMPLEMENTED
-            self.fail(_translate(self.endpoint, "NotifyStream", exc))
+            self.fail(translate(self.endpoint, "NotifyStream", exc))
         except Exception as exc:  # a typed error above, or the call cancelled
             self.fail(exc)
         except asyncio.CancelledError:
@@ -133,6 +136,15 @@ class PeerLink:
         self._tls = tls
         await self.aclose()
 
+    @property
+    def timeout_s(self) -> float:
+        """The bound on one call to a remote sidecar (the handshake timeout)."""
+        return self._timeout_s
+
+    def stub(self, endpoint: str) -> peer_pb2_grpc.PeerServiceStub:
+        """The PeerService stub of ``endpoint`` (its channel cached; push mode's calls use it)."""
+        return self._stub(endpoint)
+
     def _stub(self, endpoint: str) -> peer_pb2_grpc.PeerServiceStub:
         channel = self._channels.get(endpoint)
         if channel is None:
@@ -160,7 +172,7 @@ class PeerLink:
             )
             resp = cast(peer_pb2.GetAgentResponse, await cast(Awaitable[Any], call))
         except grpc.aio.AioRpcError as exc:
-            raise _translate(endpoint, f"GetAgent({engine_id!r}, rank {tp_rank})", exc) from None
+            raise translate(endpoint, f"GetAgent({engine_id!r}, rank {tp_rank})", exc) from None
         return agent_info_from_proto(resp)
 
     async def get_engine(self, endpoint: str, engine_id: str) -> EngineDirectory:
@@ -172,7 +184,7 @@ class PeerLink:
             )
             resp = cast(peer_pb2.GetEngineResponse, await cast(Awaitable[Any], call))
         except grpc.aio.AioRpcError as exc:
-            raise _translate(endpoint, f"GetEngine({engine_id!r})", exc) from None
+            raise translate(endpoint, f"GetEngine({engine_id!r})", exc) from None
         return directory_from_proto(resp)
 
     async def trace(
@@ -187,7 +199,7 @@ class PeerLink:
             )
             resp = cast(trace_pb2.TraceResponse, await cast(Awaitable[Any], call))
         except grpc.aio.AioRpcError as exc:
-            raise _translate(endpoint, f"Trace({engine_id!r}, rank {tp_rank})", exc) from None
+            raise translate(endpoint, f"Trace({engine_id!r}, rank {tp_rank})", exc) from None
         return side_from_proto(resp.side), resp.now_unix_ns
 
     async def notify(
@@ -215,7 +227,7 @@ class PeerLink:
                     await stream.call.write(request)
                 resp = await fut
         except grpc.aio.AioRpcError as exc:
-            err = _translate(endpoint, f"Notify({engine_id!r})", exc)
+            err = translate(endpoint, f"Notify({engine_id!r})", exc)
             await self._drop(stream, err)
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older producer sidecar
                 self._unary_only.add(endpoint)
@@ -252,7 +264,7 @@ class PeerLink:
             call = self._stub(endpoint).Notify(request, timeout=self._timeout_s)
             resp = cast(peer_pb2.PeerNotifyResponse, await cast(Awaitable[Any], call))
         except grpc.aio.AioRpcError as exc:
-            raise _translate(endpoint, f"Notify({engine_id!r})", exc) from None
+            raise translate(endpoint, f"Notify({engine_id!r})", exc) from None
         return notify_response_from_proto(resp)
 
     async def forget(self, endpoint: str) -> None:

@@ -278,8 +278,9 @@ class WorkerSide:
         elif isinstance(event, RecvDone):
             self._counts["bytes_read"] += event.bytes
             self._ended(event.request_id, ok=True)
-        else:
+        elif isinstance(event, RecvFailed):
             self._ended(event.request_id, ok=False, invalid=event.invalid_block_ids)
+        # SendFailed is push mode's (never used by this pull connector)
 
     def _ended(
         self, request_id: str, *, ok: bool, invalid: Sequence[Sequence[int]] | None = None

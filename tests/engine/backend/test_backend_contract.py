@@ -4,6 +4,7 @@ in another process (DRAM on /dev/shm over UCX)."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import time
 from collections.abc import AsyncIterator
@@ -25,8 +26,8 @@ from kvsidecar.errors import (
     BackendNotFoundError,
     RemoteDisconnectedError,
 )
-from kvsidecar.testing.daemon.target_process import read_region
-from tests.engine.backend.harness import Pair, make_pair
+from kvsidecar.testing.daemon.target_process import pattern, read_region
+from tests.engine.backend.harness import SIZE, Pair, make_pair
 
 BLOCK = 4096  # block stride on the initiator
 RBLOCK = 8192  # block stride on the target
@@ -261,3 +262,105 @@ async def test_reloading_an_agent_leaks_no_descriptors(pair: Pair) -> None:
             break
     assert (b.agent_name, b"n29") in [(n.agent, n.payload) for n in notifs]
     assert _open_fds() <= before + 1
+
+
+# --- WRITE (push): local[local_ids[k]] into remote[remote_ids[k]] -------------------------------
+
+
+def fill_local(pair: Pair) -> np.ndarray:
+    """Fill the initiator's memory with bytes unlike the target's (another seed); return them."""
+    data = pattern(SIZE, seed=99)
+    assert pair.local.size == SIZE
+    ctypes.memmove(pair.local.base_address, data.ctypes.data, SIZE)
+    return data
+
+
+async def remote_bytes(pair: Pair, agent: RemoteAgent) -> np.ndarray:
+    """Every byte of the target's memory, READ back whole over the backend under test (into the
+    initiator's memory, whose bytes it replaces)."""
+    b = pair.initiator
+    loc = await b.prep_local_dlist(
+        np.array([[pair.local.base_address, SIZE, 0, SIZE, 1]], dtype=np.uint64), MemType.DRAM
+    )
+    rem = await b.prep_remote_dlist(
+        agent, np.array([[pair.target_base, SIZE, 0, SIZE, 1]], dtype=np.uint64), MemType.DRAM
+    )
+    x = await b.post_read(loc, np.array([0]), rem, np.array([0]), b"")
+    assert await wait_state(b, x) is XferState.DONE
+    await b.release_xfer(x)
+    await b.release_dlist(loc)
+    await b.release_dlist(rem)
+    return np.frombuffer(read_region(pair.local, 0, SIZE), dtype=np.uint8).copy()
+
+
+async def test_write_scattered_blocks_lands_exactly_in_remote_memory(pair: Pair) -> None:
+    b = pair.initiator
+    loc, rem, agent = await prepared(pair)
+    pushed = fill_local(pair)
+    lids = [0, 5, 6, 7, 63, 64, 100, 127]
+    rids = [3, 99, 20, 21, 0, 150, 101, 199]
+    x = await b.post_write(loc, np.array(lids), rem, np.array(rids))
+    assert (x.remote_agent, x.num_descs, x.num_bytes) == (pair.target_name, 8, 8 * SPAN)
+    state = await wait_state(b, x)  # DONE by poll, also after done_at_post
+    assert state is XferState.DONE
+    assert b.xfer_error(x) is None
+    tel = await b.telemetry(x)
+    if tel is not None:
+        assert tel.total_bytes == x.num_bytes
+    await b.release_xfer(x)
+    with pytest.raises(BackendNotFoundError):
+        await b.release_xfer(x)  # exactly once
+    (state,) = await b.poll([x])
+    assert state is XferState.ERR
+    assert isinstance(b.xfer_error(x), BackendNotFoundError)
+    expected = pair.source.copy()  # every byte outside the written descriptors is untouched
+    for lo, ro in expected_offsets(lids, rids):
+        expected[ro : ro + SPAN] = pushed[lo : lo + SPAN]
+    got = await remote_bytes(pair, agent)
+    wrong = np.flatnonzero(got != expected)
+    assert wrong.size == 0, f"{wrong.size} bytes differ, the first at offset {wrong[:1]}"
+    # a WRITE notifies nobody
+    assert await pair.target_notifications(0.2) == []
+
+
+async def test_write_invalid_ids_and_sides_are_typed_errors(pair: Pair) -> None:
+    b = pair.initiator
+    loc, rem, agent = await prepared(pair)
+    with pytest.raises(BackendInvalidParamError, match=r"remote_ids\[1\]=200"):
+        await b.post_write(loc, np.array([0, 1]), rem, np.array([0, 200]))
+    with pytest.raises(BackendInvalidParamError):
+        await b.post_write(rem, np.array([0]), loc, np.array([0]))  # sides swapped
+    x = await b.post_write(loc, np.array([2]), rem, np.array([4]))  # still works
+    with pytest.raises(BackendInvalidParamError, match="unreleased transfer"):
+        await b.release_dlist(rem)  # a live WRITE still uses it
+    assert await wait_state(b, x) is XferState.DONE
+    await b.release_xfer(x)
+    expected = pair.source.copy()
+    _, ro = expected_offsets([2], [4])[0]
+    expected[ro : ro + SPAN] = 0  # what the initiator's memory held there
+    wrong = np.flatnonzero(await remote_bytes(pair, agent) != expected)
+    assert wrong.size == 0, f"{wrong.size} bytes differ, the first at offset {wrong[:1]}"
+
+
+async def test_write_to_a_dead_target_is_a_typed_error_within_one_second(pair: Pair) -> None:
+    b = pair.initiator
+    loc, rem, _ = await prepared(pair)
+    before = await b.post_write(loc, np.array([0]), rem, np.array([0]))
+    assert await wait_state(b, before) is XferState.DONE
+    await b.release_xfer(before)
+    pair.kill_target()
+    started = time.monotonic()
+    seen: BackendError | None = None
+    while seen is None and time.monotonic() - started < 1.0:
+        try:
+            x = await b.post_write(loc, np.array([1]), rem, np.array([1]))
+        except RemoteDisconnectedError as exc:
+            seen = exc
+            break
+        state = await wait_state(b, x, timeout_s=max(0.0, 1.0 - (time.monotonic() - started)))
+        if state is XferState.ERR:
+            seen = b.xfer_error(x)
+        await b.release_xfer(x)
+        await asyncio.sleep(0.01)
+    assert isinstance(seen, RemoteDisconnectedError), seen
+    assert time.monotonic() - started < 1.0

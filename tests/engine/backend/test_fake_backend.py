@@ -127,3 +127,55 @@ async def test_fabric_rules(setup: Setup) -> None:
     with pytest.raises(BackendInvalidParamError, match="cannot access VRAM"):
         await a.register_memory(buf)
     await other.aclose()
+
+
+async def test_write_copies_local_into_remote_and_notifies_nobody(setup: Setup) -> None:
+    _, a, b, src, dst = setup
+    loc, rem = await _dlists(a, b, src, dst)  # a's local list on dst, its remote list on b's src
+    dst.data[:] = np.arange(4096) % 251
+    x = await a.post_write(loc, [1, 3], rem, [4, 0])
+    assert x.done_at_post
+    assert await a.poll([x]) == (XferState.DONE,)
+    expected = np.full(4096, 7, dtype=np.uint8)
+    expected[4 * 256 : 5 * 256] = dst.data[1 * 256 : 2 * 256]
+    expected[0:256] = dst.data[3 * 256 : 4 * 256]
+    assert np.array_equal(src.data, expected)
+    assert await b.drain_notifications() == ()
+    await a.release_xfer(x)
+
+
+async def test_write_faults_apply(setup: Setup) -> None:
+    fabric, a, b, src, dst = setup
+    loc, rem = await _dlists(a, b, src, dst)
+    a.faults = FakeFaults(fail_post=True)
+    with pytest.raises(BackendError, match="post_write: injected"):
+        await a.post_write(loc, [0], rem, [0])
+    await a.release_dlist(loc)  # no transfer holds it
+    loc = await a.prep_local_dlist(np.array([[dst.base_address, 256, 0, 256, 16]]), MemType.DRAM)
+    a.faults = FakeFaults(err_after_polls=1)
+    x = await a.post_write(loc, [0], rem, [0])
+    assert await a.poll([x]) == (XferState.ERR,)
+    assert int(src.data[0]) == 7  # a failed WRITE lands nothing
+    await a.release_xfer(x)
+    a.faults = FakeFaults(stall=True)
+    x = await a.post_write(loc, [1], rem, [1])
+    assert await a.poll([x]) == (XferState.PROC,)
+    fabric.disconnect("b")
+    assert await a.poll([x]) == (XferState.ERR,)
+    assert isinstance(a.xfer_error(x), RemoteDisconnectedError)
+    with pytest.raises(RemoteDisconnectedError):
+        await a.post_write(loc, [1], rem, [1])
+    assert int(src.data[256]) == 7
+
+
+async def test_write_to_deregistered_memory_is_refused(setup: Setup) -> None:
+    _, a, b, src, dst = setup
+    loc, rem = await _dlists(a, b, src, dst)
+    await b.deregister_memory(next(iter(b._book.regs.values()))[0])
+    with pytest.raises(BackendNotFoundError, match="post_write: 'b' deregistered"):
+        await a.post_write(loc, [0], rem, [0])
+    assert int(src.data[0]) == 7
+    await a.deregister_memory(next(iter(a._book.regs.values()))[0])
+    with pytest.raises(BackendNotFoundError, match="post_write: local memory was deregistered"):
+        await a.post_write(loc, [0], rem, [0])
+    await a.release_dlist(loc)  # no transfer holds it

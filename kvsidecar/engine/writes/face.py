@@ -1,0 +1,63 @@
+"""Push mode's part of the engine's face: ``EngineCore`` inherits these methods, so callers
+outside the engine (the servicers) reach push mode through the core like everything else."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+from kvsidecar.engine.model import GrantCommand, PushCommand
+from kvsidecar.engine.writes.granter import Granter
+from kvsidecar.engine.writes.pusher import Pusher
+from kvsidecar.errors import ShuttingDownError
+from kvsidecar.types import GrantIssued, PushPosted, Revoked
+from kvsidecar.wire.push import GrantView, WriteNotice, WriteOutcome
+
+
+class PushFace:
+    """Grant, Revoke, Push, AbortPush (EngineService) and GetGrant, WriteNotify, RevokeGrant,
+    WatchWriter (PeerService). The core sets ``_granter``, ``_pusher`` and ``draining``."""
+
+    _granter: Granter
+    _pusher: Pusher
+    draining: bool
+    peer_endpoint: str
+
+    # --- consumer side ----------------------------------------------------------------------
+
+    async def grant(self, cmd: GrantCommand) -> GrantIssued:
+        """A write grant into local blocks (see ``Granter.grant``)."""
+        if self.draining:
+            raise ShuttingDownError("sidecar is shutting down; no new grants")
+        issued = await self._granter.grant(cmd)
+        return dataclasses.replace(issued, peer_endpoint=self.peer_endpoint)
+
+    async def revoke(self, request_id: str) -> Revoked:
+        return await self._granter.revoke(request_id)
+
+    def get_grant(
+        self, engine_id: str, rank: int, token: str, writer: tuple[str, int]
+    ) -> GrantView:
+        return self._granter.get_grant(engine_id, rank, token, writer)
+
+    def write_notify(
+        self, engine_id: str, rank: int, notices: tuple[WriteNotice, ...]
+    ) -> tuple[int, tuple[WriteOutcome, ...]]:
+        return self._granter.write_notify(engine_id, rank, notices)
+
+    # --- producer side ----------------------------------------------------------------------
+
+    async def push(self, cmd: PushCommand) -> PushPosted:
+        """WRITE one chunk into the targets' grants (see ``Pusher.push``)."""
+        if self.draining:
+            raise ShuttingDownError("sidecar is shutting down; no new pushes")
+        return await self._pusher.push(cmd)
+
+    async def abort_push(self, request_id: str, message: str) -> None:
+        await self._pusher.abort(request_id, message)
+
+    async def revoke_grant(self, engine_id: str, rank: int, token: str, timeout_s: float) -> int:
+        return await self._pusher.revoke(engine_id, rank, token, timeout_s)
+
+    def writer_beats(self, engine_id: str, rank: int) -> AsyncIterator[int]:
+        return self._pusher.beats(engine_id, rank)
