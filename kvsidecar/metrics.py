@@ -34,6 +34,7 @@ from prometheus_client.utils import floatToGoString
 from kvsidecar import __version__
 from kvsidecar.discovery.base import DiscoveryStats
 from kvsidecar.engine.stats import POST_BUCKETS, EngineStats, HistogramSnapshot, ReadPhase
+from kvsidecar.ops.push_metrics import PushCollector
 from kvsidecar.types import DiscoveryState
 
 StatsSource = Callable[[], EngineStats]
@@ -379,6 +380,8 @@ class Metrics:
         r.register(self._engine)
         self._discovery = DiscoveryCollector()
         r.register(self._discovery)
+        self._push = PushCollector()
+        r.register(self._push)
 
     def attach_discovery(self, source: Callable[[], DiscoveryStats] | None) -> None:
         """Read discovery metrics from ``source`` from now on (``None``: export none)."""
@@ -386,7 +389,7 @@ class Metrics:
 
     def attach(self, source: StatsSource | None) -> None:
         """Read engine metrics from ``source`` from now on (``None``: export none)."""
-        self._engine.source = source
+        self._engine.source = self._push.source = source
 
     def render(self) -> bytes:
         """The exposition text of every metric."""

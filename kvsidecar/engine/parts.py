@@ -38,6 +38,7 @@ from kvsidecar.engine.registrar import Registrar
 from kvsidecar.engine.stats import EngineStats, SessionCounters
 from kvsidecar.engine.trace.explain import Explainer
 from kvsidecar.engine.trace.ring import TraceRing
+from kvsidecar.engine.writes.face import push_stats
 from kvsidecar.engine.writes.granter import Granter
 from kvsidecar.engine.writes.pusher import Pusher
 from kvsidecar.errors import KvSidecarError
@@ -301,6 +302,7 @@ class Parts:
             registered_bytes=local.registered_bytes if local is not None else 0,
             kv_files_reclaimed=self.registrar.reclaimer.unlinked,
             costs=self.link.costs.snapshot(),
+            push=push_stats(self.granter, self.pusher),
         )
 
     def status(

@@ -201,6 +201,25 @@ class PeerStats:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PushStats:
+    """Push mode (``writes/``). Consumer: grants by outcome, writer notices refused by outcome,
+    bytes confirmed written into completed grants. Producer: pushes by outcome, WRITEs posted,
+    bytes written."""
+
+    grants_opened: int = 0
+    grants_open: int = 0
+    grants_done: int = 0
+    grants_failed: Mapping[str, int] = field(default_factory=dict)  # by FailReason name
+    notices_refused: Mapping[str, int] = field(default_factory=dict)  # by outcome name
+    grant_bytes: int = 0
+    pushes_open: int = 0
+    pushes_done: int = 0
+    pushes_failed: Mapping[str, int] = field(default_factory=dict)  # by FailReason name
+    writes_posted: int = 0
+    bytes_written: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineStats:
     """Everything the engine counts, at one moment."""
 
@@ -218,6 +237,7 @@ class EngineStats:
     kv_files_reclaimed: int = 0  # engine KV files unlinked after their engine exited
     #: the cost matrix: one entry per live remote engine rank (``peers.costs``)
     costs: tuple[PeerCost, ...] = ()
+    push: PushStats = field(default_factory=PushStats)
 
     def counters(self) -> dict[str, int]:
         """The flat counters of the ``Status`` RPC (each one is also a ``/metrics`` family)."""
@@ -248,4 +268,12 @@ class EngineStats:
             "confirm_retries": t.confirm_retries,
             "holds_published": p.holds_published,
             "confirmations_pending": p.confirmations_pending,
+            "grants_opened": self.push.grants_opened,
+            "grants_done": self.push.grants_done,
+            "grants_failed": sum(self.push.grants_failed.values()),
+            "write_notices_refused": sum(self.push.notices_refused.values()),
+            "pushes_done": self.push.pushes_done,
+            "pushes_failed": sum(self.push.pushes_failed.values()),
+            "writes_posted": self.push.writes_posted,
+            "bytes_written": self.push.bytes_written,
         }

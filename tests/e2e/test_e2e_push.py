@@ -15,9 +15,7 @@ from tests.e2e.conftest import ClusterFactory
 
 K = toy.ModelKind
 TP = (1, 2, 4)
-CASES = [
-    pytest.param(K.GQA, 8, p, d, id=f"hnd-{p}-{d}") for p in TP for d in TP
-] + [
+CASES = [pytest.param(K.GQA, 8, p, d, id=f"hnd-{p}-{d}") for p in TP for d in TP] + [
     pytest.param(K.GQA, 2, 2, 4, id="replicated-heads-2-4"),
     pytest.param(K.MLA, 8, 4, 2, id="mla-4-2"),
     pytest.param(K.MLA, 8, 1, 4, id="mla-1-4"),
@@ -34,7 +32,9 @@ async def test_push_verifies_every_byte(
     async with local_cluster(shape, prefill_tp, decode_tp) as cluster:
         for i, (n, chunks) in enumerate([(7, 3), (5, 1), (9, 4)]):
             pids, dids = request_ids(
-                shape, rng.sample(range(shape.num_blocks), n), rng.sample(range(shape.num_blocks), n)
+                shape,
+                rng.sample(range(shape.num_blocks), n),
+                rng.sample(range(shape.num_blocks), n),
             )
             result = await push_transfer(cluster, f"push-{i}", pids, dids, chunks=chunks)
             assert result.bytes_verified == result.bytes_written > 0

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from kvsidecar.engine.model import GrantCommand, PushCommand
+from kvsidecar.engine.stats import PushStats
 from kvsidecar.engine.writes.granter import Granter
 from kvsidecar.engine.writes.pusher import Pusher
 from kvsidecar.errors import ShuttingDownError
@@ -61,3 +62,21 @@ class PushFace:
 
     def writer_beats(self, engine_id: str, rank: int) -> AsyncIterator[int]:
         return self._pusher.beats(engine_id, rank)
+
+
+def push_stats(granter: Granter, pusher: Pusher) -> PushStats:
+    """Push mode's counters, both sides, now."""
+    g, p = granter.book.counts, pusher.counts
+    return PushStats(
+        grants_opened=g.opened,
+        grants_open=len(granter.book),
+        grants_done=g.done,
+        grants_failed=dict(g.failed),
+        notices_refused=dict(g.refused),
+        grant_bytes=g.bytes_written,
+        pushes_open=len(pusher),
+        pushes_done=p.done,
+        pushes_failed=dict(p.failed),
+        writes_posted=p.writes_posted,
+        bytes_written=p.bytes_written,
+    )
