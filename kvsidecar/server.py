@@ -26,7 +26,7 @@ from kvsidecar.discovery import Discovery, StaticDiscovery, describe, record_of
 from kvsidecar.drain import DrainControl
 from kvsidecar.engine.backend import TransferBackend
 from kvsidecar.engine.core import EngineCore
-from kvsidecar.engine.model import CoreConfig
+from kvsidecar.engine.model import CoreConfig, PushConfig
 from kvsidecar.errors import ConfigError, ListenError
 from kvsidecar.health import ENGINE_SERVICE, PEER_SERVICE, Condition, HttpEndpoint, Readiness
 from kvsidecar.listen import BoundAddresses, bind_server, is_loopback, prepare_socket_path
@@ -185,6 +185,7 @@ class Sidecar:
             trace_requests=s.trace_requests,
             trace_age_s=s.trace_age_s,
             cost_probe_s=s.cost_probe_s,
+            push=_push_config(s),
         )
 
         async def on_registered(held: bool) -> None:
@@ -390,3 +391,10 @@ async def run(settings: Settings) -> int:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+
+
+def _push_config(s: Settings) -> PushConfig:
+    return PushConfig(
+        grant_ttl_s=s.push_grant_ttl_s, write_timeout_s=s.push_write_timeout_s, beat_s=s.push_beat_s,
+        clock_skew_s=s.push_clock_skew_s, revoke_timeout_s=s.push_revoke_timeout_s,
+    )  # fmt: skip

@@ -154,12 +154,13 @@ class Settings(BaseSettings):
         default=10.0, ge=0, le=3600, description="Drain time for in-flight work on SIGTERM (s)."
     )
     lease_s: float = Field(30.0, gt=0, le=86400, description="Default producer hold lease (s).")
-    handshake_timeout_s: float = Field(
-        default=5.0, gt=0, le=300, description="Bound on fetching one remote rank's metadata (s)."
-    )
-    read_deadline_s: float = Field(
-        default=30.0, gt=0, le=3600, description="Default deadline of one Read (s)."
-    )
+    handshake_timeout_s: float = Field(5.0, gt=0, le=300, description="One peer call's bound (s)")
+    read_deadline_s: float = Field(30.0, gt=0, le=3600, description="Default Read deadline (s)")
+    push_grant_ttl_s: float = Field(30.0, gt=0, le=3600, description="Default grant life (s)")
+    push_write_timeout_s: float = Field(10.0, gt=0, le=600, description="WRITE lifetime cap (s)")
+    push_beat_s: float = Field(1.0, gt=0, le=60, description="WatchWriter beat period (s)")
+    push_clock_skew_s: float = Field(1.0, ge=0, le=60, description="Clock skew allowed (s)")
+    push_revoke_timeout_s: float = Field(5.0, gt=0, le=600, description="Revoke waits (s)")
     no_transfer_window_s: float = Field(60.0, ge=0, le=86400, description="P/D signal window (s)")
     cost_publish_s: float = Field(30.0, ge=0, le=86400, description="Republish etcd costs (s)")
     cost_probe_s: float = Field(0.0, ge=0, le=86400, description="Probe idle peers after (s)")
@@ -170,12 +171,8 @@ class Settings(BaseSettings):
         description="Events kept for an engine that does not read them (Watch queue, Status "
         "buffer, each); past it the oldest is dropped and counted in events_dropped.",
     )
-    trace_requests: int = Field(
-        default=4096, ge=1, le=1 << 20, description="Requests kept for `explain`, per side."
-    )
-    trace_age_s: float = Field(
-        default=600.0, gt=0, le=86400, description="Seconds a request is kept for `explain`."
-    )
+    trace_requests: int = Field(4096, ge=1, le=1 << 20, description="Kept for `explain`")
+    trace_age_s: float = Field(600.0, gt=0, le=86400, description="Kept for `explain` (s)")
     shm_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
         default=(Path("/dev/shm"),),
         description="Directories host_shm memories may live in (comma-separated in env).",
