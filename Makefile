@@ -10,8 +10,21 @@ SRC    := kvsidecar tests scripts benchmarks
 VLLM_VENV    := .venv-vllm
 VLLM_VERSION := 0.32.0
 VLLM_STAMP   := $(VLLM_VENV)/.stamp-vllm-$(VLLM_VERSION)
+# SGLang's integration tests run in their own venv too: sglang without its dependencies (they pin
+# CUDA torch 2.14.1, flashinfer, sgl-kernel, ...) plus the few that importing its PD-disaggregation
+# modules, memory pools and scheduler needs, next to the CPU torch (pinned on each install so that
+# nothing upgrades it). PyPI's torchvision is a CUDA build: its C++ ops do not load on CPU torch,
+# only its Python parts (transforms) are used; pins follow sglang's own where it has them.
+SGLANG_VENV    := .venv-sglang
+SGLANG_VERSION := 0.5.23
+SGLANG_STAMP   := $(SGLANG_VENV)/.stamp-sglang-$(SGLANG_VERSION)
+SGLANG_DEPS    := torch==2.13.0 torchvision==0.28.0 triton==3.7.1 transformers==5.19.0 \
+  tokenizers==0.23.2 compressed-tensors==0.18.0 sentencepiece==0.2.1 apache-tvm-ffi==0.1.11 \
+  openai==2.8.0 numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic \
+  pyzmq tqdm ipython aiohttp dill gguf prometheus-client partial-json-parser einops setproctitle \
+  uvicorn fastapi
 
-.PHONY: setup tools setup-vllm test-vllm demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend bench-scale bench-handshakes bench-vllm clean
+.PHONY: setup tools setup-vllm test-vllm setup-sglang test-sglang demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend bench-scale bench-handshakes bench-vllm clean
 
 setup: $(STAMP)
 
@@ -72,6 +85,25 @@ test-vllm:
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory setup-vllm && $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm; rc=$$?; \
 	echo "make test-vllm: $$(( $$(date +%s) - start ))s including install (rc=$$rc)"; exit $$rc
+
+setup-sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps 'sglang==$(SGLANG_VERSION)'
+	$(SGLANG_VENV)/bin/python -m pip install -q $(SGLANG_DEPS)
+	$(SGLANG_VENV)/bin/python -m pip install -q -e '.[dev]' torch==2.13.0
+	$(SGLANG_VENV)/bin/python -c "import importlib.metadata as m, kvsidecar.client; print('sglang', m.version('sglang'))"
+	touch $(SGLANG_STAMP)
+
+# SGLang integration tests (SGLang's PD-disaggregation classes on CPU, real sidecars); prints its
+# time with the install.
+test-sglang:
+	@start=$$(date +%s); \
+	$(MAKE) --no-print-directory setup-sglang && $(SGLANG_VENV)/bin/pytest -q -p no:cacheprovider tests/sglang; rc=$$?; \
+	echo "make test-sglang: $$(( $$(date +%s) - start ))s including install (rc=$$rc)"; exit $$rc
 
 test:
 	@start=$$(date +%s); \
