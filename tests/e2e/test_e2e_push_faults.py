@@ -199,6 +199,24 @@ async def test_forged_write_completions_never_complete_a_grant(
         assert await forge(grant, epoch=grant.epoch + 1) == "STALE_EPOCH"
         assert await forge(grant, writer_rank=1) == "NOT_A_WRITER"
         assert await forge(grant, writer_engine_id="rogue") == "NOT_A_WRITER"
+        # GetGrant: the block ids are shown only to a writer naming the token.
+        ask = peer_pb2.GetGrantRequest(
+            engine_id=DECODE, tp_rank=0, token=grant.token, writer_engine_id=PREFILL, writer_rank=0
+        )
+        shown = await stub.GetGrant(ask)
+        assert [list(g.ids) for g in shown.block_ids] == dids
+        for bad, code in (
+            ({"token": "y" * 32}, grpc.StatusCode.NOT_FOUND),
+            ({"writer_engine_id": "rogue"}, grpc.StatusCode.PERMISSION_DENIED),
+            ({"writer_rank": 3}, grpc.StatusCode.PERMISSION_DENIED),
+        ):
+            request = peer_pb2.GetGrantRequest()
+            request.CopyFrom(ask)
+            for field, value in bad.items():
+                setattr(request, field, value)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.GetGrant(request)
+            assert refused.value.code() == code, refused.value
         for i, part in enumerate(chunks_of(pids, 2)):
             await _push(cluster, "forged", (grant,), part, last=i == 1)
         done = await asyncio.wait_for(recv, 30)
