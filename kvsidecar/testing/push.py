@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvsidecar.client import GrantIssued, PushTarget, RecvDone, SendDone
-from kvsidecar.testing import toy
+from kvsidecar.testing.transfers import verify_rank
 
 if TYPE_CHECKING:
     from kvsidecar.testing.cluster import LocalCluster
@@ -104,16 +104,7 @@ async def push_transfer(
         if not isinstance(event, RecvDone):
             raise RuntimeError(f"decode rank {rank.rank}: {event}")
         written += event.bytes
-        verified += await asyncio.to_thread(
-            toy.verify,
-            rank.memory.array,
-            rank.views,
-            tp_size=rank.tp_size,
-            rank=rank.rank,
-            seed=cluster.seed,
-            local_ids=decode_ids,
-            remote_ids=prefill_ids,
-        )
+        verified += await verify_rank(cluster, rank, decode_ids, prefill_ids)
     done = []
     for rank, fut in zip(writers, sends, strict=True):
         event = await asyncio.wait_for(fut, timeout_s)

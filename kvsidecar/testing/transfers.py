@@ -14,7 +14,7 @@ from kvsidecar.client import RecvDone, SendDone
 from kvsidecar.testing import toy
 
 if TYPE_CHECKING:
-    from kvsidecar.testing.cluster import LocalCluster
+    from kvsidecar.testing.cluster import LocalCluster, Rank
 
 PREFILL = "prefill"
 
@@ -72,18 +72,7 @@ async def transfer(
         if not isinstance(event, RecvDone):
             raise RuntimeError(f"decode rank {rank.rank}: {event}")
         read_bytes += event.bytes
-        # numpy releases the GIL: verifying off the loop keeps other requests' events timely.
-        verified += await asyncio.to_thread(
-            toy.verify,
-            rank.memory.array,
-            rank.views,
-            tp_size=rank.tp_size,
-            rank=rank.rank,
-            seed=cluster.seed,
-            local_ids=decode_ids,
-            remote_ids=prefill_ids,
-            ratio=block_ratio(cluster),
-        )
+        verified += await verify_rank(cluster, rank, decode_ids, prefill_ids)
     done = []
     for fut in sends:
         event = await asyncio.wait_for(fut, timeout_s)
@@ -98,6 +87,27 @@ async def transfer(
         bytes_read=read_bytes,
         bytes_verified=verified,
         send_done=tuple(done),
+    )
+
+
+async def verify_rank(
+    cluster: LocalCluster,
+    rank: Rank,
+    decode_ids: Sequence[Sequence[int]],
+    prefill_ids: Sequence[Sequence[int]],
+) -> int:
+    """Bytes of ``decode_ids`` on decode rank ``rank`` checked against the oracle (raises on a
+    mismatch). numpy releases the GIL: verifying off the loop keeps other events timely."""
+    return await asyncio.to_thread(
+        toy.verify,
+        rank.memory.array,
+        rank.views,
+        tp_size=rank.tp_size,
+        rank=rank.rank,
+        seed=cluster.seed,
+        local_ids=decode_ids,
+        remote_ids=prefill_ids,
+        ratio=block_ratio(cluster),
     )
 
 
