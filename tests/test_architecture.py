@@ -209,8 +209,10 @@ def test_no_module_over_400_lines_and_no_class_over_250() -> None:
 
 def test_settings_read_only_at_the_edge() -> None:
     # testing.daemon.engines composes many Sidecars in one process (a fleet of real NIXL agents
-    # that would not fit as processes), so it builds their Settings as the CLI does.
+    # that would not fit as processes), so it builds their Settings as the CLI does. SGLang gives
+    # a transfer backend no configuration channel but the process environment (its edge).
     edge = {
+        PACKAGE / "integrations" / "sglang" / "config.py",
         PACKAGE / "cli" / "main.py",
         PACKAGE / "server.py",
         PACKAGE / "settings.py",

@@ -26,10 +26,8 @@ import contextlib
 import json
 import logging
 import os
-import queue
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -53,8 +51,10 @@ from kvsidecar.client import (
     SidecarClient,
 )
 from kvsidecar.errors import KvSidecarError, NotFoundError
+from kvsidecar.integrations.sglang.config import BackendConfig
 from kvsidecar.integrations.sglang.geometry import NUM_GROUPS, Buffers, sglang_views
 from kvsidecar.integrations.sglang.memory import locate
+from kvsidecar.integrations.sglang.worker import IoWorker
 
 log = logging.getLogger(__name__)
 
@@ -63,33 +63,6 @@ HELLO_WAIT_S = 10.0  # how long send_metadata waits for a prefill rank's KVSC_HE
 
 def _room_id(room: int) -> str:
     return f"room-{room}"
-
-
-def _template(name: str, default: str, mode: str, rank: int) -> str:
-    return os.environ.get(name, default).replace("{mode}", mode).replace("{rank}", str(rank))
-
-
-class _Worker:
-    """One thread running queued calls in order (the manager's sidecar I/O)."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, call: Callable[[], None]) -> None:
-        self._queue.put(call)
-
-    def _run(self) -> None:
-        while (call := self._queue.get()) is not None:
-            try:
-                call()
-            except Exception:
-                log.exception("kvsidecar I/O call failed")
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=10)
 
 
 class KvSidecarKVManager(CommonKVManager):
@@ -109,10 +82,9 @@ class KvSidecarKVManager(CommonKVManager):
         self.prefill = disaggregation_mode == DisaggregationMode.PREFILL
         mode = "prefill" if self.prefill else "decode"
         rank = self.attn_tp_rank
-        socket = _template("KVSIDECAR_SOCKET", "/run/kvsidecar/{mode}-{rank}.sock", mode, rank)
-        default_id = f"sglang-{mode}-{self.bootstrap_port}"
-        self.engine_id = _template("KVSIDECAR_ENGINE_ID", default_id, mode, rank)
-        self.client = SidecarClient(socket, timeout_s=30.0)
+        config = BackendConfig.from_env(mode=mode, rank=rank, bootstrap_port=self.bootstrap_port)
+        self.engine_id = config.engine_id
+        self.client = SidecarClient(config.socket, timeout_s=30.0)
         buffers = Buffers(
             kv_ptrs=args.kv_data_ptrs, kv_lens=args.kv_data_lens, kv_item_lens=args.kv_item_lens,
             aux_ptrs=args.aux_data_ptrs, aux_lens=args.aux_data_lens,
@@ -133,7 +105,7 @@ class KvSidecarKVManager(CommonKVManager):
         )  # fmt: skip
         self.peer_endpoint = registered.peer_endpoint
         self._closed = False
-        self._io = _Worker(f"kvsidecar-{mode}-{rank}-io")
+        self._io = IoWorker(f"kvsidecar-{mode}-{rank}-io")
         self._hello = threading.Condition()
         self._prefills: dict[tuple[str, int], tuple[str, int, int, str]] = {}
         self._decodes: dict[int, set[tuple[str, int]]] = {}  # room -> decode (ip, port)
