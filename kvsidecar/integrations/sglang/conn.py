@@ -70,6 +70,9 @@ class KvSidecarKVManager(CommonKVManager):
     ``{mode}`` and ``{rank}`` are replaced by prefill/decode and the attention-TP rank)."""
 
     supports_deferred_decode_kv_release = False
+    # SGLang's status messages (a prefill abort reaching decode): tagged, with the reason.
+    kv_status_msg_carries_reason = True
+    kv_status_msg_tag = b"KVSC_STATUS"
 
     def __init__(
         self,
@@ -130,8 +133,7 @@ class KvSidecarKVManager(CommonKVManager):
                 if isinstance(event, RecvDone | SendDone):
                     self.update_status(room, KVPoll.Success)
                 elif isinstance(event, RecvFailed | SendFailed):
-                    self.record_failure(room, f"{event.reason.name}: {event.message}")
-                    self.update_status(room, KVPoll.Failed)
+                    self.fail(room, f"{event.reason.name}: {event.message}")
         except KvSidecarError as exc:
             if not self._closed:
                 log.error("kvsidecar Watch stream of %s ended: %s", self.engine_id, exc)
@@ -170,15 +172,25 @@ class KvSidecarKVManager(CommonKVManager):
             self._meta(int(msg[1]), json.loads(msg[2]))
         elif tag == b"ABORT":  # decode aborted (SGLang's AbortNotification): stop the room
             room = int(msg[1])
-            if self.prefill and self.request_status.get(room) not in (None, KVPoll.Success):
-                self.record_failure(room, "Aborted by the decode side")
-                self.update_status(room, KVPoll.Failed)
-        elif not self.prefill:  # SGLang's status messages (a prefill abort)
-            room, status, _, reason = self.parse_kv_status_message(msg)
-            if status == KVPoll.Failed:
-                self.record_failure(room, reason or "Failed by the prefill side")
-                self.update_status(room, KVPoll.Failed)
+            if self.prefill and self.request_status.get(room) != KVPoll.Success:
+                self.fail(room, "Aborted by the decode side")
+        elif tag == self.kv_status_msg_tag and not self.prefill:  # a prefill abort
+            parsed = self.parse_kv_status_message(msg)
+            if parsed is not None and parsed[1] == KVPoll.Failed:
+                room = parsed[0]
+                self.fail(room, parsed[3] or "Failed by the prefill side")
                 self._io.submit(lambda: self._revoke(room))
+        else:
+            log.warning("kvsidecar: dropping an unknown message %r", tag[:32])
+
+    def fail(self, room: int, reason: str) -> None:
+        """Fail a live room, keeping its first failure's reason (a revoke or an abort that
+        follows must not hide the cause); a room already cleared stays forgotten."""
+        if room not in self.request_status:
+            return
+        with self.failure_lock:
+            self.failure_records.setdefault(room, reason)
+        self.update_status(room, KVPoll.Failed)
 
     def _meta(self, room: int, meta: dict[str, Any]) -> None:
         self._decodes.setdefault(room, set()).add((meta["ip"], int(meta["port"])))
@@ -241,8 +253,7 @@ class KvSidecarKVManager(CommonKVManager):
                     local_block_ids=ids, offsets=offsets, last=is_last_chunk,
                 )  # fmt: skip
             except KvSidecarError as exc:
-                self.record_failure(room, f"push refused: {exc}")
-                self.update_status(room, KVPoll.Failed)
+                self.fail(room, f"push refused: {exc}")
 
         self._io.submit(push)
 
@@ -292,6 +303,7 @@ class KvSidecarKVManager(CommonKVManager):
         self.client.close()
         for t in self._threads:
             t.join(timeout=5)
+        self._zmq_ctx.destroy(linger=0)  # the manager's sockets (SGLang never closes them)
 
 
 class KvSidecarKVSender(CommonKVSender):

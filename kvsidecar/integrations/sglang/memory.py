@@ -88,12 +88,21 @@ def share_kv_pool(pool: Any, path: str) -> SharedRegion:
         shared, region = share_tensors([*pool.k_buffer, *pool.v_buffer], path)
         pool.k_buffer[:] = shared[:n]
         pool.v_buffer[:] = shared[n:]
+        _refresh(pool)
         return region
     if hasattr(pool, "kv_buffer"):
         shared, region = share_tensors(list(pool.kv_buffer), path)
         pool.kv_buffer[:] = shared
+        _refresh(pool)
         return region
     raise MemoryImportError(f"{type(pool).__name__}: no k_buffer/v_buffer or kv_buffer to share")
+
+
+def _refresh(pool: Any) -> None:
+    """Pools keep tables of their buffers' addresses (HiCache, slot moves): rebuild them."""
+    init = getattr(pool, "_init_data_ptrs_and_strides", None)
+    if callable(init):
+        init()
 
 
 def share_metadata_buffers(buffers: Any, path: str) -> SharedRegion:
