@@ -44,6 +44,14 @@ COUNTER_FAMILIES = {
     "confirm_retries": "kvsidecar_confirm_retries",
     "holds_published": "kvsidecar_holds_published",
     "confirmations_pending": "kvsidecar_confirmations_pending",
+    "grants_opened": "kvsidecar_push_grants_opened",
+    "grants_done": "kvsidecar_push_grants_done",
+    "grants_failed": "kvsidecar_push_grants_failed",
+    "write_notices_refused": "kvsidecar_push_notices_refused",
+    "pushes_done": "kvsidecar_push_pushes_done",
+    "pushes_failed": "kvsidecar_push_pushes_failed",
+    "writes_posted": "kvsidecar_push_writes_posted",
+    "bytes_written": "kvsidecar_push_written_bytes",
 }
 
 
