@@ -98,8 +98,8 @@ class EngineCore(PushFace):  # push mode's methods: writes.face
 
     @property
     def idle(self) -> bool:
-        """No read in flight, no handle left to release and no hold active."""
-        return self._reads.idle and not self._producer.holds_active
+        """No read in flight, no handle left to release, no hold, grant or push active."""
+        return self._reads.idle and not self._producer.holds_active and not self.push_busy()
 
     def in_flight(self) -> tuple[int, int]:
         """(reads accepted and not ended, holds active) now."""

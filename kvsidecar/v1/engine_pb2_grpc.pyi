@@ -92,9 +92,11 @@ class EngineServiceStub:
     """
     Drain: _grpc.UnaryUnaryMultiCallable[_engine_pb2.DrainRequest, _engine_pb2.DrainResponse]
     """Drain without exiting (a rolling upgrade: drain, then stop the process): readiness goes false
-    first; new Reads, ReadBatches, HOLDs and registrations are refused with UNAVAILABLE; reads in
-    flight finish; held blocks stay readable by consumers (PeerService keeps serving) until their
-    holds complete. Returns once nothing is in flight or held, or when grace_s has passed. The
+    first; new Reads, ReadBatches, HOLDs, Grants, Pushes and registrations are refused with
+    UNAVAILABLE; reads in flight finish; held blocks stay readable by consumers (PeerService keeps
+    serving) until their holds complete; open grants and pushes end (a push's later chunks are
+    still accepted, so it can finish). Returns once nothing is in flight, held, granted or pushed,
+    or when grace_s has passed. The
     engine's registration and stream stay. SIGTERM drains the same way (with grace_period_s),
     then exits. resume ends a drain: new work is accepted and readiness follows the engine again.
     """
@@ -203,9 +205,11 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """
     Drain: _aio.UnaryUnaryMultiCallable[_engine_pb2.DrainRequest, _engine_pb2.DrainResponse]  # type: ignore[assignment]
     """Drain without exiting (a rolling upgrade: drain, then stop the process): readiness goes false
-    first; new Reads, ReadBatches, HOLDs and registrations are refused with UNAVAILABLE; reads in
-    flight finish; held blocks stay readable by consumers (PeerService keeps serving) until their
-    holds complete. Returns once nothing is in flight or held, or when grace_s has passed. The
+    first; new Reads, ReadBatches, HOLDs, Grants, Pushes and registrations are refused with
+    UNAVAILABLE; reads in flight finish; held blocks stay readable by consumers (PeerService keeps
+    serving) until their holds complete; open grants and pushes end (a push's later chunks are
+    still accepted, so it can finish). Returns once nothing is in flight, held, granted or pushed,
+    or when grace_s has passed. The
     engine's registration and stream stay. SIGTERM drains the same way (with grace_period_s),
     then exits. resume ends a drain: new work is accepted and readiness follows the engine again.
     """
@@ -377,9 +381,11 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.DrainResponse, _abc.Awaitable[_engine_pb2.DrainResponse]]:
         """Drain without exiting (a rolling upgrade: drain, then stop the process): readiness goes false
-        first; new Reads, ReadBatches, HOLDs and registrations are refused with UNAVAILABLE; reads in
-        flight finish; held blocks stay readable by consumers (PeerService keeps serving) until their
-        holds complete. Returns once nothing is in flight or held, or when grace_s has passed. The
+        first; new Reads, ReadBatches, HOLDs, Grants, Pushes and registrations are refused with
+        UNAVAILABLE; reads in flight finish; held blocks stay readable by consumers (PeerService keeps
+        serving) until their holds complete; open grants and pushes end (a push's later chunks are
+        still accepted, so it can finish). Returns once nothing is in flight, held, granted or pushed,
+        or when grace_s has passed. The
         engine's registration and stream stay. SIGTERM drains the same way (with grace_period_s),
         then exits. resume ends a drain: new work is accepted and readiness follows the engine again.
         """

@@ -241,3 +241,31 @@ async def test_forged_write_completions_never_complete_a_grant(
         event = await _one_failure(decode, local_id, recv, grant.deadline_unix_ns)
         assert event.reason is FailReason.TRANSFER_ERROR, event
         assert await forge(grant) == "GRANT_ENDED"
+
+
+async def test_a_drain_waits_for_grants_and_lets_a_push_finish(
+    local_cluster: ClusterFactory,
+) -> None:
+    """Drain refuses new grants and pushes but waits for the open ones: a grant waiting for
+    writes keeps the decode sidecar from draining, a push that began may send its later chunks
+    while its sidecar drains, and once both ended each sidecar drains."""
+    async with local_cluster(SHAPE, 1, 1) as cluster:
+        (decode,) = cluster.decode
+        (prefill,) = cluster.prefill
+        assert decode.client is not None
+        assert prefill.client is not None
+        pids, dids = _ids("drained")
+        recv = decode.expect("drained@decode")
+        send = prefill.expect("drained")
+        grants = await grant_all(cluster, "drained@decode", dids)
+        parts = chunks_of(pids, 2)
+        await _push(cluster, "drained", grants, parts[0], last=False)
+        assert not (await decode.client.drain(0.3)).drained  # the grant waits for writes
+        assert not (await prefill.client.drain(0.3)).drained  # the push is in progress
+        with pytest.raises(KvSidecarError, match="shutting down"):
+            await grant_all(cluster, "late@decode", dids)
+        await _push(cluster, "drained", grants, parts[1], last=True)  # a begun push may finish
+        assert isinstance(await asyncio.wait_for(recv, 30), RecvDone)
+        assert isinstance(await asyncio.wait_for(send, 30), SendDone)
+        assert (await decode.client.drain(10)).drained
+        assert (await prefill.client.drain(10)).drained

@@ -24,6 +24,10 @@ class PushFace:
     draining: bool
     peer_endpoint: str
 
+    def push_busy(self) -> bool:
+        """A grant waits for writes, or a push is in progress (a drain waits for both)."""
+        return bool(len(self._granter.book) or len(self._pusher))
+
     # --- consumer side ----------------------------------------------------------------------
 
     async def grant(self, cmd: GrantCommand) -> GrantIssued:
@@ -50,7 +54,7 @@ class PushFace:
 
     async def push(self, cmd: PushCommand) -> PushPosted:
         """WRITE one chunk into the targets' grants (see ``Pusher.push``)."""
-        if self.draining:
+        if self.draining and not self._pusher.in_progress(cmd.request_id):
             raise ShuttingDownError("sidecar is shutting down; no new pushes")
         return await self._pusher.push(cmd)
 

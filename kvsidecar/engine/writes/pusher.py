@@ -66,6 +66,7 @@ class _Push:
     request_id: str
     consumer: str
     targets: tuple[PushTarget, ...]
+    writer: tuple[str, int]  # this engine and rank (kept: the engine may be gone when it fails)
     grants: dict[int, GrantView] = field(default_factory=dict)
     chunks: dict[int, list[asyncio.Task[None]]] = field(default_factory=dict)  # per target rank
     last: bool = False
@@ -108,11 +109,16 @@ class Pusher:
     def __len__(self) -> int:
         return sum(1 for p in self._pushes.values() if not p.ended)
 
+    def in_progress(self, request_id: str) -> bool:
+        """A push of this id began and has not ended (a drain lets it finish)."""
+        p = self._pushes.get(request_id)
+        return p is not None and not p.ended
+
     # --- Push -------------------------------------------------------------------------------
 
     async def push(self, cmd: PushCommand) -> PushPosted:
         local = self._peers.require_local()
-        p = self._admit(cmd)
+        p = self._admit(local, cmd)
         try:
             return await self._chunk(local, p, cmd)
         except KvSidecarError as exc:
@@ -123,11 +129,15 @@ class Pusher:
                 self._tell_aborted(p, str(exc))
             raise
 
-    def _admit(self, cmd: PushCommand) -> _Push:
+    def _admit(self, local: LocalEngine, cmd: PushCommand) -> _Push:
         self._forget_old()
         p = self._pushes.get(cmd.request_id)
         if p is None:
-            p = _Push(request_id=cmd.request_id, consumer=cmd.remote_engine_id, targets=cmd.targets)
+            g = local.geometry
+            p = _Push(
+                request_id=cmd.request_id, consumer=cmd.remote_engine_id, targets=cmd.targets,
+                writer=(g.engine_id, g.tp_rank),
+            )  # fmt: skip
             self._pushes[cmd.request_id] = p
         elif p.ended:
             why = f"failed: {p.failed}" if p.failed else "completed"
@@ -261,15 +271,11 @@ class Pusher:
 
     def _tell_aborted(self, p: _Push, message: str) -> None:
         """Tell every consumer rank whose grant this push knows (best effort, bounded)."""
-        local = self._peers.local
-        if local is not None:
-            writer = (local.geometry.engine_id, local.geometry.tp_rank)
-            grants = {r: g.epoch for r, g in p.grants.items()}
-            for task in tell_aborted(
-                self._peers.link, p.consumer, p.targets, grants, writer, message
-            ):
-                self._side.add(task)
-                task.add_done_callback(self._side.discard)
+        grants = {r: g.epoch for r, g in p.grants.items()}
+        link = self._peers.link
+        for task in tell_aborted(link, p.consumer, p.targets, grants, p.writer, message):
+            self._side.add(task)
+            task.add_done_callback(self._side.discard)
 
     # --- abort, revoke, liveness ------------------------------------------------------------
 
