@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import time
 
 import grpc
@@ -269,3 +270,21 @@ async def test_a_drain_waits_for_grants_and_lets_a_push_finish(
         assert isinstance(await asyncio.wait_for(send, 30), SendDone)
         assert (await decode.client.drain(10)).drained
         assert (await prefill.client.drain(10)).drained
+
+
+async def test_grants_reuse_what_the_first_one_learned_of_the_producer(
+    local_cluster: ClusterFactory,
+) -> None:
+    """A Grant naming the producer's endpoints fetches its agents once, not per grant: with the
+    producer's sidecar stopped (SIGSTOP), a second grant naming the same endpoints is still issued
+    (a refetch would fail: GetAgent gets no answer within --handshake-timeout-s 1)."""
+    async with local_cluster(SHAPE, 1, 1, sidecar_args=("--handshake-timeout-s", "1")) as cluster:
+        (producer,) = cluster.prefill
+        _, dids = _ids("reuse")
+        await grant_all(cluster, "reuse-1@decode", dids)
+        producer.proc.send_signal(signal.SIGSTOP)
+        try:
+            (second,) = await grant_all(cluster, "reuse-2@decode", dids)
+        finally:
+            producer.proc.send_signal(signal.SIGCONT)
+        assert second.writer_ranks == (0,)
