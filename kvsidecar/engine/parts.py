@@ -191,12 +191,14 @@ class Parts:
         reads.canary.fraction = config.canary_fraction
         producer = Producer(lease_s=config.lease_s, events=events, tracer=hold_trace)
         guard = PeerGuard(peers=peers, transfers=reads)
+        granter = Granter(peers=peers, events=events, config=config.push)
         poller = Poller(
             backend=backend,
             transfers=reads,
             producer=producer,
             guard=guard,
             peers=peers,
+            grants=granter.book,
             probe_s=config.cost_probe_s,
         )
         handshakes = Handshakes(
@@ -216,7 +218,6 @@ class Parts:
             read_deadline_s=config.read_deadline_s,
             on_posted=poller.wake,
         )
-        granter = Granter(peers=peers, events=events, config=config.push)
         pusher = Pusher(backend=backend, peers=peers, events=events, config=config.push)
 
         async def drop_writes(reason: FailReason, why: str) -> None:
@@ -270,7 +271,6 @@ class Parts:
                 self.reads.use_boards(slots)
         self.reads.watch()
         self.poller.start()
-        self.granter.start()
 
     async def aclose(self) -> None:
         """Fail what is left, release peers, memory and channels; stop the poller (in order)."""

@@ -1,4 +1,5 @@
-"""The one task that drives completions: advance reads, reap leases, drain NIXL notifications.
+"""The one task that drives completions: advance reads, reap leases and grants, drain NIXL
+notifications.
 
 It runs at once when woken (a Read was posted: same-host cma READs are already DONE then), then
 every 5 ms while reads are in flight, every 10 ms while only holds are active (a lease ends within
@@ -26,6 +27,7 @@ from kvsidecar.engine.peers.registry import PeerRegistry
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.guard import PeerGuard
 from kvsidecar.engine.reads.inflight import InFlightReads
+from kvsidecar.engine.writes.grants import GrantBook
 from kvsidecar.errors import KvSidecarError
 
 log = RateLimited(logging.getLogger(__name__))  # a bug may repeat per read or poll
@@ -48,6 +50,7 @@ class Poller:
         producer: Producer,
         guard: PeerGuard,
         peers: PeerRegistry,
+        grants: GrantBook | None = None,
         probe_s: float = 0.0,
     ) -> None:
         self._backend = backend
@@ -55,6 +58,7 @@ class Poller:
         self._producer = producer
         self._guard = guard
         self._peers = peers
+        self._grants = grants  # push mode's grants, reaped with the leases
         self._wake = asyncio.Event()
         self._drained = 0.0  # loop time of the last NIXL notification drain
         self._task: asyncio.Task[None] | None = None
@@ -95,7 +99,8 @@ class Poller:
             if not self._transfers.idle:
                 interval = _BUSY_S
             else:
-                interval = _HOLDS_S if self._producer.holds_active else _IDLE_S
+                holding = self._producer.holds_active or (self._grants and len(self._grants))
+                interval = _HOLDS_S if holding else _IDLE_S
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 
@@ -117,6 +122,8 @@ class Poller:
             except KvSidecarError:
                 log.exception("draining notifications failed")
         self._producer.reap()
+        if self._grants is not None:
+            self._grants.reap()
         idle = self._probe is None or self._probe.done()
         if self._probe_s and idle and now - self._probed >= self._probe_s:
             self._probed = now

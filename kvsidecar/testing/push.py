@@ -13,7 +13,7 @@ from kvsidecar.client import GrantIssued, PushTarget, RecvDone, SendDone
 from kvsidecar.testing.transfers import verify_rank
 
 if TYPE_CHECKING:
-    from kvsidecar.testing.cluster import LocalCluster
+    from kvsidecar.testing.cluster import LocalCluster, Rank
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -69,6 +69,29 @@ def targets_for(grants: Sequence[GrantIssued], prefill_rank: int) -> tuple[PushT
     )
 
 
+async def push_chunk(
+    ranks: Sequence[Rank],
+    request_id: str,
+    grants: Sequence[GrantIssued],
+    part: tuple[list[list[int]], list[int]],
+    *,
+    last: bool,
+) -> None:
+    """Push one chunk (``chunks_of``'s ids and offsets) from each of ``ranks`` into the grants
+    naming it a writer."""
+    ids, offsets = part
+    for rank in ranks:
+        assert rank.client is not None
+        await rank.client.push(
+            request_id,
+            remote_engine_id=DECODE,
+            targets=targets_for(grants, rank.rank),
+            local_block_ids=ids,
+            offsets=offsets,
+            last=last,
+        )
+
+
 async def push_transfer(
     cluster: LocalCluster,
     request_id: str,
@@ -86,17 +109,8 @@ async def push_transfer(
     writers = [r for r in cluster.prefill if targets_for(grants, r.rank)]
     sends = [r.expect(request_id) for r in writers]
     parts = chunks_of(prefill_ids, chunks)
-    for i, (ids, offsets) in enumerate(parts):
-        for rank in writers:  # chunk by chunk, every rank, as engines prefill in step
-            assert rank.client is not None
-            await rank.client.push(
-                request_id,
-                remote_engine_id=DECODE,
-                targets=targets_for(grants, rank.rank),
-                local_block_ids=ids,
-                offsets=offsets,
-                last=i == len(parts) - 1,
-            )
+    for i, part in enumerate(parts):  # chunk by chunk, every rank, as engines prefill in step
+        await push_chunk(writers, request_id, grants, part, last=i == len(parts) - 1)
     written = verified = 0
     for rank, fut in zip(cluster.decode, recvs, strict=True):
         event = await asyncio.wait_for(fut, timeout_s)

@@ -59,7 +59,8 @@ class _Producer:
 
 
 class Granter:
-    """Grants of the registered engine. ``start``/``aclose`` once; the reaper runs between."""
+    """Grants of the registered engine (their book is reaped by the ``Poller``). ``aclose``
+    once."""
 
     def __init__(self, *, peers: PeerRegistry, events: EventHub, config: PushConfig) -> None:
         self._peers = peers
@@ -67,15 +68,6 @@ class Granter:
         self.book = GrantBook(emit=events.emit)
         self._producers: dict[str, _Producer] = {}
         self._watches: dict[str, asyncio.Task[None]] = {}
-        self._reaper: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._reaper = asyncio.get_running_loop().create_task(self._reap())
-
-    async def _reap(self) -> None:
-        while True:
-            await asyncio.sleep(0.05)
-            self.book.reap()
 
     async def grant(self, cmd: GrantCommand) -> GrantIssued:
         local = self._peers.require_local()
@@ -282,7 +274,7 @@ class Granter:
         self._watches.clear()
 
     async def aclose(self) -> None:
-        tasks = [*self._watches.values(), *([self._reaper] if self._reaper else [])]
+        tasks = list(self._watches.values())
         self._watches.clear()
         for t in tasks:
             t.cancel()
