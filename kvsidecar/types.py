@@ -77,12 +77,15 @@ class RecvDone:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RecvFailed:
-    """Consumer side: the read failed; ``invalid_block_ids`` (per group) may hold garbage."""
+    """Consumer side: the read failed; ``invalid_block_ids`` (per group) may hold garbage and
+    may be reused from ``exposed_until_unix_ns`` (Unix time, ns; 0: now) on, not before: until
+    then a transfer that could not be stopped may still land in them."""
 
     request_id: str
     reason: FailReason
     message: str
     invalid_block_ids: tuple[tuple[int, ...], ...]
+    exposed_until_unix_ns: int = 0
     seq: int = 0
     timestamp: float = 0.0
 

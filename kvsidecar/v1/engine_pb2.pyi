@@ -1565,9 +1565,16 @@ class RecvFailed(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     INVALID_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    EXPOSED_UNTIL_UNIX_NS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     reason: Global___RecvFailed.Reason.ValueType
     message: _builtins.str
+    exposed_until_unix_ns: _builtins.int
+    """When the blocks of invalid_block_ids may be reused: 0 means now (no transfer into them can
+    still land); otherwise not before this Unix time in nanoseconds (a WRITE or READ that NIXL
+    could not stop may land until then). An engine frees or rewrites those blocks only then
+    (docs/confirmation.md, docs/push.md).
+    """
     @_builtins.property
     def invalid_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.BlockIds]:
         """Local block ids that may hold garbage, one list per group."""
@@ -1579,10 +1586,11 @@ class RecvFailed(_message.Message):
         reason: Global___RecvFailed.Reason.ValueType = ...,
         message: _builtins.str = ...,
         invalid_block_ids: _abc.Iterable[_geometry_pb2.BlockIds] | None = ...,
+        exposed_until_unix_ns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["invalid_block_ids", b"invalid_block_ids", "message", b"message", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exposed_until_unix_ns", b"exposed_until_unix_ns", "invalid_block_ids", b"invalid_block_ids", "message", b"message", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -76,6 +76,7 @@ def event_to_proto(event: Event) -> engine_pb2.Event:
                 reason=event.reason.value,  # type: ignore[arg-type]  # same numbering by design
                 message=event.message,
                 invalid_block_ids=block_ids_to_proto(event.invalid_block_ids, "invalid_block_ids"),
+                exposed_until_unix_ns=event.exposed_until_unix_ns,
             )
         )
     elif isinstance(event, SendFailed):
@@ -118,6 +119,7 @@ def event_from_proto(pb: engine_pb2.Event) -> Event:
             reason=FailReason(f.reason),
             message=f.message,
             invalid_block_ids=tuple(tuple(g.ids) for g in f.invalid_block_ids),
+            exposed_until_unix_ns=f.exposed_until_unix_ns,
         )
     if kind == "send_failed":
         sf = pb.send_failed

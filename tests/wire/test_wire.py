@@ -65,6 +65,7 @@ EVENTS = (
         reason=FailReason.PEER_DISCONNECTED,
         message="gone",
         invalid_block_ids=((1, 2), (3,)),
+        exposed_until_unix_ns=1_790_000_000_123_456_789,
         seq=2,
         timestamp=2.5,
     ),
