@@ -80,7 +80,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests import sidecar_proc
+from kvsidecar.testing import process as sidecar_proc
 
 CONNECTORS = ("kvsidecar", "nixl")
 LABEL = {"kvsidecar": "kvsidecar", "nixl": "NixlConnector"}

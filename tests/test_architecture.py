@@ -211,7 +211,9 @@ def test_settings_read_only_at_the_edge() -> None:
     # testing.daemon.engines composes many Sidecars in one process (a fleet of real NIXL agents
     # that would not fit as processes), so it builds their Settings as the CLI does. SGLang gives
     # a transfer backend no configuration channel but the process environment (its edge).
+    # testing.process starts `kvsidecar serve` processes with the caller's environment plus extras.
     edge = {
+        PACKAGE / "testing" / "process.py",
         PACKAGE / "integrations" / "sglang" / "config.py",
         PACKAGE / "cli" / "main.py",
         PACKAGE / "server.py",

@@ -5,7 +5,7 @@ Cases are grouped so that one small cluster (GQA, 16 blocks, TP 2/2 or 1/1) serv
 group ends with a good transfer on the same sidecars whose every byte is verified, and with sane Status
 counters. Where a bad call could disturb state (a failed re-registration, a refused handshake), a test
 of its own checks that the state survives.
-Registration cases use an extra standalone sidecar (``tests.sidecar_proc``) that finally joins the
+Registration cases use an extra standalone sidecar (``kvsidecar.testing.process``) that finally joins the
 cluster as a second consumer engine and reads real bytes from the prefill engine.
 """
 
@@ -38,10 +38,10 @@ from kvsidecar.client import (
 from kvsidecar.client.export import SharedMemoryExport
 from kvsidecar.memory import CudaIpcSpec, HostShmSpec, MemorySpec
 from kvsidecar.plan import Span, View
+from kvsidecar.testing import process as sidecar_proc
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import PREFILL, LocalCluster, request_ids, transfer
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, geometry_pb2
-from tests import sidecar_proc
 from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)

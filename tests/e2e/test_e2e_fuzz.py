@@ -37,9 +37,9 @@ from hypothesis import strategies as st
 from kvsidecar.client import requests
 from kvsidecar.client.export import SharedMemoryExport
 from kvsidecar.memory import HostShmSpec
+from kvsidecar.testing import process as sidecar_proc
 from kvsidecar.testing import toy
 from kvsidecar.v1 import engine_pb2, geometry_pb2, peer_pb2
-from tests import sidecar_proc
 
 M = TypeVar("M", bound=pb_message.Message)
 T = TypeVar("T")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.client import SidecarClient
-from tests import sidecar_proc
+from kvsidecar.testing import process as sidecar_proc
 
 ENGINE = r"""
 import os, sys, time

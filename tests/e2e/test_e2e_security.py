@@ -22,12 +22,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsidecar import errors
 from kvsidecar.client import AsyncSidecarClient, SendDone
+from kvsidecar.testing import process as sidecar_proc
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import PREFILL, request_ids, transfer
 from kvsidecar.testing.daemon.target_process import TargetProcess, make_shm
 from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-from tests import sidecar_proc
 from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)

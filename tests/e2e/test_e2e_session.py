@@ -19,9 +19,9 @@ from kvsidecar.client import AsyncSidecarClient
 from kvsidecar.client.export import SharedMemoryExport
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import request_ids, transfer
+from kvsidecar.testing.process import default_args, start
 from tests.e2e.conftest import ClusterFactory
 from tests.e2e.test_e2e_metrics import _scrape
-from tests.sidecar_proc import default_args, start
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 

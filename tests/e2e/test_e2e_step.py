@@ -32,9 +32,9 @@ from kvsidecar.client.export import SharedMemoryExport
 from kvsidecar.limits import MAX_BATCH_READS, MAX_STEP_ITEMS
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import PREFILL, LocalCluster
+from kvsidecar.testing.process import default_args, start
 from tests.e2e.conftest import ClusterFactory
 from tests.e2e.test_e2e_metrics import _scrape
-from tests.sidecar_proc import default_args, start
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 TOKEN = "token-" + "x" * 20

@@ -26,8 +26,8 @@ from kvsidecar.client import SharedMemoryExport, SidecarClient, SidecarStatus
 from kvsidecar.integrations.vllm.params import RemoteKv
 from kvsidecar.integrations.vllm.scheduler import Heartbeat, Hold, Load, StepWork
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide
+from kvsidecar.testing import process as sidecar_proc
 from kvsidecar.testing import toy
-from tests import sidecar_proc
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA)
 SEED = 5

@@ -22,7 +22,7 @@ from kvsidecar.client import RecvFailed, SidecarClient
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import PREFILL, LocalCluster, request_ids, transfer
-from tests.sidecar_proc import default_args, start
+from kvsidecar.testing.process import default_args, start
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")

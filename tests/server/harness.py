@@ -23,7 +23,7 @@ from kvsidecar.engine.backend.fake import FakeBackend, FakeFabric
 from kvsidecar.server import Sidecar
 from kvsidecar.settings import Settings
 from kvsidecar.testing import toy
-from tests.sidecar_proc import certificates
+from kvsidecar.testing.process import certificates
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 

@@ -22,7 +22,7 @@ from kvsidecar.client import SidecarClient
 from kvsidecar.client.export import SharedMemoryExport
 from kvsidecar.testing import toy
 from kvsidecar.testing.pki import PeerCertificates
-from tests.sidecar_proc import KVSIDECAR, certificates, default_args, spawn, start
+from kvsidecar.testing.process import KVSIDECAR, certificates, default_args, spawn, start
 
 
 def _health(target: str, service: str = "", certs: PeerCertificates | None = None) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests import sidecar_proc
+from kvsidecar.testing import process as sidecar_proc
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 _THIRD_PARTY = (

@@ -37,7 +37,7 @@ from sglang.srt.server_args import ServerArgs, prepare_server_args
 
 from kvsidecar.client import SidecarClient
 from kvsidecar.integrations.sglang import share_kv_pool, share_metadata_buffers
-from tests import sidecar_proc
+from kvsidecar.testing import process as sidecar_proc
 from tests.sglang import harness
 from tests.sglang.harness import (
     AUX_ROWS,

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests import sidecar_proc
+from kvsidecar.testing import process as sidecar_proc
 
 SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 ROUTER = [sys.executable, "-m", "kvsidecar.integrations.vllm.router"]

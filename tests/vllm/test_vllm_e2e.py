@@ -26,7 +26,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from kvsidecar.client import SidecarClient  # noqa: E402
-from tests import sidecar_proc  # noqa: E402
+from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from tests.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 
 MAX_TOKENS = 8

@@ -57,7 +57,7 @@ from kvsidecar.integrations.vllm.geometry import (  # noqa: E402
     refuse_state_models,
 )
 from kvsidecar.plan import build_peer_plan  # noqa: E402
-from tests import sidecar_proc  # noqa: E402
+from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from tests.plan.plan_oracle import execute_plan  # noqa: E402
 from tests.vllm.kv_alloc import (  # noqa: E402
     LAYOUTS,

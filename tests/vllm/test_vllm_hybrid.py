@@ -48,7 +48,7 @@ from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
 from kvsidecar.integrations.vllm.scheduler import Load, StepWork  # noqa: E402
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
 from kvsidecar.plan import build_peer_plan  # noqa: E402
-from tests import sidecar_proc  # noqa: E402
+from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from tests.plan.plan_oracle import execute_plan  # noqa: E402
 from tests.vllm import sched  # noqa: E402
 from tests.vllm.kv_alloc import Memories, Rank, allocate, build_rank, kv_cache_config  # noqa: E402

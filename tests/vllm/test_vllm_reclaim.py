@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests import sidecar_proc
+from kvsidecar.testing import process as sidecar_proc
 from tests.vllm.tiny_llama import make_tiny_llama
 
 ENGINE = r"""

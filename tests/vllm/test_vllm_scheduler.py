@@ -48,9 +48,9 @@ from kvsidecar.integrations.vllm.connector import (  # noqa: E402
 from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
 from kvsidecar.integrations.vllm.scheduler import Hold, Load, StepWork  # noqa: E402
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
+from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from kvsidecar.testing import toy  # noqa: E402
 from kvsidecar.types import SidecarStatus  # noqa: E402
-from tests import sidecar_proc  # noqa: E402
 from tests.vllm import sched  # noqa: E402
 from tests.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Start and stop real `kvsidecar serve` processes for tests (bounded waits, no leaks)."""
+"""Start and stop real `kvsidecar serve` processes (tests, benchmarks; bounded waits, no leaks)."""
 
 from __future__ import annotations
 
