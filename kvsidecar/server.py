@@ -37,7 +37,13 @@ from kvsidecar.rpc.engine_service import EngineServicer
 from kvsidecar.rpc.handlers import service_handler
 from kvsidecar.rpc.lane import LaneServer
 from kvsidecar.rpc.peer_service import PeerServicer
-from kvsidecar.settings import DiscoveryKind, Settings, check_peer_tls, parse_host_port
+from kvsidecar.settings import (
+    DiscoveryKind,
+    Settings,
+    TransferBackendKind,
+    check_peer_tls,
+    parse_host_port,
+)
 from kvsidecar.systemd import SystemdNotifier
 from kvsidecar.types import lane_path
 from kvsidecar.v1 import engine_pb2, peer_pb2
@@ -166,9 +172,7 @@ class Sidecar:
             )
         self.metrics.peer_tls.set(0 if self._tls is None else 1)
         if self._backend is None:
-            from kvsidecar.engine.backend.nixl import NixlBackend
-
-            self._backend = NixlBackend(poll_delay_us=s.nixl_poll_delay_us)
+            self._backend = _transfer_backend(s)
         await self._backend.start()
         config = CoreConfig(
             lease_s=s.lease_s,
@@ -224,13 +228,14 @@ class Sidecar:
         core = self.core
         servicer = EngineServicer(
             core,
+            core.push_face,
             DrainControl(core, self.readiness, grace_s=s.grace_period_s),
             lambda: describe(self.discovery, core.peer_summaries()),
         )
         engine.add_generic_rpc_handlers((service_handler(servicer, engine_pb2, "EngineService"),))
         self._lane = LaneServer(Path(lane_path(str(s.engine_socket))), core, servicer)
         peer.add_generic_rpc_handlers(
-            (service_handler(PeerServicer(self.core), peer_pb2, "PeerService"),)
+            (service_handler(PeerServicer(core, core.push_face), peer_pb2, "PeerService"),)
         )
         service_names = [reflection.SERVICE_NAME]
         for server in (engine, peer):
@@ -391,6 +396,17 @@ async def run(settings: Settings) -> int:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+
+
+def _transfer_backend(s: Settings) -> TransferBackend:
+    """The backend the ``transfer_backend`` setting names (NIXL's is imported only when chosen)."""
+    if s.transfer_backend is TransferBackendKind.FAKE:
+        from kvsidecar.engine.backend.fake import FakeFabric
+
+        return FakeFabric.process().backend()
+    from kvsidecar.engine.backend.nixl import NixlBackend
+
+    return NixlBackend(poll_delay_us=s.nixl_poll_delay_us)
 
 
 def _push_config(s: Settings) -> PushConfig:

@@ -40,6 +40,15 @@ class DiscoveryKind(enum.Enum):
     ETCD = "etcd"
 
 
+class TransferBackendKind(enum.Enum):
+    """Which transfer library moves the bytes."""
+
+    NIXL = "nixl"  #: NIXL over UCX (production)
+    #: the in-process fake (``engine.backend.fake``): moves bytes only between sidecars of one
+    #: process (in-process test clusters, demos); a peer in another process is refused
+    FAKE = "fake"
+
+
 class Source(str, enum.Enum):
     """Where an effective setting came from (``kvsidecar config``)."""
 
@@ -176,6 +185,10 @@ class Settings(BaseSettings):
     shm_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
         default=(Path("/dev/shm"),),
         description="Directories host_shm memories may live in (comma-separated in env).",
+    )
+    transfer_backend: TransferBackendKind = Field(
+        default=TransferBackendKind.NIXL,
+        description="Transfer library: nixl, or fake (in-process only: tests and demos).",
     )
     nixl_poll_delay_us: int = Field(
         default=1000, ge=0, le=1_000_000, description="NIXL progress-thread poll delay (µs)."

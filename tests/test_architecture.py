@@ -101,7 +101,7 @@ def test_plan_imports_only_stdlib_numpy_and_errors() -> None:
 
 
 def test_only_nixl_backend_imports_nixl() -> None:
-    allowed = PACKAGE / "engine" / "backend" / "nixl.py"
+    allowed = PACKAGE / "engine" / "backend" / "nixl" / "backend.py"
     offenders = [
         f"{p.relative_to(PACKAGE.parent)}: {m}"
         for p in _sources()
@@ -192,19 +192,78 @@ def test_tools_and_testing_are_not_imported_by_the_daemon() -> None:
     assert not [m for m in client if m.startswith(("kvsidecar.engine", "kvsidecar.server"))]
 
 
-def test_no_module_over_400_lines_and_no_class_over_250() -> None:
-    """Small modules named for what they own (generated code aside)."""
-    too_long = []
-    for path in _sources():
+#: A module past this many lines is an outlier worth a look (generated code aside). Generous on
+#: purpose: size is a signal, not a rule; what a module owns decides where code goes.
+MAX_MODULE_LINES = 600
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent) if path.is_relative_to(PACKAGE.parent) else path)
+
+
+def long_modules(paths: list[Path]) -> list[str]:
+    out = []
+    for path in paths:
         lines = path.read_text().count("\n")
-        if lines > 400:
-            too_long.append(f"{path.relative_to(PACKAGE.parent)}: {lines} lines")
+        if lines > MAX_MODULE_LINES:
+            out.append(f"{_shown(path)}: {lines} lines")
+    return out
+
+
+def test_no_module_is_an_outlier() -> None:
+    assert long_modules(_sources()) == []
+
+
+def split_classes(paths: list[Path]) -> list[str]:
+    """Classes split in two by inheritance: a package class that is never used on its own (no
+    ``Name(`` call anywhere in the package) and is the base of exactly one other package class.
+    One class, one job: such a base is half of its subclass, moved elsewhere to fit a number.
+    Exceptions, protocols, enums and bases with several subclasses are real abstractions."""
+    defs: dict[str, tuple[Path, ast.ClassDef]] = {}
+    subclasses: dict[str, list[str]] = {}
+    called: set[str] = set()
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
-                n = node.end_lineno - node.lineno + 1
-                if n > 250:
-                    too_long.append(f"{path.relative_to(PACKAGE.parent)}: class {node.name} {n}")
-    assert too_long == []
+            if isinstance(node, ast.ClassDef):
+                defs[node.name] = (path, node)
+                for base in node.bases:
+                    name = ast.unparse(base).split("[")[0].rsplit(".", 1)[-1]
+                    subclasses.setdefault(name, []).append(node.name)
+            elif isinstance(node, ast.Call):
+                f = node.func
+                called.add(f.id if isinstance(f, ast.Name) else getattr(f, "attr", ""))
+    out = []
+    for name, subs in sorted(subclasses.items()):
+        if name not in defs or len(subs) != 1 or name in called:
+            continue
+        path, node = defs[name]
+        kinds = {ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases}
+        if kinds & {"Protocol", "Exception", "Enum", "ABC"} or name.endswith("Error"):
+            continue
+        out.append(f"{_shown(path)}: {name} is only the base of {subs[0]}")
+    return out
+
+
+def test_no_class_is_split_by_inheritance() -> None:
+    assert split_classes(_sources()) == []
+
+
+def test_the_size_and_split_rules_bite(tmp_path: Path) -> None:
+    """Guard against vacuous rules: a planted outlier and a planted split are both found."""
+    big = tmp_path / "big.py"
+    big.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    split = tmp_path / "split.py"
+    split.write_text(
+        "class Half:\n    def a(self) -> int:\n        return 1\n\n\n"
+        "class Whole(Half):\n    pass\n\n\nw = Whole()\n"
+    )
+    planted = [*_sources(), big, split]
+    assert [p for p in long_modules(planted) if "big.py" in p] == [
+        f"{big}: {MAX_MODULE_LINES + 1} lines"
+    ]
+    assert [p for p in split_classes(planted) if "split.py" in p] == [
+        f"{split}: Half is only the base of Whole"
+    ]
 
 
 def test_settings_read_only_at_the_edge() -> None:
@@ -231,6 +290,6 @@ def test_the_scanner_sees_imports() -> None:
     assert "kvsidecar.rpc.status" in _imports(PACKAGE / "rpc" / "engine_service.py")
     assert any(m.startswith("kvsidecar.engine") for _, m in _kvsidecar_imports("rpc"))
     # Guard against a scanner that silently finds nothing (which would make the tests above vacuous).
-    nixl = PACKAGE / "engine" / "backend" / "nixl.py"
+    nixl = PACKAGE / "engine" / "backend" / "nixl" / "backend.py"
     assert {"nixl_cu12", "nixl_cu13"} <= {m.split(".")[0] for m in _imports(nixl)}
     assert "kvsidecar.errors" in _imports(PACKAGE / "settings.py")

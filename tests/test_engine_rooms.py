@@ -24,7 +24,14 @@ COMPOSERS = frozenset(f"kvsidecar.engine.{m}" for m in ("core", "parts", "regist
 LOCAL = "kvsidecar.engine.local"
 #: What code outside ``engine/`` may import of it: the face, the leaves, the batch value, and the
 #: backend package to pick a backend (the composition root, tools, the test harness).
-FACE = frozenset({"kvsidecar.engine.core", "kvsidecar.engine.reads.batch", *LEAVES})
+FACE = frozenset(
+    {
+        "kvsidecar.engine.core",
+        "kvsidecar.engine.writes.face",
+        "kvsidecar.engine.reads.batch",
+        *LEAVES,
+    }
+)
 BACKEND_FACE = frozenset(
     {"kvsidecar.engine.backend", "kvsidecar.engine.backend.nixl", "kvsidecar.engine.backend.fake"}
 )

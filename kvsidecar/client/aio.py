@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 
+from kvsidecar.client import push as push_requests
 from kvsidecar.client import requests
-from kvsidecar.client.push import AsyncPushCalls
 from kvsidecar.client.requests import BlockIdGroups, ReadSpec, StepSpec
 from kvsidecar.client.session import AsyncSession
 from kvsidecar.errors import KvSidecarError, UnimplementedError
@@ -30,17 +30,22 @@ from kvsidecar.types import (
     Drained,
     EngineRole,
     Event,
+    GrantIssued,
     PlanInfo,
+    PushPosted,
+    PushTarget,
     ReadPosted,
     Registered,
+    Revoked,
     SidecarStatus,
     StepDone,
 )
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire import engine as wire
+from kvsidecar.wire import push as wire_push
 
 
-class AsyncSidecarClient(AsyncPushCalls):
+class AsyncSidecarClient:
     """asyncio client; same methods as ``SidecarClient``, awaitable. Use ``async with``."""
 
     def __init__(self, target: str, *, timeout_s: float = 10.0, session: bool = True) -> None:
@@ -272,3 +277,43 @@ class AsyncSidecarClient(AsyncPushCalls):
                 raise requests.error_from_rpc(exc) from None
         finally:
             call.cancel()
+
+    # --- push mode (docs/push.md) ------------------------------------------------------------
+
+    async def grant(
+        self,
+        request_id: str,
+        *,
+        remote_engine_id: str,
+        local_block_ids: BlockIdGroups,
+        endpoints: Sequence[str] = (),
+        endpoint: str = "",
+        ttl_s: float = 0.0,
+    ) -> GrantIssued:
+        request = push_requests.grant(
+            request_id, remote_engine_id, local_block_ids, endpoints, endpoint, ttl_s
+        )
+        return wire_push.grant_issued_from_proto(await self._call(self._stub.Grant, request))
+
+    async def revoke(self, request_id: str) -> Revoked:
+        request = engine_pb2.RevokeRequest(request_id=request_id)
+        return wire_push.revoked_from_proto(await self._call(self._stub.Revoke, request))
+
+    async def push(
+        self,
+        request_id: str,
+        *,
+        remote_engine_id: str,
+        targets: Sequence[PushTarget],
+        local_block_ids: BlockIdGroups,
+        offsets: Sequence[int] = (),
+        last: bool,
+    ) -> PushPosted:
+        request = push_requests.push(
+            request_id, remote_engine_id, targets, local_block_ids, offsets, last
+        )
+        return wire_push.push_posted_from_proto(await self._call(self._stub.Push, request))
+
+    async def abort_push(self, request_id: str, message: str = "") -> None:
+        request = engine_pb2.AbortPushRequest(request_id=request_id, message=message)
+        await self._call(self._stub.AbortPush, request)

@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
+from kvsidecar.client import push as push_requests
 from kvsidecar.client import requests
-from kvsidecar.client.push import PushCalls
 from kvsidecar.client.requests import BlockIdGroups, ReadSpec, StepSpec
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory.types import MemorySpec
@@ -28,18 +28,23 @@ from kvsidecar.types import (
     Drained,
     EngineRole,
     Event,
+    GrantIssued,
     PlanInfo,
+    PushPosted,
+    PushTarget,
     ReadPosted,
     Registered,
+    Revoked,
     SidecarStatus,
     StepDone,
 )
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, trace_pb2
 from kvsidecar.wire import engine as wire
+from kvsidecar.wire import push as wire_push
 from kvsidecar.wire.trace import Explanation, explanation_from_proto
 
 
-class SidecarClient(PushCalls):
+class SidecarClient:
     """Blocking client. ``target``: a socket path, ``unix:PATH`` or ``host:port``."""
 
     def __init__(self, target: str, *, timeout_s: float = 10.0) -> None:
@@ -234,3 +239,50 @@ class SidecarClient(PushCalls):
                 raise requests.error_from_rpc(exc) from None
         finally:
             stream.cancel()
+
+    # --- push mode (docs/push.md) ------------------------------------------------------------
+
+    def grant(
+        self,
+        request_id: str,
+        *,
+        remote_engine_id: str,
+        local_block_ids: BlockIdGroups,
+        endpoints: Sequence[str] = (),
+        endpoint: str = "",
+        ttl_s: float = 0.0,
+    ) -> GrantIssued:
+        """Consumer: let ``remote_engine_id`` write ``local_block_ids`` (``ttl_s`` 0: the
+        sidecar's default); hand the result to each of its ``writer_ranks``. The grant ends
+        with one RECV_DONE / RECV_FAILED event under ``request_id``."""
+        request = push_requests.grant(
+            request_id, remote_engine_id, local_block_ids, endpoints, endpoint, ttl_s
+        )
+        return wire_push.grant_issued_from_proto(self._call(self._stub.Grant, request))
+
+    def revoke(self, request_id: str) -> Revoked:
+        """Consumer: end a grant; ``quiet``: no WRITE of it can land any more."""
+        request = engine_pb2.RevokeRequest(request_id=request_id)
+        return wire_push.revoked_from_proto(self._call(self._stub.Revoke, request))
+
+    def push(
+        self,
+        request_id: str,
+        *,
+        remote_engine_id: str,
+        targets: Sequence[PushTarget],
+        local_block_ids: BlockIdGroups,
+        offsets: Sequence[int] = (),
+        last: bool,
+    ) -> PushPosted:
+        """Producer: WRITE one chunk into the targets' grants at ``offsets`` (per group) of
+        their block ids. The push ends with one SEND_DONE / SEND_FAILED event."""
+        request = push_requests.push(
+            request_id, remote_engine_id, targets, local_block_ids, offsets, last
+        )
+        return wire_push.push_posted_from_proto(self._call(self._stub.Push, request))
+
+    def abort_push(self, request_id: str, message: str = "") -> None:
+        """Producer: give up a push; its consumers are told at once."""
+        request = engine_pb2.AbortPushRequest(request_id=request_id, message=message)
+        self._call(self._stub.AbortPush, request)

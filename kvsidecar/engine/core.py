@@ -22,6 +22,7 @@ from kvsidecar.engine.model import (
     Consumed,
     CoreConfig,
     Endpoints,
+    Gate,
     Heartbeat,
     Hold,
     Notified,
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 _bugs = RateLimited(log)  # a bug may fail one item of every step
 
 
-class EngineCore(PushFace):  # push mode's methods: writes.face
+class EngineCore:
     """Everything behind the gRPC services. Call ``start`` once, ``aclose`` once."""
 
     def __init__(
@@ -72,14 +73,34 @@ class EngineCore(PushFace):  # push mode's methods: writes.face
         self._events, self._peers, self._reads, self._guard = p.events, p.peers, p.reads, p.guard
         self._producer, self._consumer, self._registrar = p.producer, p.consumer, p.registrar
         self._handshakes, self._poller, self._link = p.handshakes, p.poller, p.link
-        self._granter, self._pusher = p.granter, p.pusher  # PushFace's
         self._sessions = SessionCounters()
-        self.draining = False  # refusing new reads, holds and registrations (drain or stop)
-        # the sidecar is closing its listeners: dropped streams are not deaths
-        self.stopping = False
-        # This sidecar's advertised PeerService address: the server sets it once PeerService is
-        # bound, before any RPC is served.
-        self.peer_endpoint = ""
+        self._gate = Gate()
+        #: push mode's face (Grant, Push, ... and their PeerService calls), for the servicers
+        self.push_face = PushFace(granter=p.granter, pusher=p.pusher, gate=self._gate)
+
+    @property
+    def draining(self) -> bool:
+        """Refusing new reads, holds, grants, pushes and registrations (drain or stop)."""
+        return self._gate.draining
+
+    @property
+    def stopping(self) -> bool:
+        """The sidecar is closing its listeners: dropped streams are not engine deaths."""
+        return self._gate.stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        self._gate.stopping = value
+
+    @property
+    def peer_endpoint(self) -> str:
+        """This sidecar's advertised PeerService address: the server sets it once PeerService
+        is bound, before any RPC is served."""
+        return self._gate.peer_endpoint
+
+    @peer_endpoint.setter
+    def peer_endpoint(self, value: str) -> None:
+        self._gate.peer_endpoint = value
 
     @property
     def board_memory(self) -> BoardMemory:
@@ -99,7 +120,7 @@ class EngineCore(PushFace):  # push mode's methods: writes.face
     @property
     def idle(self) -> bool:
         """No read in flight, no handle left to release, no hold, grant or push active."""
-        return self._reads.idle and not self._producer.holds_active and not self.push_busy()
+        return self._reads.idle and not self._producer.holds_active and not self.push_face.busy()
 
     def in_flight(self) -> tuple[int, int]:
         """(reads accepted and not ended, holds active) now."""
@@ -107,7 +128,7 @@ class EngineCore(PushFace):  # push mode's methods: writes.face
 
     async def drain(self, grace_s: float) -> bool:
         """Refuse new work; wait up to ``grace_s`` for in-flight reads and holds. True if drained."""
-        self.draining = True
+        self._gate.draining = True
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             if self.idle:
@@ -121,11 +142,11 @@ class EngineCore(PushFace):  # push mode's methods: writes.face
     def resume(self) -> None:
         """End a drain: new reads, holds and registrations are accepted again."""
         if not self.stopping:
-            self.draining = False
+            self._gate.draining = False
 
     async def aclose(self) -> None:
         """Fail what is left, release peers, memory and the backend; stop the poller."""
-        self.draining = self.stopping = True
+        self._gate.draining = self._gate.stopping = True
         await self._p.aclose()
 
     async def reload_tls(self, tls: PeerTls | None) -> None:

@@ -37,6 +37,17 @@ class Tracer(Protocol):
     def known(self, key: str) -> bool: ...
 
 
+@dataclass(slots=True, kw_only=True)
+class Gate:
+    """What the sidecar as a whole is doing now, shared by the engine's faces (``EngineCore``
+    and ``writes.face.PushFace``): one object, set by the core and the server."""
+
+    draining: bool = False  #: refusing new reads, holds, grants, pushes and registrations
+    stopping: bool = False  #: closing its listeners: dropped streams are not deaths
+    #: this sidecar's advertised PeerService address (set once PeerService is bound)
+    peer_endpoint: str = ""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerTls:
     """Mutual TLS between sidecars: PEM bytes of the CA bundle that signs every peer, and this

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvsidecar.engine.admission import Admission
+from kvsidecar.engine.backend.completions import Completions
 from kvsidecar.engine.backend.contract import (
     DlistHandle,
     MemoryRegistration,
@@ -120,6 +121,7 @@ class Parts:
 
     config: CoreConfig
     events: EventHub
+    completions: Completions  # the backend's one completion sink, routed by handle
     link: PeerLink
     peers: PeerRegistry
     confirmer: Confirmer
@@ -146,6 +148,7 @@ class Parts:
         discovered: Callable[[str], Endpoints] | None,
     ) -> Parts:
         events = EventHub(max_buffered=config.max_queued_events)
+        completions = Completions(backend)
         link = PeerLink(timeout_s=config.handshake_timeout_s, tls=config.tls)
         peers = PeerRegistry(backend=backend, link=link)
         read_trace = TraceRing(size=config.trace_requests, max_age_s=config.trace_age_s)
@@ -199,6 +202,7 @@ class Parts:
             guard=guard,
             peers=peers,
             grants=granter.book,
+            completions=completions,
             probe_s=config.cost_probe_s,
         )
         handshakes = Handshakes(
@@ -218,7 +222,13 @@ class Parts:
             read_deadline_s=config.read_deadline_s,
             on_posted=poller.wake,
         )
-        pusher = Pusher(backend=backend, peers=peers, events=events, config=config.push)
+        pusher = Pusher(
+            backend=backend,
+            completions=completions,
+            peers=peers,
+            events=events,
+            config=config.push,
+        )
 
         async def drop_writes(reason: FailReason, why: str) -> None:
             granter.drop_all(reason, why)
@@ -238,6 +248,7 @@ class Parts:
         return cls(
             config=config,
             events=events,
+            completions=completions,
             link=link,
             peers=peers,
             confirmer=confirmer,
@@ -269,7 +280,7 @@ class Parts:
             self.producer.board = board
             if slots is not None:
                 self.reads.use_boards(slots)
-        self.reads.watch()
+        self.completions.start(rest=self.reads.completed)
         self.poller.start()
 
     async def aclose(self) -> None:
@@ -282,6 +293,7 @@ class Parts:
         await self.poller.aclose()
         await self.confirmer.aclose()
         await self.link.aclose()
+        self.completions.stop()
         await self.reads.aclose()
         self.producer.board = HoldBoard(None)
         await self.boards.aclose()

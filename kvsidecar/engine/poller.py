@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 
+from kvsidecar.engine.backend.completions import Completions
 from kvsidecar.engine.backend.contract import TransferBackend
 from kvsidecar.engine.holds.producer import Producer
 from kvsidecar.engine.peers.probe import probe
@@ -51,6 +52,7 @@ class Poller:
         guard: PeerGuard,
         peers: PeerRegistry,
         grants: GrantBook | None = None,
+        completions: Completions | None = None,
         probe_s: float = 0.0,
     ) -> None:
         self._backend = backend
@@ -59,6 +61,7 @@ class Poller:
         self._guard = guard
         self._peers = peers
         self._grants = grants  # push mode's grants, reaped with the leases
+        self._completions = completions  # handles awaited (WRITEs), polled on each tick
         self._wake = asyncio.Event()
         self._drained = 0.0  # loop time of the last NIXL notification drain
         self._task: asyncio.Task[None] | None = None
@@ -96,7 +99,8 @@ class Poller:
                 raise
             except Exception:  # a bug here must not stop every transfer
                 log.exception("poller iteration failed")
-            if not self._transfers.idle:
+            awaited = self._completions is not None and self._completions.busy
+            if not self._transfers.idle or awaited:
                 interval = _BUSY_S
             else:
                 holding = self._producer.holds_active or (self._grants and len(self._grants))
@@ -113,6 +117,8 @@ class Poller:
             blamed = set()
         for engine_id in blamed:
             await self._guard.quarantine(engine_id, f"a READ from {engine_id!r} failed or hung")
+        if self._completions is not None:
+            await self._completions.poll()
         now = asyncio.get_running_loop().time()
         if now - self._drained >= _DRAIN_S:
             self._drained = now

@@ -19,6 +19,7 @@ from kvsidecar.engine.core import EngineCore
 from kvsidecar.engine.model import Endpoints, Notified, NotifyOutcome, ReadCommand
 from kvsidecar.engine.reads.batch import ReadBatch
 from kvsidecar.engine.stats import ReadPhase
+from kvsidecar.engine.writes.face import PushFace
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.limits import (
     MAX_BATCH_READS,
@@ -67,10 +68,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     raising ``KvSidecarError`` (the unary handlers map it to a status, a Session to its reply)."""
 
     def __init__(
-        self, core: EngineCore, drainer: Drainer, discovery: Callable[[], DiscoveryInfo]
+        self,
+        core: EngineCore,
+        push: PushFace,
+        drainer: Drainer,
+        discovery: Callable[[], DiscoveryInfo],
     ) -> None:
-        """``discovery``: fleet discovery's state and engines now (the Peers RPC)."""
+        """``push``: push mode's face; ``discovery``: fleet discovery's state and engines now
+        (the Peers RPC)."""
         self._core = core
+        self._push = push
         self._drainer = drainer
         self._discovery = discovery
 
@@ -201,18 +208,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Grant(
         self, request: engine_pb2.GrantRequest, context: Any
     ) -> engine_pb2.GrantResponse:
-        return grant_issued_to_proto(await self._core.grant(decode.grant_command(request)))
+        return grant_issued_to_proto(await self._push.grant(decode.grant_command(request)))
 
     @errors_to_status
     async def Revoke(
         self, request: engine_pb2.RevokeRequest, context: Any
     ) -> engine_pb2.RevokeResponse:
         check_id("request_id", request.request_id)
-        return revoked_to_proto(await self._core.revoke(request.request_id))
+        return revoked_to_proto(await self._push.revoke(request.request_id))
 
     @errors_to_status
     async def Push(self, request: engine_pb2.PushRequest, context: Any) -> engine_pb2.PushResponse:
-        return push_posted_to_proto(await self._core.push(decode.push_command(request)))
+        return push_posted_to_proto(await self._push.push(decode.push_command(request)))
 
     @errors_to_status
     async def AbortPush(
@@ -220,7 +227,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.AbortPushResponse:
         check_id("request_id", request.request_id)
         check_chars("message", request.message, MAX_ID_CHARS)
-        await self._core.abort_push(request.request_id, request.message)
+        await self._push.abort_push(request.request_id, request.message)
         return engine_pb2.AbortPushResponse()
 
     @errors_to_status

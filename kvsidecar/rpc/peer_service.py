@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 
 from kvsidecar.engine.core import EngineCore
+from kvsidecar.engine.writes.face import PushFace
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.limits import MAX_ID_CHARS, check_chars, check_duration
 from kvsidecar.rpc.status import errors_to_status, status_for, status_message
@@ -31,8 +32,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     """GetAgent (the metadata to read from this rank), Notify and NotifyStream (consumers'
     notifications, each answered with an outcome) and GetEngine (the engine's directory)."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, push: PushFace) -> None:
         self._core = core
+        self._push = push  # push mode's face
 
     @errors_to_status
     async def GetAgent(
@@ -82,7 +84,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         check_chars("writer_engine_id", request.writer_engine_id, MAX_ID_CHARS)
         check_chars("token", request.token)
         writer = (request.writer_engine_id, request.writer_rank)
-        view = self._core.get_grant(request.engine_id, request.tp_rank, request.token, writer)
+        view = self._push.get_grant(request.engine_id, request.tp_rank, request.token, writer)
         return grant_view_to_proto(view)
 
     @errors_to_status
@@ -90,7 +92,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self, request: peer_pb2.WriteNotifyRequest, context: Any
     ) -> peer_pb2.WriteNotifyResponse:
         engine_id, rank, notices = notices_from_proto(request)
-        epoch, outcomes = self._core.write_notify(engine_id, rank, notices)
+        epoch, outcomes = self._push.write_notify(engine_id, rank, notices)
         return outcomes_to_proto(epoch, outcomes)
 
     @errors_to_status
@@ -100,7 +102,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         check_chars("engine_id", request.engine_id, MAX_ID_CHARS)
         check_chars("token", request.token)
         check_duration("timeout_s", request.timeout_s, MAX_GRANT_TTL_S)
-        waited = await self._core.revoke_grant(
+        waited = await self._push.revoke_grant(
             request.engine_id, request.tp_rank, request.token, request.timeout_s
         )
         return peer_pb2.RevokeGrantResponse(writes_waited=waited)
@@ -112,7 +114,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     ) -> AsyncIterator[peer_pb2.WriterBeat]:
         try:
             check_chars("engine_id", request.engine_id, MAX_ID_CHARS)
-            async for epoch in self._core.writer_beats(request.engine_id, request.tp_rank):
+            async for epoch in self._push.writer_beats(request.engine_id, request.tp_rank):
                 yield peer_pb2.WriterBeat(epoch=epoch)
         except KvSidecarError as exc:
             context.set_code(status_for(exc))

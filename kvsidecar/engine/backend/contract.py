@@ -20,7 +20,6 @@ from typing import NamedTuple, Protocol
 
 import numpy.typing as npt
 
-from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import BackendError
 from kvsidecar.memory.types import MemoryRegion, MemType
 
@@ -30,12 +29,23 @@ __all__ = [
     "MemType",
     "MemoryRegistration",
     "Notification",
+    "PostPhase",
     "RemoteAgent",
     "TransferBackend",
     "XferHandle",
     "XferState",
     "XferTelemetry",
 ]
+
+
+class PostPhase(enum.Enum):
+    """Where a post's time went, as far as a backend can tell (the values name the Read phases
+    of the same name in the engine's statistics)."""
+
+    HOP = "hop"  #: queued for the transfer agent's thread -> running there
+    MAKE = "make"  #: the backend builds the transfer request (NIXL makeXferReq)
+    POST = "post"  #: the backend posts it (postXferReq; same-host cma copies inside)
+    BACK = "back"  #: the agent thread is done -> the event loop resumes the caller
 
 
 class XferState(enum.Enum):
@@ -97,7 +107,7 @@ class XferHandle:
     done_at_post: bool = False
     #: seconds the post spent per phase, as far as the backend can tell (for /metrics); not part
     #: of the handle's identity
-    phases: tuple[tuple[ReadPhase, float], ...] = field(default=(), compare=False)
+    phases: tuple[tuple[PostPhase, float], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

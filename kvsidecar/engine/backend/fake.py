@@ -54,6 +54,9 @@ class FakeFaults:
     stall: bool = False  #: it stays ``PROC`` forever (until released or its peer dies)
 
 
+_PROCESS_FABRIC: FakeFabric | None = None
+
+
 class FakeFabric:
     """The agents that can reach each other. ``disconnect(name)`` simulates that agent's process
     dying: READs from it, WRITEs and notifications to it fail with ``RemoteDisconnectedError``."""
@@ -62,6 +65,19 @@ class FakeFabric:
         self.token = uuid.uuid4().hex
         self._agents: dict[str, FakeBackend] = {}
         self._dead: set[str] = set()
+
+    @classmethod
+    def process(cls) -> FakeFabric:
+        """This process's shared fabric (the ``fake`` transfer-backend setting: every sidecar of
+        one process reaches the others; another process's fabric is another token)."""
+        global _PROCESS_FABRIC
+        if _PROCESS_FABRIC is None:
+            _PROCESS_FABRIC = cls()
+        return _PROCESS_FABRIC
+
+    def backend(self) -> FakeBackend:
+        """A new agent on this fabric."""
+        return FakeBackend(self)
 
     def attach(self, backend: FakeBackend) -> None:
         if backend.agent_name in self._agents:

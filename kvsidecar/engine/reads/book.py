@@ -191,8 +191,7 @@ class ReadBook:
             await self._close(r)
 
     async def aclose(self) -> None:
-        """Stop hearing of completions and checking boards (the registration is gone)."""
-        self._backend.set_completion_sink(None)
+        """Stop checking boards (the registration is gone)."""
         if self._later is not None:
             await self._later.aclose()
         await self.transfers.release_retired()

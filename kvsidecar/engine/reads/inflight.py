@@ -237,12 +237,9 @@ class InFlightReads(ReadBook):
     # --- polling --------------------------------------------------------------------------------
 
     def completed(self, done: Sequence[tuple[XferHandle, XferState]]) -> None:
-        """The backend saw transfers complete between polls (``set_completion_sink``)."""
+        """The backend saw transfers complete between polls (routed here by the engine's
+        ``Completions``: every completion nobody else awaits)."""
         self._advance(self.transfers.completed(done))
-
-    def watch(self) -> None:
-        """Learn of completions as the backend sees them, not only from ``poll``."""
-        self._backend.set_completion_sink(self.completed)
 
     async def poll(self, local: LocalEngine | None) -> set[str]:
         """Advance every in-flight read once. Returns engine ids of peers to quarantine (a READ

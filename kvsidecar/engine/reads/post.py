@@ -113,7 +113,7 @@ async def post_reads(
                 )
             report.descriptors.observe(len(ids.local_desc_ids))
             for phase, seconds in handle.phases:
-                report.phases.observe(phase, seconds)
+                report.phases.observe(ReadPhase(phase.value), seconds)
     except BaseException:
         for h in (*handles, *chained):
             with contextlib.suppress(Exception):

@@ -14,16 +14,15 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
-from kvsidecar.engine.backend.contract import TransferBackend, XferHandle, XferState
+from kvsidecar.engine.backend.contract import PostPhase, TransferBackend, XferHandle, XferState
 from kvsidecar.engine.peers.costs import CostMatrix
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.boards import BoardSlots
 from kvsidecar.engine.reads.state import Xfer
-from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import KvSidecarError
 
 log = RateLimited(logging.getLogger(__name__))
-_IN_POST = (ReadPhase.MAKE, ReadPhase.POST)  # a READ done inside its post took these
+_IN_POST = (PostPhase.MAKE, PostPhase.POST)  # a READ done inside its post took these
 
 
 class Transfers:

@@ -1,12 +1,12 @@
-"""Push mode's part of the engine's face: ``EngineCore`` inherits these methods, so callers
-outside the engine (the servicers) reach push mode through the core like everything else."""
+"""Push mode's face: what the servicers call for push mode, injected into them by the server
+(``EngineCore.push_face``) beside the core's own face. It shares the core's ``Gate``."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
 
-from kvsidecar.engine.model import GrantCommand, PushCommand
+from kvsidecar.engine.model import Gate, GrantCommand, PushCommand
 from kvsidecar.engine.stats import PushStats
 from kvsidecar.engine.writes.granter import Granter
 from kvsidecar.engine.writes.pusher import Pusher
@@ -17,14 +17,15 @@ from kvsidecar.wire.push import GrantView, WriteNotice, WriteOutcome
 
 class PushFace:
     """Grant, Revoke, Push, AbortPush (EngineService) and GetGrant, WriteNotify, RevokeGrant,
-    WatchWriter (PeerService). The core sets ``_granter``, ``_pusher`` and ``draining``."""
+    WatchWriter (PeerService), over the consumer's ``granter`` and the producer's ``pusher``;
+    ``gate`` says whether the sidecar drains and where its PeerService is."""
 
-    _granter: Granter
-    _pusher: Pusher
-    draining: bool
-    peer_endpoint: str
+    def __init__(self, *, granter: Granter, pusher: Pusher, gate: Gate) -> None:
+        self._granter = granter
+        self._pusher = pusher
+        self._gate = gate
 
-    def push_busy(self) -> bool:
+    def busy(self) -> bool:
         """A grant waits for writes, or a push is in progress (a drain waits for both)."""
         return bool(len(self._granter.book) or len(self._pusher))
 
@@ -32,10 +33,10 @@ class PushFace:
 
     async def grant(self, cmd: GrantCommand) -> GrantIssued:
         """A write grant into local blocks (see ``Granter.grant``)."""
-        if self.draining:
+        if self._gate.draining:
             raise ShuttingDownError("sidecar is shutting down; no new grants")
         issued = await self._granter.grant(cmd)
-        return dataclasses.replace(issued, peer_endpoint=self.peer_endpoint)
+        return dataclasses.replace(issued, peer_endpoint=self._gate.peer_endpoint)
 
     async def revoke(self, request_id: str) -> Revoked:
         return await self._granter.revoke(request_id)
@@ -54,7 +55,7 @@ class PushFace:
 
     async def push(self, cmd: PushCommand) -> PushPosted:
         """WRITE one chunk into the targets' grants (see ``Pusher.push``)."""
-        if self.draining and not self._pusher.in_progress(cmd.request_id):
+        if self._gate.draining and not self._pusher.in_progress(cmd.request_id):
             raise ShuttingDownError("sidecar is shutting down; no new pushes")
         return await self._pusher.push(cmd)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvsidecar.engine.backend.completions import Completions
 from kvsidecar.engine.backend.contract import (
     TransferBackend,
     XferHandle,
@@ -40,7 +41,7 @@ from kvsidecar.engine.model import IdArrays, PushCommand, PushConfig
 from kvsidecar.engine.peers.registry import PeerRegistry
 from kvsidecar.engine.writes.calls import get_grant, tell_aborted, write_notify
 from kvsidecar.engine.writes.rows import push_descriptor_ids
-from kvsidecar.engine.writes.targets import Target, Targets, need, wait_write
+from kvsidecar.engine.writes.targets import Target, Targets, need
 from kvsidecar.engine.writes.tokens import WriteTokens
 from kvsidecar.errors import (
     BackendError,
@@ -92,11 +93,14 @@ class Pusher:
         self,
         *,
         backend: TransferBackend,
+        completions: Completions,
         peers: PeerRegistry,
         events: EventHub,
         config: PushConfig,
     ) -> None:
+        """``completions``: where a WRITE's end is awaited (the backend's one sink)."""
         self._backend = backend
+        self._completions = completions
         self._peers = peers
         self._events = events
         self._config = config
@@ -230,7 +234,11 @@ class Pusher:
         try:
             try:
                 if handle is not None:
-                    await wait_write(self._backend, handle, self._config.write_timeout_s)
+                    await self._completions.wait(
+                        handle,
+                        self._config.write_timeout_s,
+                        what="a WRITE (write_timeout_s)",
+                    )
             finally:
                 self._tokens.landed(t.token)
                 if handle is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from dataclasses import dataclass
 
 from kvsidecar.engine.backend.contract import (
@@ -19,15 +18,11 @@ from kvsidecar.engine.backend.contract import (
     MemType,
     RemoteAgent,
     TransferBackend,
-    XferHandle,
-    XferState,
 )
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.peers.link import PeerLink
 from kvsidecar.engine.writes.rows import group_id_bytes, write_rank_plan
 from kvsidecar.errors import (
-    BackendError,
-    DeadlineExceededError,
     FailedPreconditionError,
     KvSidecarError,
 )
@@ -134,25 +129,3 @@ def need(dlist: DlistHandle | None) -> DlistHandle:
     if dlist is None:
         raise FailedPreconditionError("the push target was released meanwhile; retry")
     return dlist
-
-
-async def wait_write(backend: TransferBackend, handle: XferHandle, timeout_s: float) -> None:
-    """Until ``handle`` (a WRITE) is DONE; its error if it fails; DeadlineExceededError past
-    ``timeout_s`` (the caller releases it, which aborts it)."""
-    if handle.done_at_post:
-        return
-    deadline = time.monotonic() + timeout_s
-    delay = 50e-6
-    while True:
-        (state,) = await backend.poll((handle,))
-        if state is XferState.DONE:
-            return
-        if state is XferState.ERR:
-            err = backend.xfer_error(handle)
-            raise err if err is not None else BackendError("WRITE failed")
-        if time.monotonic() >= deadline:
-            raise DeadlineExceededError(
-                f"a WRITE stayed in flight past write_timeout_s={timeout_s:g}"
-            )
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 2e-3)

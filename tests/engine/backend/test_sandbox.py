@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvsidecar.engine.backend.nixl import NixlBackend
-from kvsidecar.engine.backend.sandbox import MetadataSandbox
+from kvsidecar.engine.backend.nixl.sandbox import MetadataSandbox
 from kvsidecar.errors import MetadataRefusedError
 
 

@@ -2,8 +2,8 @@
 
 The only module that imports NIXL. It loads the wheel's variant bindings (``nixl_cu1x._bindings``)
 directly: the ``nixl`` meta-package may import torch (~1 s) and its wrapper hard-codes a busy
-progress thread (see ``nixl_support.create_agent``). ``NixlBackend`` is the asyncio face: it checks
-arguments on the loop and runs each call of ``nixl_agent.NixlAgent`` (which owns the agent and its
+progress thread (see ``support.create_agent``). ``NixlBackend`` is the asyncio face: it checks
+arguments on the loop and runs each call of ``agent.NixlAgent`` (which owns the agent and its
 handles) on the dedicated agent thread, bounded by ``call_timeout_s``. Remote agent metadata is
 loaded first in the metadata checker process (``sandbox``), never straight into this one.
 """
@@ -24,12 +24,12 @@ from typing import TypeVar
 
 import numpy.typing as npt
 
-from kvsidecar.engine.backend.agent_thread import AgentThread, CallTiming
 from kvsidecar.engine.backend.contract import (
     CompletionSink,
     DlistHandle,
     MemoryRegistration,
     Notification,
+    PostPhase,
     ReadPair,
     RemoteAgent,
     XferHandle,
@@ -37,12 +37,12 @@ from kvsidecar.engine.backend.contract import (
     XferTelemetry,
 )
 from kvsidecar.engine.backend.handles import StridedRows
-from kvsidecar.engine.backend.nixl_agent import NixlAgent, post_chain
-from kvsidecar.engine.backend.nixl_support import (
+from kvsidecar.engine.backend.nixl.agent import NixlAgent, post_chain
+from kvsidecar.engine.backend.nixl.sandbox import MetadataSandbox, shared
+from kvsidecar.engine.backend.nixl.support import (
     variant_candidates,
 )
-from kvsidecar.engine.backend.sandbox import MetadataSandbox, shared
-from kvsidecar.engine.stats import ReadPhase
+from kvsidecar.engine.backend.nixl.thread import AgentThread, CallTiming
 from kvsidecar.errors import (
     BackendError,
     ConfigError,
@@ -239,7 +239,7 @@ class NixlBackend:
         agent = self._require_agent(what)
         timing = CallTiming()
         h = await self._thread.call(functools.partial(post, agent), what=what, timing=timing)
-        hops = ((ReadPhase.HOP, timing.hop), (ReadPhase.BACK, timing.back))
+        hops = ((PostPhase.HOP, timing.hop), (PostPhase.BACK, timing.back))
         return dataclasses.replace(h, phases=(*h.phases, *hops))
 
     async def post_reads(
@@ -251,7 +251,7 @@ class NixlBackend:
             lambda: post_chain(agent, reads, then), what="post_reads", timing=timing
         )
         # The hops are the call's: counted once, on its first handle.
-        hops = ((ReadPhase.HOP, timing.hop), (ReadPhase.BACK, timing.back))
+        hops = ((PostPhase.HOP, timing.hop), (PostPhase.BACK, timing.back))
         if first:
             first = (dataclasses.replace(first[0], phases=(*first[0].phases, *hops)), *first[1:])
         return first, second

@@ -1,7 +1,7 @@
 """The synchronous half of the NIXL backend: one NIXL agent and every handle it owns.
 
 Every method runs on the backend's agent thread only (``NixlBackend`` sends each call there) and
-receives nothing but values and handles; the NIXL bindings module is passed in by ``nixl_backend``,
+receives nothing but values and handles; the NIXL bindings module is passed in by ``backend``,
 the only module that imports NIXL. Handle ownership lives in one ``HandleBook``: NIXL handles are raw
 integers, and passing a stale one can hang the agent, so every handle is checked against the book
 before NIXL sees it, and released exactly once.
@@ -26,6 +26,7 @@ from kvsidecar.engine.backend.contract import (
     DlistSide,
     MemoryRegistration,
     Notification,
+    PostPhase,
     ReadPair,
     RemoteAgent,
     XferHandle,
@@ -33,13 +34,12 @@ from kvsidecar.engine.backend.contract import (
     XferTelemetry,
 )
 from kvsidecar.engine.backend.handles import HandleBook, StridedRows
-from kvsidecar.engine.backend.nixl_support import (
+from kvsidecar.engine.backend.nixl.support import (
     create_agent,
     notifications_from,
     telemetry_from,
     translate_error,
 )
-from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import BackendError, BackendInvalidParamError
 from kvsidecar.memory.types import MemoryRegion, MemType
 
@@ -232,7 +232,7 @@ class NixlAgent:
             self._suspect.add(r.remote_agent)
             _guard(lambda: self.release_xfer(h))
             raise
-        timed = ((ReadPhase.MAKE, t1 - t0), (ReadPhase.POST, time.perf_counter() - t1))
+        timed = ((PostPhase.MAKE, t1 - t0), (PostPhase.POST, time.perf_counter() - t1))
         # done_at_post: completed inside the post (same-host cma)
         h = dataclasses.replace(h, done_at_post=status == b.NIXL_SUCCESS, phases=timed)
         book.xfers[h.id] = (h, *book.xfers[h.id][1:])

@@ -57,7 +57,7 @@ class MetadataSandbox:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "kvsidecar.engine.backend.sandbox_worker",
+                "kvsidecar.engine.backend.nixl.sandbox_worker",
                 str(os.getpid()),
                 *([self._variant] if self._variant else []),
                 stdin=asyncio.subprocess.PIPE,

@@ -1,7 +1,7 @@
 """The metadata checker process: loads untrusted remote agent metadata into a throwaway NIXL agent,
 where a native fault costs nothing but this process (``sandbox`` starts it and talks to it).
 
-Run as ``python -m kvsidecar.engine.backend.sandbox_worker PARENT_PID [VARIANT]``: it asks the
+Run as ``python -m kvsidecar.engine.backend.nixl.sandbox_worker PARENT_PID [VARIANT]``: it asks the
 kernel to kill it when its parent dies (``PR_SET_PDEATHSIG``; it exits at once if the parent is
 already gone). Protocol on stdin/stdout,
 one check at a time: the parent writes ``u32 length + metadata``; the worker answers ``u8 status
@@ -23,7 +23,7 @@ import uuid
 from types import ModuleType
 from typing import Any, BinaryIO
 
-from kvsidecar.engine.backend.nixl import load_bindings
+from kvsidecar.engine.backend.nixl.backend import load_bindings
 
 _HEADER = struct.Struct("<I")
 _ANSWER = struct.Struct("<BI")

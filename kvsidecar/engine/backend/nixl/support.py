@@ -1,5 +1,5 @@
 """NIXL helpers that need no NIXL import: which wheel variant to load, how the agent is built from
-the loaded bindings, and NIXL's exception types as kvsidecar errors. (``nixl_backend`` is the only
+the loaded bindings, and NIXL's exception types as kvsidecar errors. (``backend`` is the only
 module that imports NIXL; these receive its bindings module.)"""
 
 from __future__ import annotations
