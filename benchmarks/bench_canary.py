@@ -3,7 +3,7 @@
 Model: 16 layers of packed KV ``[blocks, H, 16, 2*128]`` bf16 with 8 KV heads (64 KiB per block
 per layer, 1 MiB per block id over the layers), TP 1 -> 1, both sides in this process's memory.
 Per request of 1 and 16 block ids (1 and 16 MiB), contiguous and scattered: the consumer's part
-(descriptor ids -> ranges, merged, CRC-32 of the local bytes: ``engine.reads.canary``) and the
+(descriptor ids -> ranges, merged, CRC-32 of the local bytes: ``engine.reads.confirm.canary``) and the
 producer's (the held-extent check and the CRC-32 of its bytes: ``engine.holds.canary``).
 Run: ``python -m benchmarks.bench_canary``.
 """

@@ -293,3 +293,19 @@ def test_the_scanner_sees_imports() -> None:
     nixl = PACKAGE / "engine" / "backend" / "nixl" / "backend.py"
     assert {"nixl_cu12", "nixl_cu13"} <= {m.split(".")[0] for m in _imports(nixl)}
     assert "kvsidecar.errors" in _imports(PACKAGE / "settings.py")
+
+
+def unlisted_in_layout(readme: str) -> list[str]:
+    """Top-level packages (``name/``) and modules (``name.py``) of ``kvsidecar/`` that the
+    README's Layout block does not list."""
+    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    names = [f"{p.name}/" for p in PACKAGE.iterdir() if (p / "__init__.py").exists()]
+    names += [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+    return sorted(n for n in names if n not in block.split())
+
+
+def test_readme_layout_lists_every_top_level_package() -> None:
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert unlisted_in_layout(readme) == []
+    # the rule bites: a layout without integrations/ is found
+    assert unlisted_in_layout(readme.replace("  integrations/", "  plugins/")) == ["integrations/"]

@@ -13,7 +13,7 @@ import pytest
 from tests.test_architecture import PACKAGE, _imports, _sources
 
 ENGINE = PACKAGE / "engine"
-WINGS = ("backend", "peers", "reads", "holds", "writes")
+WINGS = ("backend", "owned", "peers", "reads", "holds", "writes")
 #: Engine modules every wing (and code outside the engine) may import: they import no engine
 #: module but each other.
 LEAVES = frozenset(
@@ -91,8 +91,10 @@ def engine_rule_violations() -> list[str]:
     for leaf in sorted(leaves):
         extra = _engine_imports(modules[leaf], modules) - leaves
         problems += [f"leaf {leaf} imports {m}" for m in sorted(extra)]
-    # backend/: nothing of the engine but its leaves.
-    problems += _wing_offenders("backend", leaves, modules)
+    # backend/: nothing of the engine (the contract is the seam: it depends on no engine part).
+    problems += _wing_offenders("backend", set(), modules)
+    # owned/: backend/ and the leaves (the sidecar's own memory; what its bytes mean is not its).
+    problems += _wing_offenders("owned", leaves | backend, modules)
     # holds/: the leaves only (never reads/, peers/ or backend/).
     problems += _wing_offenders("holds", leaves, modules)
     # peers/: backend/, local and the leaves (never reads/ or holds/).
@@ -215,3 +217,33 @@ def test_the_rules_see_a_wrong_import(tmp_path: Path, monkeypatch: pytest.Monkey
     bad = tmp_path / "bad.py"
     bad.write_text("def f(core):\n    return core.peers.link\n")
     assert reach_through_chains([bad]) == ["bad.py:2: core.peers.link"]
+
+
+def unnamed_modules(root: Path) -> list[str]:
+    """Modules (and sub-packages) of every package under ``root`` that its ``__init__``
+    docstring does not name (as ``name`` or ``name/``): a folder says what it owns, all of it."""
+    out = []
+    for init in sorted(root.rglob("__init__.py")):
+        folder = init.parent
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        parts = [
+            p.stem for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")
+        ]
+        parts += [d.name for d in folder.iterdir() if (d / "__init__.py").exists()]
+        shown = folder.relative_to(PACKAGE.parent) if folder.is_relative_to(PACKAGE) else folder
+        out += [
+            f"{shown}: {name}"
+            for name in sorted(parts)
+            if f"``{name}``" not in doc and f"``{name}/``" not in doc
+        ]
+    return out
+
+
+def test_every_engine_folder_names_every_module_it_holds(tmp_path: Path) -> None:
+    assert unnamed_modules(ENGINE) == []
+    # and the rule bites: a module its folder's docstring does not name is found
+    (tmp_path / "wing").mkdir()
+    (tmp_path / "wing" / "__init__.py").write_text('"""Owns ``a``."""\n')
+    (tmp_path / "wing" / "a.py").write_text("")
+    (tmp_path / "wing" / "b.py").write_text("")
+    assert unnamed_modules(tmp_path) == [f"{tmp_path / 'wing'}: b"]

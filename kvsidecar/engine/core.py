@@ -36,7 +36,8 @@ from kvsidecar.engine.model import (
     StepCommand,
     Stepped,
 )
-from kvsidecar.engine.parts import BoardMemory, Parts
+from kvsidecar.engine.owned.boards import BoardMemory
+from kvsidecar.engine.parts import Parts
 from kvsidecar.engine.peers.registry import PeerRegistry
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.batch import ReadBatch, ReadOutcome
@@ -293,7 +294,7 @@ class EngineCore:
 
     def observe(self, phase: ReadPhase, seconds: float) -> None:
         """A Read phase measured outside the engine (decoding, reporting)."""
-        self._reads.phases.observe(phase, seconds)
+        self._reads.book.phases.observe(phase, seconds)
 
     def session_accepted(self) -> None:
         """A Session stream accepted a command (it counts as in flight until answered)."""

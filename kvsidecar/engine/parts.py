@@ -11,14 +11,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvsidecar.engine.admission import Admission
 from kvsidecar.engine.backend.completions import Completions
 from kvsidecar.engine.backend.contract import (
-    DlistHandle,
-    MemoryRegistration,
-    MemType,
     TransferBackend,
     XferHandle,
 )
@@ -26,12 +21,13 @@ from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.holds.board import HoldBoard
 from kvsidecar.engine.holds.producer import Producer
 from kvsidecar.engine.model import CoreConfig, Endpoints
+from kvsidecar.engine.owned.boards import BoardMemory
 from kvsidecar.engine.peers.handshake import Handshakes
 from kvsidecar.engine.peers.link import PeerLink
 from kvsidecar.engine.peers.registry import Peer, PeerRegistry
 from kvsidecar.engine.poller import Poller
-from kvsidecar.engine.reads.boards import BOARD_SLOTS, BoardSlots
-from kvsidecar.engine.reads.confirm import Confirmer
+from kvsidecar.engine.reads.confirm.checks import LANDING_SLOTS, LandingSlots
+from kvsidecar.engine.reads.confirm.send import Confirmer
 from kvsidecar.engine.reads.consumer import Consumer
 from kvsidecar.engine.reads.guard import PeerGuard
 from kvsidecar.engine.reads.inflight import InFlightReads
@@ -42,77 +38,11 @@ from kvsidecar.engine.trace.ring import TraceRing
 from kvsidecar.engine.writes.face import push_stats
 from kvsidecar.engine.writes.granter import Granter
 from kvsidecar.engine.writes.pusher import Pusher
-from kvsidecar.errors import KvSidecarError
-from kvsidecar.memory.region import OwnedRegion
-from kvsidecar.plan.board import BUCKET_BYTES, DEFAULT_BUCKETS
 from kvsidecar.types import FailReason, SidecarStatus
 from kvsidecar.wire.peer import Outcome
 from kvsidecar.wire.trace import TraceState
 
 log = logging.getLogger(__name__)
-
-
-class BoardMemory:
-    """The sidecar's own registered memory: the hold board it publishes live holds on and the
-    slots it reads other boards into (``plan.board``). ``open`` once, ``aclose`` once."""
-
-    def __init__(self, backend: TransferBackend, buckets: int = DEFAULT_BUCKETS) -> None:
-        self._backend = backend
-        self._buckets = buckets
-        self._regions: list[tuple[OwnedRegion, MemoryRegistration]] = []
-        self._dlist: DlistHandle | None = None  # the landing slots, one descriptor each
-        self.address = 0  #: the board's address (0: none)
-        self.buckets = 0
-
-    async def _region(self, size: int) -> OwnedRegion:
-        region = OwnedRegion(size)
-        try:
-            reg = await self._backend.register_memory(region)
-        except BaseException:
-            region.close()
-            raise
-        self._regions.append((region, reg))
-        return region
-
-    async def open(self, *, slots: bool) -> tuple[HoldBoard, BoardSlots | None]:
-        board = await self._region(self._buckets * BUCKET_BYTES)
-        self.address, self.buckets = board.base_address, self._buckets
-        landing = None
-        if slots:
-            region = await self._region(BOARD_SLOTS * BUCKET_BYTES)
-            rows = np.array(
-                [[region.base_address, BUCKET_BYTES, 0, BUCKET_BYTES, BOARD_SLOTS]], dtype=np.uint64
-            )
-            self._dlist = await self._backend.prep_local_dlist(rows, MemType.DRAM)
-            landing = BoardSlots(region.words(), self._dlist)
-        return HoldBoard(board.words()), landing
-
-    @property
-    def regions(self) -> tuple[tuple[int, int], ...]:
-        """[start, end) of every region registered here."""
-        return tuple((r.base_address, r.base_address + r.size) for r, _ in self._regions)
-
-    @property
-    def landing(self) -> DlistHandle | None:
-        """The landing slots' prepared list (``None`` without one)."""
-        return self._dlist
-
-    async def aclose(self) -> None:
-        """Release the landing list, deregister and unmap (callers stopped every transfer)."""
-        self.address = self.buckets = 0
-        if self._dlist is not None:
-            dlist, self._dlist = self._dlist, None
-            try:
-                await self._backend.release_dlist(dlist)
-            except KvSidecarError as exc:
-                log.error("releasing the board landing list failed: %s", exc)
-        regions, self._regions = self._regions, []
-        for region, reg in reversed(regions):
-            try:
-                await self._backend.deregister_memory(reg)
-            except KvSidecarError as exc:
-                log.error("deregistering board memory failed: %s", exc)
-            region.close()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,7 +88,7 @@ class Parts:
         def resolve(request_id: str, rank: int, outcome: Outcome | None, detail: str) -> None:
             if outcome is Outcome.ACCEPTED:  # for Explain, even if the read ended meanwhile
                 read_trace.record(request_id, TraceState.RANK_CONFIRMED, rank, 0, "READ_DONE")
-            reads.resolve(request_id, rank, outcome, detail)
+            reads.confirmation.resolve(request_id, rank, outcome, detail)
 
         async def invalidate(peer: Peer, why: str) -> None:
             await guard.invalidate(peer, why)
@@ -190,10 +120,10 @@ class Parts:
             guarded=guarded,
             tracer=read_trace,
         )
-        confirmer.costs = reads.transfers.costs = link.costs  # the cost matrix's two feeds
-        reads.canary.fraction = config.canary_fraction
+        confirmer.costs = reads.book.transfers.costs = link.costs  # the cost matrix's two feeds
+        reads.confirmation.canary.fraction = config.canary_fraction
         producer = Producer(lease_s=config.lease_s, events=events, tracer=hold_trace)
-        guard = PeerGuard(peers=peers, transfers=reads)
+        guard = PeerGuard(peers=peers, reads=reads.book)
         granter = Granter(peers=peers, events=events, config=config.push)
         poller = Poller(
             backend=backend,
@@ -238,7 +168,8 @@ class Parts:
             backend=backend,
             shm_roots=config.shm_roots,
             peers=peers,
-            transfers=reads,
+            reads=reads.book,
+            canary=reads.confirmation.canary,
             producer=producer,
             events=events,
             guard=guard,
@@ -276,10 +207,11 @@ class Parts:
         """With ``hold_board``, register the hold board (and, with confirmed reads, the landing
         slots) before any peer can fetch this agent's metadata; start the poller."""
         if self.config.hold_board:
-            board, slots = await self.boards.open(slots=self.config.confirm_reads)
-            self.producer.board = board
-            if slots is not None:
-                self.reads.use_boards(slots)
+            slots = LANDING_SLOTS if self.config.confirm_reads else 0
+            board, landing = await self.boards.open(slots=slots)
+            self.producer.board = HoldBoard(board)
+            if landing is not None:
+                self.reads.confirmation.use_boards(LandingSlots(*landing))
         self.completions.start(rest=self.reads.completed)
         self.poller.start()
 

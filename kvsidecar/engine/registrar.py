@@ -23,8 +23,9 @@ from kvsidecar.engine.holds.producer import Producer
 from kvsidecar.engine.local import LocalEngine, require_registered
 from kvsidecar.engine.model import Registration
 from kvsidecar.engine.peers.registry import PeerRegistry
+from kvsidecar.engine.reads.book import ReadBook
+from kvsidecar.engine.reads.confirm.canary import ReadCanaries
 from kvsidecar.engine.reads.guard import PeerGuard
-from kvsidecar.engine.reads.inflight import InFlightReads
 from kvsidecar.engine.reclaim import ExitReclaimer
 from kvsidecar.errors import FailedPreconditionError
 from kvsidecar.types import Event, FailReason
@@ -42,7 +43,8 @@ class Registrar:
         backend: TransferBackend,
         shm_roots: tuple[Path, ...],
         peers: PeerRegistry,
-        transfers: InFlightReads,
+        reads: ReadBook,
+        canary: ReadCanaries,
         producer: Producer,
         events: EventHub,
         guard: PeerGuard,
@@ -52,7 +54,8 @@ class Registrar:
         self._backend = backend
         self._shm_roots = shm_roots
         self._peers = peers
-        self._transfers = transfers
+        self._reads = reads
+        self._canary = canary  # bound to each registration's bytes
         self._producer = producer
         self._events = events
         self._guard = guard
@@ -105,7 +108,7 @@ class Registrar:
             self._producer.epoch = local.epoch  # the registration its holds are published under
             self._producer.trailing_holds = registration.trailing_holds
             reader = local.host_reader()  # None: VRAM, no canary
-            self._transfers.canary.bind(reader, local)
+            self._canary.bind(reader, local)
             self._producer.canary = checker(local.geometry, local.view_bases, reader, local)
             self._events.rebind(local.epoch)
         await self._on_registered(True)
@@ -181,12 +184,12 @@ class Registrar:
         local, self._local = self._local, None
         self._peers.bind(None)
         self._producer.canary = None  # its memory goes
-        self._transfers.canary.bind(None, None)
+        self._canary.bind(None, None)
         # Before taking the guard: an abandoned handshake's backend phase may quarantine a stale
         # peer, which takes it.
         await self._peers.abandon_pending()
         async with self._guard.exclusive():  # no Read is mid-post while its handles go
-            await self._transfers.fail_all(reason, why)
+            await self._reads.fail_all(reason, why)
             if self._drop_writes is not None:
                 await self._drop_writes(reason, why)
             dropped = self._producer.drop_all()

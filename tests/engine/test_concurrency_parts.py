@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvsidecar.engine.backend.nixl.thread import AgentThread, CallTiming
-from kvsidecar.engine.reads.confirm import Confirmer, Outgoing
+from kvsidecar.engine.reads.confirm.send import Confirmer, Outgoing
 from kvsidecar.engine.reads.guard import SharedLock
 from kvsidecar.errors import DeadlineExceededError
 from kvsidecar.limits import MAX_NOTIFICATIONS

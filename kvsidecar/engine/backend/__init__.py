@@ -1,15 +1,16 @@
 """The transfer-library seam: what the engine needs from a transfer agent, and the agents.
 
 Owns: the ``TransferBackend`` contract and its handle values (``contract``), handle bookkeeping
-and strided descriptor rows shared by the backends (``handles``), the shipped ``FakeBackend``
-(``fake``), and NIXL: the asyncio face (``nixl``, the only module that imports NIXL), the
-agent-thread half (``nixl_agent``), helpers given NIXL's bindings (``nixl_support``) and the one
-thread every agent call runs on (``agent_thread``).
+and strided descriptor rows shared by the backends (``handles``), the one completion sink routed
+by handle to whoever awaits it (``completions``), the shipped ``FakeBackend`` (``fake``), and
+NIXL in its own package (``nixl/``: the asyncio face, the only module that imports NIXL, the
+agent-thread half, its thread and the metadata checker process).
 
-May import: nothing of the engine but its leaves (``stats`` for the Read phases); ``memory``,
+May import: nothing of the engine (the contract is free of engine imports); ``memory``,
 ``errors``. Imported by: every wing that moves bytes, the composition root (which picks the
-backend: ``backend.nixl.NixlBackend`` or ``backend.fake.FakeBackend``), benchmarks and tests.
-This package's names below are the contract; importing it loads no NIXL.
+backend by the ``transfer_backend`` setting: ``backend.nixl.NixlBackend`` or
+``backend.fake.FakeBackend``), benchmarks and tests. This package's names below are the
+contract; importing it loads no NIXL.
 """
 
 from kvsidecar.engine.backend.contract import (

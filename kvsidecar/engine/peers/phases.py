@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
-from kvsidecar.engine.backend.contract import MemType
+from kvsidecar.engine.backend.contract import DlistHandle, MemType, RemoteAgent, TransferBackend
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Endpoints
 from kvsidecar.engine.peers.link import PeerLink
@@ -132,6 +134,43 @@ async def fetch(
     return Fetched(engine_id=engine_id, endpoints=ranks, geometry=first.geometry, agents=agents)
 
 
+async def load_agent(registry: PeerRegistry, info: AgentInfo, engine_id: str) -> RemoteAgent:
+    """Load rank ``info.tp_rank``'s agent metadata into the backend; any refusal is a clean
+    UNAVAILABLE (counted by cause). The caller owns the agent (``remove_remote_agent``)."""
+    try:
+        return await registry.backend.add_remote_agent(info.nixl_agent_metadata, info.agent_name)
+    except BackendError as exc:  # any refusal of the load: a clean UNAVAILABLE
+        registry.metadata_refused(getattr(exc, "cause", "invalid"))
+        raise PeerUnavailableError(
+            f"remote engine {engine_id!r} rank {info.tp_rank} sent agent metadata that does not "
+            f"load: {exc}"
+        ) from None
+
+
+class Lists(Protocol):
+    """Where a rank's two prepared lists are kept (a ``RankLink``, a push ``Target``)."""
+
+    local_dlist: DlistHandle | None
+    remote_dlist: DlistHandle | None
+
+
+async def prep_lists(
+    backend: TransferBackend,
+    agent: RemoteAgent,
+    info: AgentInfo,
+    rows: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]],
+    local_mem: MemType,
+    into: Lists,
+) -> None:
+    """Prepare the local list of ``rows[0]`` and the remote list of ``rows[1]`` toward ``agent``
+    (whose memory kind ``info`` names), each kept in ``into`` as soon as it exists: whoever owns
+    ``into`` releases what was built when a later step fails."""
+    into.local_dlist = await backend.prep_local_dlist(rows[0], local_mem)
+    into.remote_dlist = await backend.prep_remote_dlist(
+        agent, rows[1], MemType[info.mem_type or "DRAM"]
+    )
+
+
 async def attach(registry: PeerRegistry, local: LocalEngine, fetched: Fetched) -> Peer:
     """Load the remote agents and prepare both lists of every read rank; on failure release
     what was built before raising. The caller owns the returned peer (``registry.add`` it)."""
@@ -152,14 +191,7 @@ async def attach(registry: PeerRegistry, local: LocalEngine, fetched: Fetched) -
     try:
         for rank_plan in plan.ranks:
             info = fetched.agents[rank_plan.remote_rank]
-            try:
-                agent = await backend.add_remote_agent(info.nixl_agent_metadata, info.agent_name)
-            except BackendError as exc:  # any refusal of the load: a clean UNAVAILABLE
-                registry.metadata_refused(getattr(exc, "cause", "invalid"))
-                raise PeerUnavailableError(
-                    f"remote engine {fetched.engine_id!r} rank {rank_plan.remote_rank} sent "
-                    f"agent metadata that does not load: {exc}"
-                ) from None
+            agent = await load_agent(registry, info, fetched.engine_id)
             link = RankLink(
                 rank=rank_plan.remote_rank,
                 endpoint=fetched.endpoints[rank_plan.remote_rank],
@@ -169,18 +201,14 @@ async def attach(registry: PeerRegistry, local: LocalEngine, fetched: Fetched) -
             )
             peer.links[rank_plan.remote_rank] = link
             if not rank_plan.notify_only:
-                link.local_dlist = await backend.prep_local_dlist(
-                    rank_plan.local_rows, local.mem_type
-                )
-                link.remote_dlist = await backend.prep_remote_dlist(
-                    agent, rank_plan.remote_rows, MemType[info.mem_type or "DRAM"]
-                )
+                rows = (rank_plan.local_rows, rank_plan.remote_rows)
+                await prep_lists(backend, agent, info, rows, local.mem_type, link)
                 if info.board_buckets:  # one descriptor per bucket of its hold board
-                    rows = np.array(
+                    board = np.array(
                         [[info.board_address, BUCKET_BYTES, 0, BUCKET_BYTES, info.board_buckets]],
                         dtype=np.uint64,
                     )
-                    link.board_dlist = await backend.prep_remote_dlist(agent, rows, MemType.DRAM)
+                    link.board_dlist = await backend.prep_remote_dlist(agent, board, MemType.DRAM)
                     link.board_buckets = info.board_buckets
     except BaseException:
         await registry.release(peer)

@@ -1,10 +1,11 @@
 """Which reads a registration has in flight, and how each ends: with exactly one event.
 
-``ReadBook`` is the part of the in-flight reads that every path shares: the reads by request id
-(and those admitted, waiting for a handshake), their request ids (``ReadIds``), their transfers
-(``Transfers``), and the ways a read ends: done (``_ended``) or failed, releasing its handles first
-(``_close``), alone, with its peer (``fail_peer``) or with the registration (``fail_all``).
-``InFlightReads`` adds how reads are posted and move from READs to confirmation.
+``ReadBook`` is what every path of a read shares: the reads by request id (and those admitted,
+waiting for a handshake), their request ids (``ReadIds``), their transfers (``Transfers``), what
+Explain records of them, and the ways a read ends: done (``ended``) or failed, releasing its
+handles first (``close``), alone, with its peer (``fail_peer``) or with the registration
+(``fail_all``). ``InFlightReads`` posts reads and follows their READs; ``confirm.Confirmation``
+takes them from READs done to their end.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from kvsidecar.engine.backend.contract import TransferBackend, XferState
 from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.model import ReadCommand, Tracer
 from kvsidecar.engine.peers.registry import Peer
-from kvsidecar.engine.reads.boards import LaterChecks
-from kvsidecar.engine.reads.canary import ReadCanaries
 from kvsidecar.engine.reads.ids import REMEMBERED_IDS, ReadIds
 from kvsidecar.engine.reads.report import ReadReport
 from kvsidecar.engine.reads.state import Admitted, InFlightRead, Xfer
@@ -43,23 +42,19 @@ class ReadBook:
     ) -> None:
         self._backend = backend
         self.trace = tracer  #: where each read's states are recorded (Explain)
-        self._clock = clock
-        self._later: LaterChecks | None = None  # board checks after an asynchronous READ
+        self.clock = clock  #: the transfer clock deadlines are on (seconds)
         self._reads: dict[str, InFlightRead] = {}
         self._waiting: dict[str, Admitted] = {}  # accepted, waiting for their peer's handshake
         self.ids = ReadIds(remember_ids)  # a read posted at once takes its id here first
         self.transfers = Transfers(backend)
         self._report = ReadReport(events, tracer)
         self.phases: PhaseHistograms = self._report.phases
-        self.retries = 0  #: confirmations asked again after a PENDING answer
-        self.canary = ReadCanaries()  #: which reads carry an integrity canary (off: fraction 0)
 
     def stats(self) -> TransferStats:
         slots = self.transfers.slots
         return dataclasses.replace(
             self._report.stats(len(self), len(self._waiting)),
             board_checks={} if slots is None else slots.counts(),
-            confirm_retries=self.retries,
             completions=dict(self.transfers.seen_done),
         )
 
@@ -72,8 +67,29 @@ class ReadBook:
         """No read in flight and no handle waiting to be released."""
         return not self._reads and not self._waiting and self.transfers.idle
 
-    def _live(self, read: InFlightRead) -> bool:
+    def live(self, read: InFlightRead) -> bool:
+        """Whether ``read`` is still in the book (not ended, not replaced)."""
         return self._reads.get(read.cmd.request_id) is read
+
+    def get(self, request_id: str) -> InFlightRead | None:
+        return self._reads.get(request_id)
+
+    def values(self) -> list[InFlightRead]:
+        """The reads in flight now (a copy: ending one while iterating is fine)."""
+        return list(self._reads.values())
+
+    def started(self, read: InFlightRead) -> None:
+        """``read`` was posted and waits for its READs (its id was taken)."""
+        self._reads[read.cmd.request_id] = read
+
+    def unwait(self, request_id: str) -> Admitted | None:
+        """The admitted read ``request_id`` is being posted: it no longer waits."""
+        return self._waiting.pop(request_id, None)
+
+    @property
+    def report(self) -> ReadReport:
+        """Events and counters of the reads' ends."""
+        return self._report
 
     # --- accepting ------------------------------------------------------------------------------
 
@@ -82,7 +98,7 @@ class ReadBook:
         it ends through ``post`` or ``fail_waiting``."""
         self.ids.take(cmd.request_id)
         self._waiting[cmd.request_id] = Admitted(
-            cmd=cmd, started=time.perf_counter(), at=self._clock()
+            cmd=cmd, started=time.perf_counter(), at=self.clock()
         )
         self._report.started += 1
         self.accepted(cmd)
@@ -114,7 +130,8 @@ class ReadBook:
             self.ids.end(request_id)
             self._report.failure(admitted.cmd, reason, message)
 
-    def _ended(self, read: InFlightRead, *, confirmed: bool = False) -> None:
+    def ended(self, read: InFlightRead, *, confirmed: bool = False) -> None:
+        """``read`` succeeded: RECV_DONE (``confirmed``: its confirmation time is observed)."""
         del self._reads[read.cmd.request_id]
         self.ids.end(read.cmd.request_id)
         if confirmed:
@@ -123,7 +140,7 @@ class ReadBook:
 
     # --- what Explain records (``trace``) ------------------------------------------------------
 
-    def _posted(
+    def posted(
         self,
         read: InFlightRead,
         xfers: Sequence[Xfer],
@@ -141,7 +158,7 @@ class ReadBook:
         if quiet:
             self.trace.record(rid, TraceState.NOTIFIED, detail=f"{quiet} rank(s)")
 
-    def _by_board(self, read: InFlightRead, ranks: set[int]) -> set[int]:
+    def by_board(self, read: InFlightRead, ranks: set[int]) -> set[int]:
         """``ranks`` confirmed ``read`` by their hold boards (returned as they are)."""
         for rank in sorted(ranks):
             self.trace.record(read.cmd.request_id, TraceState.RANK_CONFIRMED, rank, 0, "hold board")
@@ -156,19 +173,27 @@ class ReadBook:
         for read in list(self._reads.values()):
             if read.peer is peer or read.peer.engine_id == peer:
                 read.failure = read.failure or (reason, message)
-                await self._close(read)
+                await self.close(read)
 
     async def fail_all(self, reason: FailReason, message: str) -> None:
         """The registration ends: fail every read (waiting ones too) and forget the ids used."""
         await self.transfers.release_retired()
         for read in list(self._reads.values()):
             read.failure = read.failure or (reason, message)
-            await self._close(read)
+            await self.close(read)
         for request_id in list(self._waiting):
             self.fail_waiting(request_id, reason, message)
         self.ids.clear()
 
-    async def _close(self, read: InFlightRead) -> None:
+    def refused_confirmation(self, read: InFlightRead, failure: tuple[FailReason, str]) -> None:
+        """A producer rank refused to confirm ``read`` (its READs are done and released): it
+        fails now with ``failure``."""
+        read.failure = failure
+        del self._reads[read.cmd.request_id]
+        self.ids.end(read.cmd.request_id)
+        self._report.failure(read.cmd, *failure)
+
+    async def close(self, read: InFlightRead) -> None:
         """Release every handle of a failed read, then report it. Exactly once per read. A READ
         it shares with reads still waiting for it is cancelled for them too: they fail alike."""
         if self._reads.pop(read.cmd.request_id, None) is None:
@@ -188,10 +213,8 @@ class ReadBook:
         self._report.failure(read.cmd, *read.failure)
         for r in siblings:
             r.failure = r.failure or read.failure
-            await self._close(r)
+            await self.close(r)
 
     async def aclose(self) -> None:
-        """Stop checking boards (the registration is gone)."""
-        if self._later is not None:
-            await self._later.aclose()
+        """Give back the handles of ended reads (the registration is gone)."""
         await self.transfers.release_retired()

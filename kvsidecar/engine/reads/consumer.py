@@ -20,7 +20,7 @@ from kvsidecar.engine.peers.handshake import Handshakes
 from kvsidecar.engine.peers.registry import Peer, PeerRegistry
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.batch import ReadBatch, ReadOutcome
-from kvsidecar.engine.reads.confirm import Confirmer
+from kvsidecar.engine.reads.confirm.send import Confirmer
 from kvsidecar.engine.reads.guard import PeerGuard
 from kvsidecar.engine.reads.inflight import InFlightReads
 from kvsidecar.engine.stats import ConsumerStats, ReadPhase
@@ -55,7 +55,8 @@ class Consumer:
     ) -> None:
         self._peers = peers
         self._handshakes = handshakes
-        self._reads = reads
+        self._reads = reads  # posts reads
+        self._book = reads.book  # takes and ends their ids, records them
         self._guard = guard
         self._read_deadline_s = read_deadline_s
         self._rejected: dict[str, int] = {}
@@ -76,7 +77,7 @@ class Consumer:
             except PeerReplacedError:  # released between validation and post: once more
                 return await self._read(cmd)
         except KvSidecarError as exc:
-            self._reads.refused(cmd, exc)
+            self._book.refused(cmd, exc)
             raise
 
     async def _read_outcome(self, cmd: ReadCommand) -> ReadOutcome:
@@ -100,8 +101,8 @@ class Consumer:
                 )
             if self._peers.pending(cmd.remote_engine_id) is None:
                 self._peers.check_backoff(cmd.remote_engine_id)
-            self._reads.admit(cmd)
-            self._reads.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
+            self._book.admit(cmd)
+            self._book.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
             task = asyncio.get_running_loop().create_task(
                 self._read_after_handshake(cmd, local, deadline_s)
             )
@@ -109,9 +110,9 @@ class Consumer:
             task.add_done_callback(self._waiters.discard)
             return ReadPosted(reads_posted=0, notifications_sent=0, bytes=0, handshaking=True)
         validate_request_ids(local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry)
-        ticket = self._reads.ids.take(cmd.request_id)
-        self._reads.accepted(cmd)
-        self._reads.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
+        ticket = self._book.ids.take(cmd.request_id)
+        self._book.accepted(cmd)
+        self._book.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
         (posted,) = await self._post_many(local, peer, [(0, cmd, ticket)])
         return posted
 
@@ -138,13 +139,13 @@ class Consumer:
                 validate_request_ids(
                     local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry
                 )
-                ticket = self._reads.ids.take(cmd.request_id)
-                self._reads.accepted(cmd)
+                ticket = self._book.ids.take(cmd.request_id)
+                self._book.accepted(cmd)
             except KvSidecarError as exc:
-                self._reads.refused(cmd, exc)
+                self._book.refused(cmd, exc)
                 outcomes[i] = exc
                 continue
-            self._reads.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
+            self._book.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
             ready.setdefault(id(peer), (peer, []))[1].append((i, cmd, ticket))
 
         async def group(peer: Peer, items: list[tuple[int, ReadCommand, int | None]]) -> None:
@@ -187,8 +188,8 @@ class Consumer:
             except BaseException as exc:
                 for _, cmd, ticket in items:
                     if ticket is not None:
-                        self._reads.ids.give_back(cmd.request_id, ticket)
-                        self._reads.trace.record(
+                        self._book.ids.give_back(cmd.request_id, ticket)
+                        self._book.trace.record(
                             cmd.request_id, TraceState.FAILED, detail=f"not posted: {exc}"
                         )
                 raise
@@ -204,7 +205,7 @@ class Consumer:
         """Handshake (bounded by the read's deadline), then validate and post an admitted read;
         every way out ends it with one event (unless the registration already ended it)."""
         rid, remote = cmd.request_id, cmd.remote_engine_id
-        fail = self._reads.fail_waiting
+        fail = self._book.fail_waiting
         try:
             peer = await asyncio.wait_for(self._handshakes.peer(remote, cmd.endpoints), deadline_s)
         except TimeoutError:
@@ -221,7 +222,7 @@ class Consumer:
             log.exception("handshake for read %r failed unexpectedly", rid, request_id=rid)
             fail(rid, FailReason.HANDSHAKE, f"the handshake with {remote!r} failed: {exc!r}")
             return
-        if not self._reads.waiting(rid):
+        if not self._book.waiting(rid):
             return  # the registration ended meanwhile and failed it
         try:
             validate_request_ids(

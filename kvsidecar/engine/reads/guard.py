@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.peers.registry import Peer, PeerRegistry
-from kvsidecar.engine.reads.inflight import InFlightReads
+from kvsidecar.engine.reads.book import ReadBook
 from kvsidecar.errors import (
     BackendNotFoundError,
     FailedPreconditionError,
@@ -81,9 +81,9 @@ class PeerGuard:
     """Keeps quarantine and dropping the engine apart from backend calls on peers' handles
     (which may run concurrently)."""
 
-    def __init__(self, *, peers: PeerRegistry, transfers: InFlightReads) -> None:
+    def __init__(self, *, peers: PeerRegistry, reads: ReadBook) -> None:
         self._peers = peers
-        self._transfers = transfers
+        self._reads = reads
         self._lock = SharedLock()
 
     @contextlib.asynccontextmanager
@@ -97,7 +97,7 @@ class PeerGuard:
         the next request re-handshakes after backoff. ``cause`` is counted
         (``kvsidecar_peer_quarantines_total``)."""
         async with self._lock.exclusive():
-            await self._transfers.fail_peer(engine_id, FailReason.PEER_DISCONNECTED, reason)
+            await self._reads.fail_peer(engine_id, FailReason.PEER_DISCONNECTED, reason)
             await self._peers.remove(engine_id, reason, cause=cause)
 
     async def unreachable(self, peer: Peer, reason: str) -> None:
@@ -114,7 +114,7 @@ class PeerGuard:
         async with self._lock.exclusive():
             if self._peers.peer(peer.engine_id) is not peer:
                 return
-            await self._transfers.fail_peer(peer, FailReason.STALE, reason)
+            await self._reads.fail_peer(peer, FailReason.STALE, reason)
             await self._peers.remove(peer.engine_id, reason, backoff=False)
 
     async def run(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvsidecar.engine.backend.contract import ReadPair, TransferBackend, XferState
 from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers.registry import Peer, RankLink
-from kvsidecar.engine.reads.boards import BoardSlots, board_xfers, plan_checks
+from kvsidecar.engine.reads.confirm.checks import LandingSlots, board_xfers, plan_checks
 from kvsidecar.engine.reads.report import ReadReport
 from kvsidecar.engine.reads.state import Xfer
 from kvsidecar.engine.stats import ReadPhase
@@ -40,7 +40,7 @@ async def post_reads(
     cmds: Sequence[ReadCommand],
     peer: Peer,
     report: ReadReport,
-    slots: BoardSlots | None,
+    slots: LandingSlots | None,
 ) -> Posted:
     """One READ per read rank of the peer's plan for all of ``cmds`` together, in one backend
     call; with ``slots`` (confirmed reads), the board READs of those ranks chained behind them

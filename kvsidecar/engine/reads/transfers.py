@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from kvsidecar.engine.backend.contract import PostPhase, TransferBackend, XferHandle, XferState
 from kvsidecar.engine.peers.costs import CostMatrix
 from kvsidecar.engine.ratelog import RateLimited
-from kvsidecar.engine.reads.boards import BoardSlots
+from kvsidecar.engine.reads.confirm.checks import LandingSlots
 from kvsidecar.engine.reads.state import Xfer
 from kvsidecar.errors import KvSidecarError
 
@@ -30,7 +30,7 @@ class Transfers:
 
     def __init__(self, backend: TransferBackend) -> None:
         self._backend = backend
-        self.slots: BoardSlots | None = None  # landing slots of board READs (set at start)
+        self.slots: LandingSlots | None = None  # landing slots of board READs (set at start)
         self._proc: dict[int, Xfer] = {}  # in progress, by handle id
         self._retired: list[Xfer] = []  # done with, not yet released
         #: transfers by where their completion was seen first: inside the post (same-host cma),

@@ -1,7 +1,7 @@
 """The consumer side of push mode: issue grants, answer writers, watch them, revoke.
 
 ``grant`` learns the producer engine's writer ranks and what each writes here from the same pull
-plan a Read would use (``plan.push``; no NIXL resource is built: the consumer posts nothing) and
+plan a Read would use (``writes.rows``; no NIXL resource is built: the consumer posts nothing) and
 records the grant in the ``GrantBook``. Writers ask for the grant (``get_grant``) before writing
 and confirm each chunk (``write_notify``). While a grant waits, every writer's sidecar is watched
 over one ``WatchWriter`` stream per endpoint: its end, a missed beat or a new epoch fails the

@@ -1,7 +1,7 @@
 """The consumer side of push mode: write grants and what their writers confirmed (pure state).
 
 A grant names local blocks (per group), the producer engine, its writer ranks (from the pull plan,
-``plan.push``) and, per writer, the bytes one block id of each group moves. A writer's CHUNK_DONE
+``writes.rows``) and, per writer, the bytes one block id of each group moves. A writer's CHUNK_DONE
 covers a range of the grant's ids per group; it is accepted only when it names the grant's token
 and this registration's epoch, comes from one of the writer ranks, lies inside the grant, covers
 nothing that writer covered before and its bytes equal the plan's for the range. The grant is done

@@ -3,7 +3,7 @@
 A push is one producer request written into one consumer rank per target, chunk by chunk. Before
 its first WRITE into a consumer rank the sidecar asks that rank's sidecar for the grant (its ids,
 epoch and deadline) and writes only inside it: a chunk lands at ``offsets[g]`` of the grant's ids.
-The rows are the consumer's pull plan from this rank, the other way (``plan.push``), prepared once
+The rows are the consumer's pull plan from this rank, the other way (``writes.rows``), prepared once
 per (consumer engine, rank, epoch) as a ``Target`` (its agent and both descriptor lists).
 
 Every chunk is one task per target: wait for its WRITE (``write_timeout_s``; aborted past it), then
@@ -105,7 +105,7 @@ class Pusher:
         self._events = events
         self._config = config
         self._pushes: dict[str, _Push] = {}
-        self._targets = Targets(backend=backend, link=peers.link)
+        self._targets = Targets(peers=peers)
         self._tokens = WriteTokens()
         self._side: set[asyncio.Task[None]] = set()  # ABORTED notices on their way
         self.counts = PushCounts()

@@ -1,10 +1,10 @@
 """Push targets: one consumer rank of one registration epoch, prepared to be written (push mode).
 
-A ``Target`` is that rank's loaded NIXL agent, the write plan (``plan.push``: its pull plan from
-this rank, the other way) and both prepared descriptor lists. ``Targets`` builds each once (one
-task that concurrent pushes share), replaces it when the consumer re-registers (its memory is
-gone: the old agent and lists are released first) and releases all of them when the local engine
-goes. It owns every handle it builds; each is released exactly once.
+A ``Target`` is that rank's loaded NIXL agent, the write plan (``writes.rows``: its pull plan
+from this rank, the other way) and both prepared descriptor lists, loaded and prepared as a
+Read's peer is (``peers.phases``). ``Targets`` builds each once (one task that concurrent pushes
+share), replaces it when the consumer re-registers (its memory is gone: the old agent and lists
+are released first) and releases all of them when the local engine goes. It owns every handle it builds; each is released exactly once.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from dataclasses import dataclass
 
 from kvsidecar.engine.backend.contract import (
     DlistHandle,
-    MemType,
     RemoteAgent,
-    TransferBackend,
 )
 from kvsidecar.engine.local import LocalEngine
-from kvsidecar.engine.peers.link import PeerLink
+from kvsidecar.engine.peers.phases import load_agent, prep_lists
+from kvsidecar.engine.peers.registry import PeerRegistry
 from kvsidecar.engine.writes.rows import group_id_bytes, write_rank_plan
 from kvsidecar.errors import (
     FailedPreconditionError,
@@ -47,9 +46,11 @@ class Target:
 class Targets:
     """Prepared consumer ranks by (engine id, rank)."""
 
-    def __init__(self, *, backend: TransferBackend, link: PeerLink) -> None:
-        self._backend = backend
-        self._link = link
+    def __init__(self, *, peers: PeerRegistry) -> None:
+        """``peers``: its backend loads the agents, its link fetches them (GetAgent), and its
+        metadata refusals count push's too."""
+        self._backend = peers.backend
+        self._peers = peers
         self._targets: dict[tuple[str, int], Target] = {}
         self._preparing: dict[tuple[str, int, int], asyncio.Task[Target]] = {}
 
@@ -70,7 +71,7 @@ class Targets:
         return await asyncio.shield(task)
 
     async def _build(self, local: LocalEngine, engine_id: str, t: PushTarget, epoch: int) -> Target:
-        info = await self._link.get_agent(t.endpoint, engine_id, t.rank)
+        info = await self._peers.link.get_agent(t.endpoint, engine_id, t.rank)
         if info.epoch != epoch or info.engine_id != engine_id or info.tp_rank != t.rank:
             raise FailedPreconditionError(
                 f"consumer {engine_id!r} rank {t.rank} at {t.endpoint} answers epoch {info.epoch} "
@@ -88,18 +89,14 @@ class Targets:
         old = self._targets.pop((engine_id, t.rank), None)
         if old is not None:  # the consumer re-registered: its old memory is gone
             await self._release(old)
-        agent = await self._backend.add_remote_agent(info.nixl_agent_metadata, info.agent_name)
+        agent = await load_agent(self._peers, info, engine_id)
         target = Target(
             engine_id=engine_id, rank=t.rank, epoch=epoch, plan=plan, agent=agent,
             group_bytes=group_id_bytes(plan, local.geometry.num_groups),
         )  # fmt: skip
-        try:
-            target.local_dlist = await self._backend.prep_local_dlist(
-                plan.remote_rows, local.mem_type
-            )
-            target.remote_dlist = await self._backend.prep_remote_dlist(
-                agent, plan.local_rows, MemType[info.mem_type or "DRAM"]
-            )
+        try:  # the write plan is the consumer's pull plan the other way: sources are its rows
+            rows = (plan.remote_rows, plan.local_rows)
+            await prep_lists(self._backend, agent, info, rows, local.mem_type, target)
         except BaseException:
             await self._release(target)
             raise

@@ -1,4 +1,5 @@
-"""Which reads are integrity canaries, armed once their READs are done (``ranges``: their CRCs).
+"""The consumer's half of the integrity canary (``plan.canary``): which reads are canaries, armed
+once their READs are done, and the CRC of the bytes each of their READs wrote (``read_canaries``).
 
 A read is a canary when ``plan.canary.sampled`` picks its request id at ``fraction`` (the
 ``--canary-fraction`` setting) and both its bytes can be read by the host (DRAM: ``reader`` is
@@ -13,9 +14,18 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvsidecar.engine.reads.canary.ranges import read_canaries
 from kvsidecar.engine.reads.state import InFlightRead
-from kvsidecar.plan.canary import Reader, sampled
+from kvsidecar.limits import MAX_CANARY_RANGES
+from kvsidecar.plan.canary import (
+    Reader,
+    checksum,
+    desc_ranges,
+    merge_ranges,
+    pack_ranges,
+    sampled,
+)
+from kvsidecar.plan.request import request_descriptor_ids
+from kvsidecar.wire.peer import Canary
 
 
 class Faults(Protocol):
@@ -50,3 +60,20 @@ class ReadCanaries:
             return False
         read.canaries = canaries
         return True
+
+
+def read_canaries(read: InFlightRead, reader: Reader) -> dict[int, Canary] | None:
+    """Per producer rank ``read`` read from, its canary: the remote ranges (merged) and the CRC-32
+    of the local bytes written from them, in descriptor-pair order. ``None`` if a rank's ranges
+    exceed ``MAX_CANARY_RANGES``."""
+    out = {}
+    cmd = read.cmd
+    for rank in sorted(read.unconfirmed):
+        rp = read.peer.plan.rank(rank)
+        local_ids, remote_ids = request_descriptor_ids(rp, cmd.local_ids, cmd.remote_ids)
+        remote = merge_ranges(*desc_ranges(rp.remote_rows, rp.remote_row_starts, remote_ids))
+        if len(remote[0]) > MAX_CANARY_RANGES:
+            return None
+        local = merge_ranges(*desc_ranges(rp.local_rows, rp.local_row_starts, local_ids))
+        out[rank] = Canary(pack_ranges(*remote), checksum(*local, reader))
+    return out

@@ -7,7 +7,7 @@ Instead of asking each producer rank over PeerService (a round trip through both
 loops), it READs the hold's bucket of each rank's board into a landing slot of its own and looks
 for the marker (``plan.board``). A rank whose bucket does not show it is asked the old way.
 
-``BoardSlots`` owns the landing memory's words and hands out slots (one bucket each);
+``LandingSlots`` owns the landing memory's words and hands out slots (one bucket each);
 ``plan_checks`` plans one board READ per producer rank for reads that go together (posted
 behind their READs, ``post.post_reads``, or later by ``LaterChecks`` when the READs completed
 after their post); ``confirmed`` says which ranks' boards showed a read's hold.
@@ -43,10 +43,10 @@ from kvsidecar.plan.peer_plan import DESC_ID_DTYPE
 log = RateLimited(logging.getLogger(__name__))
 
 #: landing slots per sidecar: board checks in flight at once (each one bucket, 64 bytes)
-BOARD_SLOTS = 4096
+LANDING_SLOTS = 4096
 
 
-class BoardSlots:
+class LandingSlots:
     """Landing slots over ``words`` (``BUCKET_WORDS`` words each) and their prepared local
     descriptor list (one descriptor per slot). Not thread-safe: the event loop owns it."""
 
@@ -87,7 +87,7 @@ class BoardCheck:
     reads: tuple[int, ...]
     slots: tuple[int, ...]
     pair: ReadPair
-    owner: BoardSlots
+    owner: LandingSlots
 
     def give_back(self) -> None:
         """It was not posted: nothing lands in its slots."""
@@ -96,7 +96,7 @@ class BoardCheck:
 
 
 def plan_checks(
-    slots: BoardSlots, ranks: Sequence[tuple[RankLink, Sequence[tuple[int, ReadCommand]]]]
+    slots: LandingSlots, ranks: Sequence[tuple[RankLink, Sequence[tuple[int, ReadCommand]]]]
 ) -> list[BoardCheck]:
     """One board READ per producer rank that has a board, for the reads (index, command) that
     read from it, as far as landing slots last (the others are asked over PeerService)."""
@@ -155,7 +155,7 @@ def attach(read: InFlightRead, x: Xfer) -> None:
     read.board_slots[x.rank] = x.slots[len(x.reads) - 1]
 
 
-def confirmed(slots: BoardSlots, read: InFlightRead) -> set[int]:
+def confirmed(slots: LandingSlots, read: InFlightRead) -> set[int]:
     """The producer ranks whose board, read into ``read``'s slots, shows its hold's marker."""
     cmd = read.cmd
     out = set()
@@ -187,7 +187,7 @@ class LaterChecks:
         self,
         *,
         backend: TransferBackend,
-        slots: BoardSlots,
+        slots: LandingSlots,
         guarded: Guarded,
         alive: Callable[[InFlightRead], bool],
         posted: Posted,
