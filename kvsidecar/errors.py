@@ -106,6 +106,12 @@ class NotRegisteredError(FailedPreconditionError):
     """No engine is registered with this sidecar (or its registration was dropped)."""
 
 
+class RegistrationError(FailedPreconditionError):
+    """Memory the engine shared was imported but the transfer backend refused to register it
+    (e.g. UCX without support for that memory kind); the message names the memory, its kind and
+    the backend's cause."""
+
+
 class LocalMemoryError(FailedPreconditionError):
     """The engine's own registered memory failed (e.g. its shm file was truncated): the fault is
     local, no peer is blamed for it."""

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from kvsidecar.errors import MemoryImportError
-from kvsidecar.memory.types import CUDA_IPC_HANDLE_SIZE, CudaIpcSpec, HostShmSpec
+from kvsidecar.memory.torch_handle import legacy_handle
+from kvsidecar.memory.types import CudaIpcSpec, HostShmSpec
 from kvsidecar.memory.types import normalize_device_uuid as _uuid
 
 __all__ = ["SharedMemoryExport", "export_cuda_tensor", "export_cupy_array"]
@@ -109,19 +110,16 @@ def _extent_bytes(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: in
 
 
 def export_cuda_tensor(tensor: Any) -> CudaIpcSpec:
-    """``CudaIpcSpec`` of a CUDA ``torch.Tensor`` (base-allocation handle + byte offset + UUID)."""
+    """``CudaIpcSpec`` of a CUDA ``torch.Tensor`` (base-allocation handle + byte offset + UUID).
+    Understands every handle format torch has shipped (``memory.torch_handle``); a tensor from an
+    expandable segment is refused with the fix (``expandable_segments:False``)."""
     import torch
 
     if not tensor.is_cuda:
         raise MemoryImportError(f"expected a CUDA tensor, got one on {tensor.device}")
     storage = tensor.untyped_storage()
     shared = storage._share_cuda_()
-    handle, storage_offset = bytes(shared[1]), int(shared[3])
-    if len(handle) != CUDA_IPC_HANDLE_SIZE:
-        raise MemoryImportError(
-            f"torch returned a {len(handle)}-byte CUDA IPC handle; only legacy cudaIpcMemHandle_t "
-            "is supported (set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)"
-        )
+    handle, storage_offset = legacy_handle(bytes(shared[1])), int(shared[3])
     itemsize = tensor.element_size()
     offset = storage_offset + tensor.storage_offset() * itemsize
     size = _extent_bytes(tuple(tensor.shape), tuple(tensor.stride()), itemsize)

@@ -17,7 +17,14 @@ from pathlib import Path
 
 from kvsidecar.engine.backend.contract import MemoryRegistration, TransferBackend
 from kvsidecar.engine.model import Registration
-from kvsidecar.errors import GeometryError, MemoryImportError, NotFoundError, NotRegisteredError
+from kvsidecar.errors import (
+    BackendError,
+    GeometryError,
+    MemoryImportError,
+    NotFoundError,
+    NotRegisteredError,
+    RegistrationError,
+)
 from kvsidecar.memory import ImportedMemory, import_memory
 from kvsidecar.memory.host_shm import HostShmMemory
 from kvsidecar.memory.region import host_bytes
@@ -145,7 +152,7 @@ class LocalEngine:
                 try:
                     if isinstance(mem, HostShmMemory):  # page tables now: ~55 ms/GiB, off the loop
                         await asyncio.to_thread(mem.prefault)
-                    reg = await backend.register_memory(mem)
+                    reg = await _register(backend, mem, f"memories[{i}] ({mid!r})")
                 except BaseException:
                     mem.close()
                     raise
@@ -237,6 +244,24 @@ class LocalEngine:
             return
         self._closed = True
         await _release(backend, list(self._imported))
+
+
+async def _register(backend: TransferBackend, mem: ImportedMemory, what: str) -> MemoryRegistration:
+    """Register ``mem`` with the backend; a refusal is a ``RegistrationError`` naming the memory
+    (``what``), its kind, size and device, and the backend's cause."""
+    try:
+        return await backend.register_memory(mem)
+    except (BackendError, MemoryImportError) as exc:
+        where = f"on device {mem.device_id}" if mem.mem_type is MemType.VRAM else "in host memory"
+        hint = (
+            " (is UCX built with CUDA support, and does UCX_TLS include cuda_copy and cuda_ipc?)"
+            if mem.mem_type is MemType.VRAM
+            else ""
+        )
+        raise RegistrationError(
+            f"{what}: {mem.mem_type.name} memory of {mem.size} bytes {where} could not be "
+            f"registered with the transfer backend: {exc}{hint}"
+        ) from None
 
 
 async def _release(

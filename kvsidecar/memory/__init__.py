@@ -1,4 +1,5 @@
-"""Importing engine memory: host shared memory (CPU) and CUDA IPC via cupy (GPU)."""
+"""Importing engine memory: host shared memory (CPU) and CUDA IPC via cupy (GPU); the CUDA IPC
+handle inside torch's shared-storage handle formats (``torch_handle``)."""
 
 from kvsidecar.memory.cuda_ipc import CUDA_IPC_CACHE, CudaIpcCache, CudaIpcMemory, import_cuda_ipc
 from kvsidecar.memory.host_shm import HostShmMemory, import_host_shm

@@ -53,6 +53,23 @@ def device_index_for_uuid(cupy: Any, uuid: str) -> int:
     )
 
 
+def make_current(device_index: int) -> None:
+    """Make device ``device_index``'s primary CUDA context current on the calling thread.
+
+    CUDA contexts are current per thread: memory imported on the event loop's thread is unknown
+    to a thread with no current context, and UCX (called on the transfer backend's own thread)
+    then classifies the device pointer as host memory and refuses to register it ("VRAM memory
+    is detected as host by UCX"). The backend calls this on its thread before registering VRAM.
+    """
+    cupy = load_cupy("VRAM registration")
+    try:
+        cupy.cuda.runtime.setDevice(device_index)
+    except Exception as exc:  # cupy raises CUDARuntimeError
+        raise MemoryImportError(
+            f"cannot make CUDA device {device_index} current on the transfer thread: {exc}"
+        ) from None
+
+
 def allocation_range(address: int) -> tuple[int, int]:
     """``(base, size)`` in bytes of the CUDA allocation containing ``address`` (needs a current
     context on this thread); uses the driver's ``cuMemGetAddressRange``."""

@@ -41,6 +41,7 @@ from kvsidecar.engine.backend.nixl.support import (
     translate_error,
 )
 from kvsidecar.errors import BackendError, BackendInvalidParamError
+from kvsidecar.memory.cuda_ipc import make_current
 from kvsidecar.memory.types import MemoryRegion, MemType
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class NixlAgent:
         return bytes(self._run("getLocalMD", self._agent.getLocalMD))
 
     def register(self, region: MemoryRegion) -> MemoryRegistration:
+        if region.mem_type is MemType.VRAM:  # UCX asks CUDA about the pointer on this thread
+            make_current(region.device_id)
         row = (region.base_address, region.size, region.device_id, "")
         dlist = self._b.nixlRegDList(self._mem(region.mem_type), [row])
         self._run("registerMem", lambda: self._agent.registerMem(dlist, []))
