@@ -35,7 +35,8 @@ def test_an_expandable_segment_is_refused_by_name_with_the_fix() -> None:
         legacy_handle(raw)
     text = str(err.value)
     assert "expandable (CUDA VMM) segment" in text
-    assert "type 'e'" in text and "30 bytes" in text
+    assert "type 'e'" in text
+    assert "30 bytes" in text
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False" in text
 
 
