@@ -40,6 +40,7 @@ MAX_AGENT_METADATA = 64 << 20  # bytes of a peer's NIXL agent metadata
 MAX_LANE_FRAME = 64 << 20  # bytes of one frame on the engine's lane (rpc/lane.py)
 MAX_DIGEST_BYTES = 64  # a READ_DONE's read_blocks_digest
 MAX_BOARD_BUCKETS = 1 << 24  # buckets of a producer's hold board (GetAgent.board_buckets)
+MAX_STAGED_SLOTS = 1 << 40  # slots of a producer's staging pool (GetAgent.staged.slots)
 MIN_TOKEN, MAX_TOKEN = 16, 256  # characters of an engine-chosen hold token
 MAX_CANARY_RANGES = 65536  # (address, length) pairs of a canary READ_DONE (16 bytes each)
 MAX_COST_ENTRIES = 4096  # remote engine ranks in the cost matrix (engine.peers.costs)
@@ -72,6 +73,7 @@ __all__ = [
     "MAX_REQUEST_IDS",
     "MAX_SPANS",
     "MAX_SPANS_PER_VIEW",
+    "MAX_STAGED_SLOTS",
     "MAX_STATUS_EVENTS",
     "MAX_STEP_ITEMS",
     "MAX_TOKEN",

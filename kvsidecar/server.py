@@ -26,7 +26,7 @@ from kvsidecar.discovery import Discovery, StaticDiscovery, describe, record_of
 from kvsidecar.drain import DrainControl
 from kvsidecar.engine.backend import TransferBackend
 from kvsidecar.engine.core import EngineCore
-from kvsidecar.engine.model import CoreConfig, PushConfig
+from kvsidecar.engine.model import CoreConfig, PushConfig, StagingMode
 from kvsidecar.errors import ConfigError, ListenError
 from kvsidecar.health import ENGINE_SERVICE, PEER_SERVICE, Condition, HttpEndpoint, Readiness
 from kvsidecar.listen import BoundAddresses, bind_server, is_loopback, prepare_socket_path
@@ -190,6 +190,9 @@ class Sidecar:
             trace_age_s=s.trace_age_s,
             cost_probe_s=s.cost_probe_s,
             push=_push_config(s),
+            # auto stages GPU engines; without a hold board nothing could say where (not staged)
+            staging=StagingMode(s.staging.value) if s.hold_board else StagingMode.OFF,
+            staging_pool_bytes=s.staging_pool_bytes,
         )
 
         async def on_registered(held: bool) -> None:

@@ -40,6 +40,14 @@ class DiscoveryKind(enum.Enum):
     ETCD = "etcd"
 
 
+class StagingSetting(enum.Enum):
+    """When a producer serves holds from its staging pool (``--staging``)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
 class TransferBackendKind(enum.Enum):
     """Which transfer library moves the bytes."""
 
@@ -147,6 +155,19 @@ class Settings(BaseSettings):
         "by READing the producer's board (one small READ instead of a PeerService round trip; "
         "ranks without a board, or whose board does not show the hold, are asked as before). "
         "Off: every confirmation is a PeerService round trip.",
+    )
+    staging: StagingSetting = Field(
+        default=StagingSetting.AUTO,
+        description="Serve holds from a staging pool the sidecar owns (docs/gpu.md): auto (for "
+        "engines whose KV memory is GPU memory, which UCX cannot serve imported), on (host "
+        "memory too), off.",
+    )
+    staging_pool_bytes: int = Field(
+        default=2 << 30,
+        ge=1 << 20,
+        le=1 << 40,
+        description="Size of the staging pool (bytes; allocated at the first registration that "
+        "stages, on the engine's device).",
     )
     metrics_listen: str = Field(
         default="127.0.0.1:9464", description="HTTP address for /metrics, /healthz, /readyz."
@@ -341,6 +362,7 @@ def _validate(merged: dict[str, Any]) -> Settings:
         raise ConfigError(field, f"invalid value {value!r}: {err['msg']}") from None
     check_peer_tls(settings)
     check_discovery(settings)
+    check_staging(settings)
     return settings
 
 
@@ -382,6 +404,13 @@ def describe(settings: Settings, sources: Mapping[str, Source], *, as_json: bool
 
 
 TLS_FILES = ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")
+
+
+def check_staging(settings: Settings) -> None:
+    """A staged hold is found by consumers on the hold board: staging needs it."""
+    if settings.staging is StagingSetting.ON and not settings.hold_board:
+        raise ConfigError("staging", "on needs the hold board (--hold-board): consumers find "
+                          "where a staged hold sits on it")  # fmt: skip
 
 
 def check_discovery(settings: Settings) -> None:

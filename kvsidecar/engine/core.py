@@ -46,7 +46,7 @@ from kvsidecar.engine.tasks import shielded
 from kvsidecar.engine.writes.face import PushFace
 from kvsidecar.errors import KvSidecarError, NotFoundError, ShuttingDownError
 from kvsidecar.types import Event, PeerInfo, ReadPosted, Registered, SidecarStatus
-from kvsidecar.wire.peer import AgentInfo, EngineDirectory, Outcome, PeerNotification
+from kvsidecar.wire.peer import AgentInfo, EngineDirectory, Outcome, PeerNotification, Staged
 from kvsidecar.wire.trace import Explanation
 
 log = logging.getLogger(__name__)
@@ -280,6 +280,20 @@ class EngineCore:
             metadata=metadata,
             agent_name=self._backend.agent_name,
             board=(self._p.boards.address, self._p.boards.buckets),
+            staged=self._staged(),
+        )
+
+    def _staged(self) -> Staged | None:
+        """What GetAgent says of the staging pool (``None``: this registration is not staged,
+        or there is no info board to publish where holds sit)."""
+        advert, info_board = self._p.staging.advert(), self._p.boards.info_address
+        if advert is None or not info_board:
+            return None
+        return Staged(
+            slots=advert.slots,
+            view_bases=advert.bases,
+            mem_type=advert.mem_type.name,
+            info_board_address=info_board,
         )
 
     def directory(self, engine_id: str) -> EngineDirectory:

@@ -32,7 +32,7 @@ from kvsidecar.memory.types import MemType
 from kvsidecar.plan import EngineGeometry
 from kvsidecar.plan.canary import Reader
 from kvsidecar.plan.compat import PROTOCOL_VERSION, CompatItems, span_signature
-from kvsidecar.wire.peer import AgentInfo, EngineDirectory
+from kvsidecar.wire.peer import AgentInfo, EngineDirectory, Staged
 
 log = logging.getLogger(__name__)
 
@@ -206,10 +206,16 @@ class LocalEngine:
             )
 
     def agent_info(
-        self, *, metadata: bytes, agent_name: str, board: tuple[int, int] = (0, 0)
+        self,
+        *,
+        metadata: bytes,
+        agent_name: str,
+        board: tuple[int, int] = (0, 0),
+        staged: Staged | None = None,
     ) -> AgentInfo:
         """The record remote sidecars read this rank by (``metadata``: the NIXL agent's;
-        ``board``: the hold board's address and buckets, (0, 0) for none)."""
+        ``board``: the hold board's address and buckets, (0, 0) for none; ``staged``: the
+        staging pool consumers READ instead, ``None`` when this registration is not staged)."""
         return AgentInfo(
             protocol_version=PROTOCOL_VERSION,
             compat_digest=self.digest,
@@ -222,6 +228,7 @@ class LocalEngine:
             mem_type=self.mem_type.name,
             board_address=board[0],
             board_buckets=board[1],
+            staged=staged,
         )
 
     def directory(self, engine_id: str) -> EngineDirectory:

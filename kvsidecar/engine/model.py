@@ -5,6 +5,8 @@ cover these ids), never sizes or formats again.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -35,6 +37,34 @@ class Tracer(Protocol):
     def plan(self, key: str, plan: object) -> None: ...
 
     def known(self, key: str) -> bool: ...
+
+
+class StagingMode(enum.Enum):
+    """When a producer serves holds from its staging pool (``owned.staging``)."""
+
+    AUTO = "auto"  #: for engines whose KV memory is GPU memory (UCX cannot serve it imported)
+    ON = "on"  #: always (host memory too: the CPU twin of the GPU path)
+    OFF = "off"  #: never: consumers READ the engine's memory
+
+
+class Stager(Protocol):
+    """What the producer asks of the staging pool (``owned.staging.StagingPool``): ``active``
+    for the registration bound now; ``check`` refuses a hold that can never fit; ``stage`` copies
+    a hold's blocks and calls ``staged(info)`` once done (``plan.staging.info_of``); ``unstage``
+    gives its slots back when the hold ended; ``clear`` every hold at once."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def check(self, held: Sequence[Sequence[int]]) -> None: ...
+
+    def stage(
+        self, request_id: str, held: Sequence[Sequence[int]], staged: Callable[[int], None]
+    ) -> None: ...
+
+    def unstage(self, request_id: str) -> None: ...
+
+    def clear(self) -> None: ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -125,6 +155,8 @@ class CoreConfig:
     trace_age_s: float = 600.0  # seconds a request is kept for Explain (from its first state)
     cost_probe_s: float = 0.0  # probe remote ranks with no control sample this long (0: off)
     push: PushConfig = field(default_factory=PushConfig)
+    staging: StagingMode = StagingMode.AUTO  # serve holds from the staging pool (docs/gpu.md)
+    staging_pool_bytes: int = 2 << 30  # the staging pool's size (allocated when first used)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

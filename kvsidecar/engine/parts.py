@@ -20,8 +20,9 @@ from kvsidecar.engine.backend.contract import (
 from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.holds.board import HoldBoard
 from kvsidecar.engine.holds.producer import Producer
-from kvsidecar.engine.model import CoreConfig, Endpoints
+from kvsidecar.engine.model import CoreConfig, Endpoints, StagingMode
 from kvsidecar.engine.owned.boards import BoardMemory
+from kvsidecar.engine.owned.staging import StagingPool
 from kvsidecar.engine.peers.handshake import Handshakes
 from kvsidecar.engine.peers.link import PeerLink
 from kvsidecar.engine.peers.registry import Peer, PeerRegistry
@@ -67,6 +68,7 @@ class Parts:
     explainer: Explainer  # Explain: the rings the reads and holds record into, and the merge
     granter: Granter  # push mode, consumer side
     pusher: Pusher  # push mode, producer side
+    staging: StagingPool  # the producer's staging pool (owned/; docs/gpu.md)
 
     @classmethod
     def build(
@@ -114,6 +116,7 @@ class Parts:
 
         reads = InFlightReads(
             backend=backend,
+            completions=completions,
             events=events,
             confirmer=confirmer,
             confirm=config.confirm_reads,
@@ -123,6 +126,10 @@ class Parts:
         confirmer.costs = reads.book.transfers.costs = link.costs  # the cost matrix's two feeds
         reads.confirmation.canary.fraction = config.canary_fraction
         producer = Producer(lease_s=config.lease_s, events=events, tracer=hold_trace)
+        staging = StagingPool(
+            backend=backend, mode=config.staging, pool_bytes=config.staging_pool_bytes
+        )
+        producer.stager = staging
         guard = PeerGuard(peers=peers, reads=reads.book)
         granter = Granter(peers=peers, events=events, config=config.push)
         poller = Poller(
@@ -175,6 +182,7 @@ class Parts:
             guard=guard,
             on_registered=on_registered,
             drop_writes=drop_writes,
+            staging=staging,
         )
         return cls(
             config=config,
@@ -201,6 +209,7 @@ class Parts:
             ),
             granter=granter,
             pusher=pusher,
+            staging=staging,
         )
 
     async def start(self) -> None:
@@ -208,8 +217,9 @@ class Parts:
         slots) before any peer can fetch this agent's metadata; start the poller."""
         if self.config.hold_board:
             slots = LANDING_SLOTS if self.config.confirm_reads else 0
-            board, landing = await self.boards.open(slots=slots)
-            self.producer.board = HoldBoard(board)
+            infos = self.config.staging is not StagingMode.OFF  # staged holds publish infos
+            board, info_board, landing = await self.boards.open(slots=slots, infos=infos)
+            self.producer.board = HoldBoard(board, info_board)
             if landing is not None:
                 self.reads.confirmation.use_boards(LandingSlots(*landing))
         self.completions.start(rest=self.reads.completed)
@@ -228,6 +238,7 @@ class Parts:
         self.completions.stop()
         await self.reads.aclose()
         self.producer.board = HoldBoard(None)
+        await self.staging.aclose()
         await self.boards.aclose()
 
     def stats(self, sessions: SessionCounters) -> EngineStats:
@@ -247,6 +258,7 @@ class Parts:
             kv_files_reclaimed=self.registrar.reclaimer.unlinked,
             costs=self.link.costs.snapshot(),
             push=push_stats(self.granter, self.pusher),
+            staging=self.staging.stats(),
         )
 
     def status(

@@ -22,6 +22,7 @@ from kvsidecar.engine.holds.canary import checker
 from kvsidecar.engine.holds.producer import Producer
 from kvsidecar.engine.local import LocalEngine, require_registered
 from kvsidecar.engine.model import Registration
+from kvsidecar.engine.owned.staging import StagingPool
 from kvsidecar.engine.peers.registry import PeerRegistry
 from kvsidecar.engine.reads.book import ReadBook
 from kvsidecar.engine.reads.confirm.canary import ReadCanaries
@@ -50,7 +51,9 @@ class Registrar:
         guard: PeerGuard,
         on_registered: Callable[[bool], Awaitable[None]],
         drop_writes: Callable[[FailReason, str], Awaitable[None]] | None = None,
+        staging: StagingPool | None = None,
     ) -> None:
+        """``staging``: the staging pool, laid out for each registration (``owned.staging``)."""
         self._backend = backend
         self._shm_roots = shm_roots
         self._peers = peers
@@ -61,6 +64,7 @@ class Registrar:
         self._guard = guard
         self._on_registered = on_registered
         self._drop_writes = drop_writes  # push mode's grants and WRITEs (before memory goes)
+        self._staging = staging
         self._local: LocalEngine | None = None
         self._epoch = int(time.time() * 1000)  # survives restarts as "newer"
         self._lock = asyncio.Lock()
@@ -98,6 +102,10 @@ class Registrar:
             )
             try:
                 await self._drop(FailReason.ENGINE_GONE, "engine re-registered")
+                if self._staging is not None:
+                    bases = {name: addr for name, (addr, _) in local.view_bases.items()}
+                    device = next(iter(local.view_bases.values()), (0, 0))[1]
+                    await self._staging.bind(local.geometry, local.mem_type, device, bases)
             except BaseException:
                 await local.aclose(self._backend)
                 raise

@@ -220,6 +220,26 @@ class PushStats:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StagingStats:
+    """The staging pool (``owned.staging``): its size and slots (0: not allocated / this
+    registration is not staged), slots and holds now, and counters: holds staged, holds that
+    waited for free slots, holds refused as larger than the pool, copies that failed, bytes
+    copied and seconds spent copying."""
+
+    pool_bytes: int = 0
+    slots: int = 0
+    slots_used: int = 0
+    holds_staged: int = 0
+    holds_waiting: int = 0
+    staged: int = 0
+    waited: int = 0
+    too_big: int = 0
+    failed: int = 0
+    bytes_copied: int = 0
+    copy_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineStats:
     """Everything the engine counts, at one moment."""
 
@@ -238,6 +258,7 @@ class EngineStats:
     #: the cost matrix: one entry per live remote engine rank (``peers.costs``)
     costs: tuple[PeerCost, ...] = ()
     push: PushStats = field(default_factory=PushStats)
+    staging: StagingStats = field(default_factory=StagingStats)
 
     def counters(self) -> dict[str, int]:
         """The flat counters of the ``Status`` RPC (each one is also a ``/metrics`` family)."""
@@ -276,4 +297,9 @@ class EngineStats:
             "pushes_failed": sum(self.push.pushes_failed.values()),
             "writes_posted": self.push.writes_posted,
             "bytes_written": self.push.bytes_written,
+            "holds_staged": self.staging.staged,
+            "staging_waits": self.staging.waited,
+            "staging_refused": self.staging.too_big,
+            "staging_failed": self.staging.failed,
+            "bytes_staged": self.staging.bytes_copied,
         }

@@ -1,5 +1,6 @@
 """Importing engine memory: host shared memory (CPU) and CUDA IPC via cupy (GPU); the CUDA IPC
-handle inside torch's shared-storage handle formats (``torch_handle``)."""
+handle inside torch's shared-storage handle formats (``torch_handle``); memory the sidecar owns
+itself (``region``: host, ``device``: GPU)."""
 
 from kvsidecar.memory.cuda_ipc import CUDA_IPC_CACHE, CudaIpcCache, CudaIpcMemory, import_cuda_ipc
 from kvsidecar.memory.host_shm import HostShmMemory, import_host_shm

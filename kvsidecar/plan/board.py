@@ -13,6 +13,14 @@ byte forced non-zero, so that a word read while it changes (a torn 8-byte read m
 old and the new value) equals the marker only if every byte was read while the marker was there.
 The bucket index depends on the token and request id only. Both sides compute the same values
 from what they know; nothing here is secret but the token. Pure functions (stdlib + numpy).
+
+A producer that serves a hold from its staging pool (``plan.staging``) also keeps an *info
+board*, word for word beside the hold board: the word beside a staged hold's marker holds its
+*info* (where the hold's blocks sit in the pool), and the marker is then computed over the info
+too. A consumer reads both buckets before it READs (``locate``), and its confirmation afterwards
+looks for the marker of the info it read: a marker it finds vouches for the hold *and* for the
+place its bytes were read from, whatever word it read the info from (a stale or torn info word
+yields another marker, which is nowhere). Markers of holds without info (0) are unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ __all__ = [
     "BUCKET_WORDS",
     "DEFAULT_BUCKETS",
     "bucket_of",
+    "locate",
     "marker_of",
 ]
 
@@ -48,16 +57,40 @@ def _ids_bytes(held: Sequence[npt.ArrayLike]) -> bytes:
     return b"".join(parts)
 
 
-def marker_of(token: str, epoch: int, request_id: str, held: Sequence[npt.ArrayLike]) -> int:
+def marker_of(
+    token: str, epoch: int, request_id: str, held: Sequence[npt.ArrayLike], info: int = 0
+) -> int:
     """The word that says "``request_id`` is held under ``token`` in registration ``epoch``,
-    holding ``held`` (per group)"; never 0, every byte non-zero."""
+    holding ``held`` (per group)", and with ``info`` != 0 "its bytes are where ``info`` says"
+    (``plan.staging``); never 0, every byte non-zero."""
     h = hashlib.blake2b(digest_size=8, person=b"kvsidecar.board")
     for part in (token.encode(), request_id.encode()):
         h.update(len(part).to_bytes(4, "little"))
         h.update(part)
     h.update(int(epoch).to_bytes(8, "little", signed=False))
     h.update(_ids_bytes(held))
+    if info:
+        h.update(b"info")
+        h.update(int(info).to_bytes(8, "little", signed=False))
     return int.from_bytes(h.digest(), "little") | _NONZERO
+
+
+def locate(
+    markers: npt.NDArray[np.uint64],
+    infos: npt.NDArray[np.uint64],
+    *,
+    token: str,
+    epoch: int,
+    request_id: str,
+    held: Sequence[npt.ArrayLike],
+) -> int:
+    """The info of the live staged hold that one bucket of the hold board (``markers``) and the
+    same bucket of the info board (``infos``) show, or 0 when they show none: the info of a word
+    whose marker is the marker of that info."""
+    for marker, info in zip(markers.tolist(), infos.tolist(), strict=True):
+        if marker and info and marker == marker_of(token, epoch, request_id, held, info):
+            return int(info)
+    return 0
 
 
 def bucket_of(token: str, request_id: str, buckets: int) -> int:

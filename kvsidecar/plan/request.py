@@ -22,7 +22,7 @@ Descriptor ids are ``int32`` (:data:`~kvsidecar.plan.peer_plan.DESC_ID_DTYPE`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -314,12 +314,14 @@ def batch_request_ids(
     plan: PeerPlan,
     local_ids: Sequence[Sequence[IdArray]],
     remote_ids: Sequence[Sequence[IdArray]],
+    rank_remote_ids: Mapping[int, Sequence[Sequence[IdArray]]] | None = None,
 ) -> tuple[BatchIds, ...]:
     """:func:`request_ids` for requests ``i`` = (``local_ids[i]``, ``remote_ids[i]``) at once: per
     read rank of ``plan`` with something to read, every request's descriptor ids concatenated
     (request after request within each row batch), computed with one array pass per row batch
     instead of one per request. Validate every request first (:func:`validate_request_ids`);
-    raises BlockIdError as :func:`request_ids` does."""
+    raises BlockIdError as :func:`request_ids` does. ``rank_remote_ids``: remote ids that differ
+    per remote rank (a staged producer's slots, :mod:`.staging`), for the ranks it names."""
     n = len(local_ids)
     if n != len(remote_ids):
         raise BlockIdError(f"{n} local id lists but {len(remote_ids)} remote ones")
@@ -333,7 +335,8 @@ def batch_request_ids(
     for rp in plan.ranks:
         if rp.notify_only:
             continue
-        loc, rem, per = _rank_batch(rp, local_ids, remote_ids)
+        rids = remote_ids if rank_remote_ids is None else rank_remote_ids.get(rp.remote_rank)
+        loc, rem, per = _rank_batch(rp, local_ids, remote_ids if rids is None else rids)
         if len(loc):
             out.append(
                 BatchIds(

@@ -422,6 +422,7 @@ class GetAgentResponse(_message.Message):
     MEM_TYPE_FIELD_NUMBER: _builtins.int
     BOARD_ADDRESS_FIELD_NUMBER: _builtins.int
     BOARD_BUCKETS_FIELD_NUMBER: _builtins.int
+    STAGED_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """Version of the sidecar-to-sidecar protocol; a mismatch is reported as incompatible."""
     compat_digest: _builtins.str
@@ -455,6 +456,12 @@ class GetAgentResponse(_message.Message):
     def compat(self) -> _geometry_pb2.Compat:
         """The items behind compat_digest, so that a mismatch can list every differing item."""
 
+    @_builtins.property
+    def staged(self) -> Global___Staged:
+        """Set when this rank serves its holds from its staging pool (docs/gpu.md) instead of the
+        engine's memory: consumers READ the pool, never the views' base_address above.
+        """
+
     def __init__(
         self,
         *,
@@ -472,14 +479,83 @@ class GetAgentResponse(_message.Message):
         mem_type: _builtins.str = ...,
         board_address: _builtins.int = ...,
         board_buckets: _builtins.int = ...,
+        staged: Global___Staged | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "staged", b"staged"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "board_address", b"board_address", "board_buckets", b"board_buckets", "compat", b"compat", "compat_digest", b"compat_digest", "engine_id", b"engine_id", "epoch", b"epoch", "mem_type", b"mem_type", "nixl_agent_metadata", b"nixl_agent_metadata", "num_groups", b"num_groups", "protocol_version", b"protocol_version", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "board_address", b"board_address", "board_buckets", b"board_buckets", "compat", b"compat", "compat_digest", b"compat_digest", "engine_id", b"engine_id", "epoch", b"epoch", "mem_type", b"mem_type", "nixl_agent_metadata", b"nixl_agent_metadata", "num_groups", b"num_groups", "protocol_version", b"protocol_version", "staged", b"staged", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetAgentResponse: _TypeAlias = GetAgentResponse  # noqa: Y015
+
+@_typing.final
+class Staged(_message.Message):
+    """A producer rank's staging pool (kvsidecar/plan/staging.py): `slots` slots; the pool mirrors the
+    engine's views with their spans packed back to back (each view `slots * blocks_per_id` blocks),
+    every view at the address given here. A staged hold's slots are published on the info board:
+    the 64-bit word at the same index as its marker's word on the hold board, at
+    info_board_address (same bucket layout as the hold board), holds base slot + 1; the marker is
+    then computed over that word too (plan/board.py marker_of). A consumer READs both buckets,
+    then the hold's slots.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOTS_FIELD_NUMBER: _builtins.int
+    VIEWS_FIELD_NUMBER: _builtins.int
+    MEM_TYPE_FIELD_NUMBER: _builtins.int
+    INFO_BOARD_ADDRESS_FIELD_NUMBER: _builtins.int
+    slots: _builtins.int
+    """At most 2^40."""
+    mem_type: _builtins.str
+    """NIXL memory type of the pool: "DRAM" or "VRAM"."""
+    info_board_address: _builtins.int
+    """The info board (as many buckets as the hold board), DRAM registered with the NIXL agent."""
+    @_builtins.property
+    def views(self) -> _containers.RepeatedCompositeFieldContainer[Global___StagedView]:
+        """Every view of the engine, by name: the address of its block 0 in the pool and its device."""
+
+    def __init__(
+        self,
+        *,
+        slots: _builtins.int = ...,
+        views: _abc.Iterable[Global___StagedView] | None = ...,
+        mem_type: _builtins.str = ...,
+        info_board_address: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["info_board_address", b"info_board_address", "mem_type", b"mem_type", "slots", b"slots", "views", b"views"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Staged: _TypeAlias = Staged  # noqa: Y015
+
+@_typing.final
+class StagedView(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BASE_ADDRESS_FIELD_NUMBER: _builtins.int
+    DEVICE_ID_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    base_address: _builtins.int
+    device_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        base_address: _builtins.int = ...,
+        device_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_address", b"base_address", "device_id", b"device_id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StagedView: _TypeAlias = StagedView  # noqa: Y015
 
 @_typing.final
 class GetEngineRequest(_message.Message):

@@ -56,6 +56,12 @@ class _TraceStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TraceState
     """Producer: the engine's RELEASE ended the hold."""
     EXPIRED: _TraceState.ValueType  # 13
     """Producer: the lease expired (SEND_DONE with expired)."""
+    LOCATING: _TraceState.ValueType  # 14
+    """Consumer: the producer serves from a staging pool and some rank did not show the hold yet
+    (copy under way, pool full); the read is posted once every rank shows it (docs/gpu.md).
+    """
+    STAGED: _TraceState.ValueType  # 15
+    """Producer: the hold's blocks were copied into the staging pool (detail: the info published)."""
 
 class TraceState(_TraceState, metaclass=_TraceStateEnumTypeWrapper):
     """A step of a request's handoff. Names follow the handoff lifecycle of ai-dynamo/dynamo#10736
@@ -90,6 +96,12 @@ CANCELLED: TraceState.ValueType  # 12
 """Producer: the engine's RELEASE ended the hold."""
 EXPIRED: TraceState.ValueType  # 13
 """Producer: the lease expired (SEND_DONE with expired)."""
+LOCATING: TraceState.ValueType  # 14
+"""Consumer: the producer serves from a staging pool and some rank did not show the hold yet
+(copy under way, pool full); the read is posted once every rank shows it (docs/gpu.md).
+"""
+STAGED: TraceState.ValueType  # 15
+"""Producer: the hold's blocks were copied into the staging pool (detail: the info published)."""
 Global___TraceState: _TypeAlias = TraceState  # noqa: Y015
 
 class _TraceRole:

@@ -23,6 +23,7 @@ from kvsidecar.limits import (
     MAX_ID_CHARS,
     MAX_NOTIFICATIONS,
     MAX_REQUEST_IDS,
+    MAX_STAGED_SLOTS,
     MAX_TP_SIZE,
     check_chars,
     check_count,
@@ -60,6 +61,18 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Staged:
+    """A producer rank's staging pool (``plan.staging``): ``slots`` slots, every view's address
+    in it (name -> (address, NIXL device id)), its NIXL memory kind, and the info board's
+    address (the hold board's bucket layout)."""
+
+    slots: int
+    view_bases: Mapping[str, tuple[int, int]]
+    mem_type: str
+    info_board_address: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AgentInfo:
     """One producer rank as its sidecar advertises it.
 
@@ -78,6 +91,7 @@ class AgentInfo:
     mem_type: str
     board_address: int = 0  #: the hold board's address in the producer (0: no board)
     board_buckets: int = 0  #: its buckets (``plan.board``)
+    staged: Staged | None = None  #: its staging pool, READ instead of the engine's memory
 
     @property
     def engine_id(self) -> str:
@@ -116,6 +130,44 @@ def agent_info_to_proto(info: AgentInfo) -> peer_pb2.GetAgentResponse:
         mem_type=info.mem_type,
         board_address=info.board_address,
         board_buckets=info.board_buckets,
+        staged=_staged_to_proto(info.staged) if info.staged is not None else None,
+    )
+
+
+def _staged_to_proto(s: Staged) -> peer_pb2.Staged:
+    return peer_pb2.Staged(
+        slots=s.slots,
+        views=[
+            peer_pb2.StagedView(name=name, base_address=addr, device_id=dev)
+            for name, (addr, dev) in s.view_bases.items()
+        ],
+        mem_type=s.mem_type,
+        info_board_address=s.info_board_address,
+    )
+
+
+def _staged_from_proto(pb: peer_pb2.GetAgentResponse, views: Sequence[str]) -> Staged | None:
+    """The staging pool of a GetAgent answer, checked against its views (a peer's data)."""
+    if not pb.HasField("staged"):
+        return None
+    s = pb.staged
+    check_chars("staged.mem_type", s.mem_type)
+    if not 0 < s.slots <= MAX_STAGED_SLOTS:
+        raise InvalidArgumentError(f"staged.slots={s.slots} must be in 1..{MAX_STAGED_SLOTS}")
+    if not s.info_board_address or not pb.board_buckets:
+        raise InvalidArgumentError(
+            "staged needs a hold board and staged.info_board_address (where holds sit)"
+        )
+    bases = {v.name: (v.base_address, v.device_id) for v in s.views}
+    if sorted(bases) != sorted(views) or len(s.views) != len(views):
+        raise InvalidArgumentError(
+            f"staged.views names {sorted(bases)[:8]}, the engine's views are {sorted(views)[:8]}"
+        )
+    return Staged(
+        slots=s.slots,
+        view_bases=bases,
+        mem_type=s.mem_type,
+        info_board_address=s.info_board_address,
     )
 
 
@@ -150,6 +202,7 @@ def agent_info_from_proto(pb: peer_pb2.GetAgentResponse) -> AgentInfo:
         mem_type=pb.mem_type,
         board_address=pb.board_address if pb.board_buckets else 0,
         board_buckets=pb.board_buckets,
+        staged=_staged_from_proto(pb, [rv.view.name for rv in pb.views]),
     )
 
 

@@ -37,7 +37,9 @@ class TraceState(enum.Enum):
     read, with its bytes), NOTIFIED (a notify-only rank told CONSUMED), RANK_CONFIRMED (one per
     rank), then COMPLETED (RECV_DONE) or FAILED (RECV_FAILED, with its reason). Producer: HELD,
     CONSUMER_COUNTED / CONSUMER_REFUSED (one per consumer notification), then SOURCE_RELEASED
-    (SEND_DONE: every consumer counted), CANCELLED (the engine's RELEASE) or EXPIRED (lease)."""
+    (SEND_DONE: every consumer counted), CANCELLED (the engine's RELEASE) or EXPIRED (lease).
+    Staging (docs/gpu.md): LOCATING (consumer: a rank did not show the staged hold yet), STAGED
+    (producer: the hold's blocks are in the pool)."""
 
     ACCEPTED = 1
     HANDSHAKING = 2
@@ -52,6 +54,8 @@ class TraceState(enum.Enum):
     SOURCE_RELEASED = 11
     CANCELLED = 12
     EXPIRED = 13
+    LOCATING = 14
+    STAGED = 15
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.holds.board import HoldBoard
 from kvsidecar.engine.holds.ledger import ConsumerId, NotificationOutcome, ProducerLedger
-from kvsidecar.engine.model import Hold, Tracer
+from kvsidecar.engine.model import Hold, Stager, Tracer
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.stats import ProducerStats
 from kvsidecar.errors import NotFoundError
@@ -66,6 +66,10 @@ class Producer:
         self._nixl_ignored = 0
         self.canaries_checked = 0  #: canary READ_DONEs whose held bytes were checksummed
         self.canary: CanaryCheck | None = None  #: the registration's canary check (registrar)
+        #: the staging pool (``owned.staging``): holds it stages are published once copied
+        self.stager: Stager | None = None
+        self._instance = 0  # the last hold's number (a staged hold publishes only if still it)
+        self._instances: dict[str, int] = {}
         self._log = RateLimited(log)
 
     @property
@@ -78,25 +82,51 @@ class Producer:
         registration's ``epoch``. Returns the token; may complete at once when notifications with that
         token arrived first."""
         token = cmd.token or secrets.token_urlsafe(24)
+        stager = self.stager if self.stager is not None and self.stager.active else None
+        if stager is not None:
+            stager.check(cmd.block_ids)  # a hold larger than the pool is refused, not held
         done = self.ledger.hold(
             cmd.request_id, lease_s=cmd.lease_s, block_ids=cmd.block_ids, token=token
         )
         lease = "default lease" if cmd.lease_s is None else f"lease {cmd.lease_s:g}s"
         self._trace.record(cmd.request_id, TraceState.HELD, detail=lease)
-        if done is None:
+        if done is None and stager is None:
             self.board.publish(cmd.request_id, token=token, epoch=self.epoch, held=cmd.block_ids)
+        elif done is None and stager is not None:
+            self._instance += 1
+            self._instances[cmd.request_id] = n = self._instance
+            rid, epoch, held = cmd.request_id, self.epoch, cmd.block_ids
+            stager.stage(rid, held, lambda info: self._staged(rid, n, token, epoch, held, info))
         self._finish(done)
         return token
+
+    def _staged(
+        self,
+        request_id: str,
+        instance: int,
+        token: str,
+        epoch: int,
+        held: tuple[tuple[int, ...], ...],
+        info: int,
+    ) -> None:
+        """A staged hold's blocks are in its slots: publish it with its info, if it is still
+        the same hold (it did not end, or end and start again, meanwhile)."""
+        if self._instances.get(request_id) == instance and epoch == self.epoch:
+            self._trace.record(request_id, TraceState.STAGED, detail=f"info {info}")
+            self.board.publish(request_id, token=token, epoch=epoch, held=held, info=info)
 
     def release(self, request_id: str) -> None:
         if not self.ledger.release(request_id):
             raise NotFoundError(f"request_id={request_id!r} is not held")
         self._trace.record(request_id, TraceState.CANCELLED, detail="RELEASE by the engine")
-        self.board.withdraw(request_id)
+        self._ended(request_id)
 
     def drop_all(self) -> int:
         """The engine is gone: forget every hold (no SEND_DONE)."""
         self.board.clear()
+        if self.stager is not None:
+            self.stager.clear()
+        self._instances.clear()
         return self.ledger.drop_all()
 
     def reap(self) -> None:
@@ -203,11 +233,18 @@ class Producer:
             confirmations_pending=ledger.pending,
         )
 
+    def _ended(self, request_id: str) -> None:
+        """A hold ended: its marker goes first, then its staging slots."""
+        self.board.withdraw(request_id)
+        self._instances.pop(request_id, None)
+        if self.stager is not None:
+            self.stager.unstage(request_id)
+
     def _finish(self, done: SendDone | None) -> None:
         """A hold ended: withdrawn from the board first (a consumer's check must fail from now
         on), then SEND_DONE tells the engine it may free the blocks."""
         if done is not None:
-            self.board.withdraw(done.request_id)
+            self._ended(done.request_id)
             state = TraceState.EXPIRED if done.expired else TraceState.SOURCE_RELEASED
             self._trace.record(done.request_id, state, detail=f"{done.consumers} consumer(s)")
             self._events.emit(done)

@@ -1,6 +1,6 @@
 """The sidecar's own registered memory for confirmation: the hold board it publishes live holds
-on (``holds.board.HoldBoard`` writes it) and the landing slots other producers' boards are read
-into (``reads.confirm.checks.LandingSlots`` hands them out). Registered at start, before any peer
+on and the info board beside it (``holds.board.HoldBoard`` writes them) and the landing slots
+other producers' boards are read into (``reads.confirm.checks.LandingSlots`` hands them out). Registered at start, before any peer
 can fetch this agent's metadata, and released once at the end."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class BoardMemory:
         self._dlist: DlistHandle | None = None  # the landing slots, one descriptor each
         self.address = 0  #: the board's address (0: none)
         self.buckets = 0
+        self.info_address = 0  #: the info board's address (0: none; ``plan.board``)
 
     async def _region(self, size: int) -> OwnedRegion:
         region = OwnedRegion(size)
@@ -46,12 +47,21 @@ class BoardMemory:
         return region
 
     async def open(
-        self, *, slots: int
-    ) -> tuple[npt.NDArray[np.uint64], tuple[npt.NDArray[np.uint64], DlistHandle] | None]:
-        """Register the board (its words) and, with ``slots`` > 0, that many landing slots (their
-        words and their prepared list, one descriptor per slot)."""
+        self, *, slots: int, infos: bool = False
+    ) -> tuple[
+        npt.NDArray[np.uint64],
+        npt.NDArray[np.uint64] | None,
+        tuple[npt.NDArray[np.uint64], DlistHandle] | None,
+    ]:
+        """Register the board (its words), with ``infos`` the info board beside it (its words),
+        and with ``slots`` > 0 that many landing slots (their words and their prepared list, one
+        descriptor per slot)."""
         board = await self._region(self._buckets * BUCKET_BYTES)
         self.address, self.buckets = board.base_address, self._buckets
+        info_words = None
+        if infos:
+            info_board = await self._region(self._buckets * BUCKET_BYTES)
+            self.info_address, info_words = info_board.base_address, info_board.words()
         landing = None
         if slots:
             region = await self._region(slots * BUCKET_BYTES)
@@ -60,7 +70,7 @@ class BoardMemory:
             )
             self._dlist = await self._backend.prep_local_dlist(rows, MemType.DRAM)
             landing = (region.words(), self._dlist)
-        return board.words(), landing
+        return board.words(), info_words, landing
 
     @property
     def regions(self) -> tuple[tuple[int, int], ...]:
@@ -74,7 +84,7 @@ class BoardMemory:
 
     async def aclose(self) -> None:
         """Release the landing list, deregister and unmap (callers stopped every transfer)."""
-        self.address = self.buckets = 0
+        self.address = self.buckets = self.info_address = 0
         if self._dlist is not None:
             dlist, self._dlist = self._dlist, None
             try:

@@ -31,6 +31,7 @@ from kvsidecar.errors import (
 from kvsidecar.plan import EngineGeometry, build_peer_plan
 from kvsidecar.plan.board import BUCKET_BYTES
 from kvsidecar.plan.compat import PROTOCOL_VERSION, compatibility_mismatches
+from kvsidecar.plan.staging import staged_geometry
 from kvsidecar.plan.tp import needed_remote_ranks
 from kvsidecar.wire.peer import AgentInfo
 
@@ -157,28 +158,44 @@ class Lists(Protocol):
 async def prep_lists(
     backend: TransferBackend,
     agent: RemoteAgent,
-    info: AgentInfo,
+    mems: tuple[MemType, MemType],
     rows: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]],
-    local_mem: MemType,
     into: Lists,
 ) -> None:
-    """Prepare the local list of ``rows[0]`` and the remote list of ``rows[1]`` toward ``agent``
-    (whose memory kind ``info`` names), each kept in ``into`` as soon as it exists: whoever owns
-    ``into`` releases what was built when a later step fails."""
-    into.local_dlist = await backend.prep_local_dlist(rows[0], local_mem)
-    into.remote_dlist = await backend.prep_remote_dlist(
-        agent, rows[1], MemType[info.mem_type or "DRAM"]
-    )
+    """Prepare the local list of ``rows[0]`` (memory kind ``mems[0]``) and the remote list of
+    ``rows[1]`` (``mems[1]``) toward ``agent``, each kept in ``into`` as soon as it exists:
+    whoever owns ``into`` releases what was built when a later step fails."""
+    into.local_dlist = await backend.prep_local_dlist(rows[0], mems[0])
+    into.remote_dlist = await backend.prep_remote_dlist(agent, rows[1], mems[1])
+
+
+def staged_slots(fetched: Fetched) -> int:
+    """The slots of the producer's staging pools (0: its ranks serve the engine's memory). The
+    ranks must agree: every rank staged with the same slots, or none."""
+    slots = {
+        info.staged.slots if info.staged is not None else 0 for info in fetched.agents.values()
+    }
+    if len(slots) > 1:
+        raise FailedPreconditionError(
+            f"remote engine {fetched.engine_id!r}: its ranks disagree on staging (slots "
+            f"{sorted(slots)}): run every rank's sidecar with the same --staging and "
+            "--staging-pool-bytes"
+        )
+    return slots.pop()
 
 
 async def attach(registry: PeerRegistry, local: LocalEngine, fetched: Fetched) -> Peer:
     """Load the remote agents and prepare both lists of every read rank; on failure release
     what was built before raising. The caller owns the returned peer (``registry.add`` it)."""
     backend = registry.backend
-    bases = {r: dict(info.view_bases) for r, info in fetched.agents.items()}
-    plan = build_peer_plan(
+    slots = staged_slots(fetched)
+    bases = {
+        r: dict(info.staged.view_bases if info.staged is not None else info.view_bases)
+        for r, info in fetched.agents.items()
+    }
+    plan = build_peer_plan(  # a staged producer is read from its pool: its own geometry
         local=local.geometry,
-        remote=fetched.geometry,
+        remote=staged_geometry(fetched.geometry, slots) if slots else fetched.geometry,
         local_bases=local.view_bases,
         remote_bases=bases,
     )
@@ -202,15 +219,27 @@ async def attach(registry: PeerRegistry, local: LocalEngine, fetched: Fetched) -
             peer.links[rank_plan.remote_rank] = link
             if not rank_plan.notify_only:
                 rows = (rank_plan.local_rows, rank_plan.remote_rows)
-                await prep_lists(backend, agent, info, rows, local.mem_type, link)
+                served = info.staged.mem_type if info.staged is not None else info.mem_type
+                mems = (local.mem_type, MemType[served or "DRAM"])
+                await prep_lists(backend, agent, mems, rows, link)
                 if info.board_buckets:  # one descriptor per bucket of its hold board
-                    board = np.array(
-                        [[info.board_address, BUCKET_BYTES, 0, BUCKET_BYTES, info.board_buckets]],
-                        dtype=np.uint64,
+                    link.board_dlist = await backend.prep_remote_dlist(
+                        agent, _buckets(info.board_address, info.board_buckets), MemType.DRAM
                     )
-                    link.board_dlist = await backend.prep_remote_dlist(agent, board, MemType.DRAM)
                     link.board_buckets = info.board_buckets
+                if info.staged is not None:  # and of its info board
+                    link.info_dlist = await backend.prep_remote_dlist(
+                        agent,
+                        _buckets(info.staged.info_board_address, info.board_buckets),
+                        MemType.DRAM,
+                    )
+                    link.staged_slots = slots
     except BaseException:
         await registry.release(peer)
         raise
     return peer
+
+
+def _buckets(address: int, buckets: int) -> npt.NDArray[np.uint64]:
+    """Strided rows of one descriptor per board bucket from ``address``."""
+    return np.array([[address, BUCKET_BYTES, 0, BUCKET_BYTES, buckets]], dtype=np.uint64)

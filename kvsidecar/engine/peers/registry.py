@@ -45,6 +45,9 @@ class RankLink:
     #: the rank's hold board, one descriptor per bucket (None: it has none; see plan.board)
     board_dlist: DlistHandle | None = None
     board_buckets: int = 0
+    #: a staged rank's info board, one descriptor per bucket (None: the rank does not stage)
+    info_dlist: DlistHandle | None = None
+    staged_slots: int = 0  #: its staging pool's slots (0: it serves the engine's memory)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -268,7 +271,7 @@ class PeerRegistry:
             return
         peer.released = True
         for link in peer.links.values():
-            for handle in (link.local_dlist, link.remote_dlist, link.board_dlist):
+            for handle in (link.local_dlist, link.remote_dlist, link.board_dlist, link.info_dlist):
                 if handle is not None:
                     try:
                         await self._backend.release_dlist(handle)
@@ -276,7 +279,7 @@ class PeerRegistry:
                         log.error(
                             "releasing a descriptor list of %r failed: %s", peer.engine_id, exc
                         )
-            link.local_dlist = link.remote_dlist = link.board_dlist = None
+            link.local_dlist = link.remote_dlist = link.board_dlist = link.info_dlist = None
             try:
                 await self._backend.remove_remote_agent(link.agent)
             except KvSidecarError as exc:

@@ -104,6 +104,16 @@ class ReadBook:
         self.accepted(cmd)
         self.trace.record(cmd.request_id, TraceState.HANDSHAKING, detail=cmd.remote_engine_id)
 
+    def locating(self, cmd: ReadCommand, started: float) -> None:
+        """``cmd`` (its id taken, accepted at ``started``: perf_counter) is not posted: a staging
+        producer did not show its hold yet. It waits, as an admitted read does, and ends through
+        ``post`` or ``fail_waiting``."""
+        rid = cmd.request_id
+        if rid not in self._waiting:
+            self._waiting[rid] = Admitted(cmd=cmd, started=started, at=self.clock())
+            self._report.started += 1
+        self.trace.record(rid, TraceState.LOCATING, detail=cmd.remote_engine_id)
+
     def accepted(self, cmd: ReadCommand) -> None:
         """Record ``cmd`` accepted (its id just taken): found by its id and the producer's."""
         rid = cmd.request_id

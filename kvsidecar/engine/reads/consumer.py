@@ -23,6 +23,7 @@ from kvsidecar.engine.reads.batch import ReadBatch, ReadOutcome
 from kvsidecar.engine.reads.confirm.send import Confirmer
 from kvsidecar.engine.reads.guard import PeerGuard
 from kvsidecar.engine.reads.inflight import InFlightReads
+from kvsidecar.engine.reads.state import NotStaged
 from kvsidecar.engine.stats import ConsumerStats, ReadPhase
 from kvsidecar.engine.tasks import shielded
 from kvsidecar.errors import (
@@ -37,6 +38,8 @@ from kvsidecar.wire.peer import NotificationKind
 from kvsidecar.wire.trace import TraceState
 
 log = RateLimited(logging.getLogger(__name__))  # a bug may repeat per read or poll
+#: asking a staging producer again for a hold it does not show yet: 1 ms doubling to 16 ms
+_LOCATE_MIN_S, _LOCATE_MAX_S = 0.001, 0.016
 
 
 class Consumer:
@@ -114,7 +117,28 @@ class Consumer:
         self._book.accepted(cmd)
         self._book.phases.observe(ReadPhase.VALIDATE, time.perf_counter() - t0)
         (posted,) = await self._post_many(local, peer, [(0, cmd, ticket)])
-        return posted
+        return self._or_later(cmd, posted, local, deadline_s, t0)
+
+    def _or_later(
+        self,
+        cmd: ReadCommand,
+        posted: ReadPosted | NotStaged,
+        local: LocalEngine,
+        deadline_s: float,
+        started: float,
+    ) -> ReadPosted:
+        """``cmd``, just taken, was posted; or a staging producer did not show its hold yet: it
+        waits and is posted in the background (bounded by its deadline), ending with one event
+        either way."""
+        if not isinstance(posted, NotStaged):
+            return posted
+        self._book.locating(cmd, started)
+        task = asyncio.get_running_loop().create_task(
+            self._read_after_handshake(cmd, local, deadline_s, started=started)
+        )
+        self._waiters.add(task)
+        task.add_done_callback(self._waiters.discard)
+        return ReadPosted(reads_posted=0, notifications_sent=0, bytes=0)
 
     async def read_batch(self, batch: ReadBatch) -> tuple[ReadOutcome, ...]:
         """One outcome per read of ``batch``, in order; a refused read fails only itself.
@@ -129,6 +153,7 @@ class Consumer:
             return tuple(exc for _ in batch.reads)
         outcomes: list[ReadOutcome | None] = [None] * len(batch.reads)
         ready: dict[int, tuple[Peer, list[tuple[int, ReadCommand, int | None]]]] = {}
+        started = time.perf_counter()
         for i, cmd in enumerate(batch.reads):
             t0 = time.perf_counter()
             try:
@@ -159,25 +184,26 @@ class Consumer:
                 for i, _, _ in items:
                     outcomes[i] = exc
                 return
-            for (i, _, _), one in zip(items, posted, strict=True):
-                outcomes[i] = one
+            for (i, cmd, _), one in zip(items, posted, strict=True):
+                deadline_s = self._read_deadline_s if cmd.deadline_s is None else cmd.deadline_s
+                outcomes[i] = self._or_later(cmd, one, local, deadline_s, started)
 
         await asyncio.gather(*(group(peer, items) for peer, items in ready.values()))
         return tuple(o for o in outcomes if o is not None)
 
     async def _post_many(
         self, local: LocalEngine, peer: Peer, items: Sequence[tuple[int, ReadCommand, int | None]]
-    ) -> tuple[ReadPosted, ...]:
+    ) -> tuple[ReadPosted | NotStaged, ...]:
         """Post reads of one peer together under the guard; on failure every id taken for the
         post (a ticket) goes back: nothing was posted. An admitted read (no ticket) stays
-        waiting."""
+        waiting. A read a staging producer did not show yet is not posted (``NotStaged``)."""
         me = (local.geometry.engine_id, local.geometry.tp_rank)
         cmds = tuple(cmd for _, cmd, _ in items)
         deadlines = tuple(
             self._read_deadline_s if c.deadline_s is None else c.deadline_s for c in cmds
         )
 
-        async def post() -> tuple[ReadPosted, ...]:
+        async def post() -> tuple[ReadPosted | NotStaged, ...]:
             try:
                 return await self._guard.run(
                     peer,
@@ -200,39 +226,74 @@ class Consumer:
         return posted
 
     async def _read_after_handshake(
-        self, cmd: ReadCommand, local: LocalEngine, deadline_s: float
+        self, cmd: ReadCommand, local: LocalEngine, deadline_s: float, *, started: float = 0.0
     ) -> None:
         """Handshake (bounded by the read's deadline), then validate and post an admitted read;
-        every way out ends it with one event (unless the registration already ended it)."""
+        every way out ends it with one event (unless the registration already ended it). A
+        staging producer that does not show the hold yet is asked again (1 ms doubling to 16 ms)
+        until the read's deadline (``started``: perf_counter of its call; 0: now)."""
+        end = (started or time.perf_counter()) + deadline_s
+        delay = _LOCATE_MIN_S
+        while True:
+            posted = await self._handshake_and_post(cmd, local, end - time.perf_counter())
+            if not isinstance(posted, NotStaged):
+                return
+            if time.perf_counter() + delay >= end:
+                self._book.fail_waiting(
+                    cmd.request_id,
+                    FailReason.DEADLINE_EXCEEDED,
+                    f"deadline of {deadline_s:g}s exceeded waiting for {cmd.remote_engine_id!r} "
+                    "to show the hold in its staging pool (not staged yet: its pool may be full)",
+                )
+                return
+            try:
+                await asyncio.sleep(delay)
+            except asyncio.CancelledError:
+                self._book.fail_waiting(
+                    cmd.request_id,
+                    FailReason.SHUTDOWN,
+                    "the sidecar stopped before the producer showed its staged hold",
+                )
+                raise
+            delay = min(_LOCATE_MAX_S, 2 * delay)
+
+    async def _handshake_and_post(
+        self, cmd: ReadCommand, local: LocalEngine, deadline_s: float
+    ) -> ReadPosted | NotStaged | None:
+        """One attempt of ``_read_after_handshake``: ``None`` once the read ended."""
         rid, remote = cmd.request_id, cmd.remote_engine_id
         fail = self._book.fail_waiting
+        if deadline_s <= 0:
+            fail(rid, FailReason.DEADLINE_EXCEEDED, f"the read's deadline passed before {remote!r} "
+                 "could be read")  # fmt: skip
+            return None
         try:
             peer = await asyncio.wait_for(self._handshakes.peer(remote, cmd.endpoints), deadline_s)
         except TimeoutError:
             fail(rid, FailReason.HANDSHAKE, f"the handshake with {remote!r} did not finish "
                  f"within the read's deadline of {deadline_s:g}s")  # fmt: skip
-            return
+            return None
         except KvSidecarError as exc:
             fail(rid, FailReason.HANDSHAKE, f"the handshake with {remote!r} failed: {exc}")
-            return
+            return None
         except asyncio.CancelledError:
             fail(rid, FailReason.SHUTDOWN, "the sidecar stopped before the handshake finished")
             raise
         except Exception as exc:  # a bug must still end the read, and be seen
             log.exception("handshake for read %r failed unexpectedly", rid, request_id=rid)
             fail(rid, FailReason.HANDSHAKE, f"the handshake with {remote!r} failed: {exc!r}")
-            return
+            return None
         if not self._book.waiting(rid):
-            return  # the registration ended meanwhile and failed it
+            return None  # the registration ended meanwhile and failed it
         try:
             validate_request_ids(
                 local.geometry, cmd.local_ids, cmd.remote_ids, peer.remote_geometry
             )
         except KvSidecarError as exc:
             fail(rid, FailReason.REJECTED, f"the remote engine {remote!r} refuses the read: {exc}")
-            return
+            return None
         try:
-            await self._post_many(local, peer, [(0, cmd, None)])
+            (posted,) = await self._post_many(local, peer, [(0, cmd, None)])
         except LocalMemoryError as exc:
             fail(rid, FailReason.LOCAL_MEMORY, str(exc))
         except KvSidecarError as exc:
@@ -240,6 +301,9 @@ class Consumer:
         except Exception as exc:
             log.exception("posting read %r failed unexpectedly", rid, request_id=rid)
             fail(rid, FailReason.TRANSFER_ERROR, f"posting the READs failed: {exc!r}")
+        else:
+            return posted
+        return None
 
     async def aclose(self) -> None:
         """Stop the reads still waiting for a handshake (each fails SHUTDOWN)."""

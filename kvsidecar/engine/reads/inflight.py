@@ -20,6 +20,10 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
+
+from kvsidecar.engine.backend.completions import Completions
 from kvsidecar.engine.backend.contract import TransferBackend, XferHandle, XferState
 from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.local import LocalEngine
@@ -29,9 +33,12 @@ from kvsidecar.engine.reads.book import ReadBook
 from kvsidecar.engine.reads.confirm.checks import Guarded
 from kvsidecar.engine.reads.confirm.flow import Confirmation
 from kvsidecar.engine.reads.confirm.send import Confirmer
+from kvsidecar.engine.reads.locate import Infos, locate_reads, staged_ranks
 from kvsidecar.engine.reads.post import post_reads
-from kvsidecar.engine.reads.state import Phase, Xfer, started_read
+from kvsidecar.engine.reads.state import NotStaged, Phase, Xfer, started_read
 from kvsidecar.engine.stats import TransferStats
+from kvsidecar.errors import FailedPreconditionError
+from kvsidecar.plan.staging import base_of, slot_ids
 from kvsidecar.types import FailReason, ReadPosted
 
 
@@ -45,6 +52,7 @@ class InFlightReads:
         self,
         *,
         backend: TransferBackend,
+        completions: Completions,
         events: EventHub,
         confirmer: Confirmer,
         confirm: bool = True,
@@ -52,6 +60,7 @@ class InFlightReads:
         tracer: Tracer,
     ) -> None:
         self._backend = backend
+        self._completions = completions  # where the READs of staged producers' boards end
         self.book = ReadBook(backend=backend, events=events, tracer=tracer)
         self.confirmation = Confirmation(
             book=self.book,
@@ -88,18 +97,59 @@ class InFlightReads:
         *,
         deadline_s: Sequence[float],
         consumer: tuple[str, int],
-    ) -> tuple[ReadPosted, ...]:
+    ) -> tuple[ReadPosted | NotStaged, ...]:
         """Post one READ per read rank of the peer's plan for all of ``cmds`` together (each id
         taken: ``take`` or ``admit``) and tell the others CONSUMED; read ``i`` fails
         ``deadline_s[i]`` s from its call unless done. ``consumer``: this engine's id and rank.
         Bytes posted must equal bytes planned (BackendError otherwise, nothing left behind);
         admitted reads stay waiting if it raises. A failed READ fails every read posted with
         it. With confirmed reads, the hold boards are read right behind the READs when those
-        completed while posted (same host)."""
+        completed while posted (same host). From a peer that stages, each read is first located
+        in the pools (``locate``); a read not located is not posted (``NotStaged``: its id is as
+        it was, the caller asks again later)."""
+        infos: Infos = tuple({} for _ in cmds)
+        ranks = staged_ranks(peer)
+        if ranks:
+            slots = self.book.transfers.slots
+            if slots is None or not self.confirmation.confirm:
+                raise FailedPreconditionError(
+                    f"remote engine {peer.engine_id!r} serves its holds from a staging pool: "
+                    "reading it needs this sidecar's hold board and confirmed reads "
+                    "(--hold-board, --confirm-reads)"
+                )
+            infos = await locate_reads(
+                self._backend, self._completions, slots, cmds, ranks, min(deadline_s)
+            )
+        todo = [i for i, found in enumerate(infos) if found is not None]
+        out: list[ReadPosted | NotStaged] = [NotStaged() for _ in cmds]
+        if todo:
+            posted = await self._post(
+                [cmds[i] for i in todo],
+                peer,
+                [infos[i] or {} for i in todo],
+                deadline_s=[deadline_s[i] for i in todo],
+                consumer=consumer,
+            )
+            for i, one in zip(todo, posted, strict=True):
+                out[i] = one
+        return tuple(out)
+
+    async def _post(
+        self,
+        cmds: Sequence[ReadCommand],
+        peer: Peer,
+        infos: Sequence[dict[int, int]],
+        *,
+        deadline_s: Sequence[float],
+        consumer: tuple[str, int],
+    ) -> tuple[ReadPosted, ...]:
         posting = time.perf_counter()
         book, confirmation = self.book, self.confirmation
         report = book.report
-        posted = await post_reads(self._backend, cmds, peer, report, confirmation.checks_boards)
+        slots = _slot_ids(cmds, infos, peer)
+        posted = await post_reads(
+            self._backend, cmds, peer, report, confirmation.checks_boards, slots
+        )
         took, now = time.perf_counter() - posting, book.clock()
         book.transfers.track((*posted.xfers, *(x for x, _ in posted.boards)))
         boards: dict[int, list[Xfer]] = {}
@@ -119,6 +169,7 @@ class InFlightReads:
                 deadline_s=deadline_s[i],
                 consumer=consumer,
             )
+            read.infos = infos[i]
             # READs first: if one could not be posted, no notify-only rank has been told.
             quiet = self._confirmer.not_reading(read)
             book.posted(read, posted.xfers, posted.read_bytes, i, quiet)
@@ -204,3 +255,22 @@ class InFlightReads:
             elif read.phase is Phase.CHECKING and read.checks_posted and not in_proc:
                 self.confirmation.checked(read)  # a board READ failed: its ranks are asked
         return blamed
+
+
+def _slot_ids(
+    cmds: Sequence[ReadCommand], infos: Sequence[dict[int, int]], peer: Peer
+) -> dict[int, list[tuple[npt.NDArray[np.int64], ...]]] | None:
+    """Per staged rank, every read's remote ids as that rank's slots (``None``: no rank
+    stages)."""
+    ranks = {r for found in infos for r in found}
+    if not ranks:
+        return None
+    out: dict[int, list[tuple[npt.NDArray[np.int64], ...]]] = {}
+    for r in ranks:
+        slots = peer.links[r].staged_slots
+        per = []
+        for cmd, found in zip(cmds, infos, strict=True):
+            base = base_of(found.get(r, 0), cmd.remote_ids, slots)
+            per.append(slot_ids(cmd.remote_ids, base or 0))
+        out[r] = per
+    return out

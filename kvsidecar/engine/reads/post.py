@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvsidecar.engine.backend.contract import ReadPair, TransferBackend, XferState
@@ -21,7 +21,7 @@ from kvsidecar.engine.reads.report import ReadReport
 from kvsidecar.engine.reads.state import Xfer
 from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import BackendError
-from kvsidecar.plan.request import BatchIds, batch_request_ids
+from kvsidecar.plan.request import BatchIds, IdArray, batch_request_ids
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,16 +41,21 @@ async def post_reads(
     peer: Peer,
     report: ReadReport,
     slots: LandingSlots | None,
+    rank_remote_ids: Mapping[int, Sequence[Sequence[IdArray]]] | None = None,
 ) -> Posted:
     """One READ per read rank of the peer's plan for all of ``cmds`` together, in one backend
     call; with ``slots`` (confirmed reads), the board READs of those ranks chained behind them
     (posted at once if the READs completed while posted). If the post fails nothing stays
-    posted and the landing slots go back."""
+    posted and the landing slots go back. ``rank_remote_ids``: per staged rank, every read's
+    slots there (``plan.staging``), read instead of its remote ids."""
     t0 = time.perf_counter()
     by_rank = {
         b.remote_rank: b
         for b in batch_request_ids(
-            peer.plan, [c.local_ids for c in cmds], [c.remote_ids for c in cmds]
+            peer.plan,
+            [c.local_ids for c in cmds],
+            [c.remote_ids for c in cmds],
+            rank_remote_ids,
         )
     }
     report.phases.observe(ReadPhase.IDS, time.perf_counter() - t0)

@@ -66,6 +66,15 @@ class InFlightRead:
     checks_posted: bool = False  # its board READs are posted (CHECKING)
     retry_s: float = 0.0  # delay before asking again after a PENDING answer (grows)
     canaries: dict[int, Canary] = field(default_factory=dict)  # producer rank -> its canary
+    #: producer rank -> the info its staged hold was found under (``plan.staging``; none: the
+    #: rank serves the engine's memory)
+    infos: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class NotStaged:
+    """A read of a staging producer that some rank did not show yet (``reads.locate``): not
+    posted; asked again later."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvsidecar.engine.backend.contract import (
     DlistHandle,
+    MemType,
     RemoteAgent,
 )
 from kvsidecar.engine.local import LocalEngine
@@ -96,7 +97,8 @@ class Targets:
         )  # fmt: skip
         try:  # the write plan is the consumer's pull plan the other way: sources are its rows
             rows = (plan.remote_rows, plan.local_rows)
-            await prep_lists(self._backend, agent, info, rows, local.mem_type, target)
+            mems = (local.mem_type, MemType[info.mem_type or "DRAM"])
+            await prep_lists(self._backend, agent, mems, rows, target)
         except BaseException:
             await self._release(target)
             raise

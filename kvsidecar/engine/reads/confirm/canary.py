@@ -51,6 +51,8 @@ class ReadCanaries:
         here once (``read.canaries``). Not for unconfirmed reads: nobody would compare."""
         if read.canaries:
             return True
+        if read.infos:  # read from a staging pool: its ranges are the pool's, not the hold's
+            return False
         if not confirm or self.reader is None or not sampled(read.cmd.request_id, self.fraction):
             return False
         if self._memory is not None and self._memory.memory_fault() is not None:

@@ -70,6 +70,11 @@ class LandingSlots:
     def give_back(self, slot: int) -> None:
         self._free.append(slot)
 
+    def words(self, slot: int) -> npt.NDArray[np.uint64]:
+        """The bucket read into ``slot`` (a view)."""
+        bucket: npt.NDArray[np.uint64] = self._words[slot]
+        return bucket
+
     def holds(self, slot: int, marker: int) -> bool:
         """Whether the bucket read into ``slot`` shows ``marker``."""
         return bool((self._words[slot] == np.uint64(marker)).any())
@@ -163,7 +168,8 @@ def confirmed(slots: LandingSlots, read: InFlightRead) -> set[int]:
         slot = read.board_slots.get(x.rank)
         link = read.peer.links.get(x.rank)
         if x.state is XferState.DONE and slot is not None and link is not None:
-            marker = marker_of(cmd.token, link.epoch, cmd.remote_request_id, cmd.remote_ids)
+            info = read.infos.get(x.rank, 0)  # a staged hold's marker covers where it was read
+            marker = marker_of(cmd.token, link.epoch, cmd.remote_request_id, cmd.remote_ids, info)
             if slots.holds(slot, marker):
                 out.add(x.rank)
     return out
