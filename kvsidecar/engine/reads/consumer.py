@@ -10,6 +10,7 @@ the core: the core binds it to a registration and reads its counters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,8 @@ from kvsidecar.wire.trace import TraceState
 log = RateLimited(logging.getLogger(__name__))  # a bug may repeat per read or poll
 #: asking a staging producer again for a hold it does not show yet: 1 ms doubling to 16 ms
 _LOCATE_MIN_S, _LOCATE_MAX_S = 0.001, 0.016
+#: and asking its ranks whether they still hold it, this often (seconds)
+_PROBE_S = 0.05
 
 
 class Consumer:
@@ -233,11 +236,15 @@ class Consumer:
         staging producer that does not show the hold yet is asked again (1 ms doubling to 16 ms)
         until the read's deadline (``started``: perf_counter of its call; 0: now)."""
         end = (started or time.perf_counter()) + deadline_s
-        delay = _LOCATE_MIN_S
+        delay, probe_at = _LOCATE_MIN_S, time.perf_counter() + _PROBE_S
         while True:
             posted = await self._handshake_and_post(cmd, local, end - time.perf_counter())
             if not isinstance(posted, NotStaged):
                 return
+            if time.perf_counter() >= probe_at:
+                if await self._producer_restarted(cmd):
+                    return
+                probe_at = time.perf_counter() + _PROBE_S
             if time.perf_counter() + delay >= end:
                 self._book.fail_waiting(
                     cmd.request_id,
@@ -256,6 +263,34 @@ class Consumer:
                 )
                 raise
             delay = min(_LOCATE_MAX_S, 2 * delay)
+
+    async def _producer_restarted(self, cmd: ReadCommand) -> bool:
+        """A staging producer has not shown ``cmd``'s hold for a while: ask its ranks whether
+        they still hold it (a HEARTBEAT, which also extends its lease). A rank that re-registered
+        answers STALE_EPOCH (the confirmer invalidates the peer): the hold is gone, the read fails
+        STALE now. Any other answer keeps it waiting (an ended hold cannot be told from a HOLD
+        still on its way to a producer with trailing holds): its deadline bounds it."""
+        peer = self._peers.peer(cmd.remote_engine_id)
+        if peer is None:
+            return False
+        me = self._peers.require_local().geometry
+        with contextlib.suppress(KvSidecarError):  # unreachable: quarantined, asked again later
+            await self._confirmer.notify_all(
+                peer,
+                NotificationKind.HEARTBEAT,
+                (me.engine_id, me.tp_rank),
+                heartbeat_ids=(cmd.remote_request_id,),
+                heartbeat_tokens=(cmd.token,),
+            )
+        if not peer.released and self._peers.peer(cmd.remote_engine_id) is peer:
+            return False
+        self._book.fail_waiting(
+            cmd.request_id,
+            FailReason.STALE,
+            f"remote engine {cmd.remote_engine_id!r} re-registered (or went away) before it "
+            f"showed the staged hold {cmd.remote_request_id!r}: its bytes are gone",
+        )
+        return True
 
     async def _handshake_and_post(
         self, cmd: ReadCommand, local: LocalEngine, deadline_s: float

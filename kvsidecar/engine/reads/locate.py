@@ -24,7 +24,7 @@ from kvsidecar.engine.backend.contract import ReadPair, TransferBackend, XferHan
 from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers.registry import Peer, RankLink
 from kvsidecar.engine.reads.confirm.checks import LandingSlots
-from kvsidecar.errors import KvSidecarError
+from kvsidecar.errors import DeadlineExceededError, KvSidecarError
 from kvsidecar.plan.board import bucket_of, locate
 from kvsidecar.plan.peer_plan import DESC_ID_DTYPE
 from kvsidecar.plan.staging import base_of
@@ -51,8 +51,8 @@ async def locate_reads(
     timeout_s: float,
 ) -> Infos:
     """Where each read of ``cmds`` finds its hold on every staged rank of ``ranks``; a read
-    with no remote block id needs none (``{}``). Bounded by ``timeout_s``; a failure of the
-    bucket READs leaves every read not located (it is asked again)."""
+    with no remote block id needs none (``{}``). Bounded by ``timeout_s`` (past it every read is
+    not located: asked again); a failed bucket READ raises."""
     wanted = [any(len(ids) for ids in c.remote_ids) for c in cmds]
     taken: list[tuple[int, RankLink, int, int]] = []  # (read, rank, marker slot, info slot)
     found: list[dict[int, int] | None] = [{} if not w else None for w in wanted]
@@ -121,13 +121,15 @@ async def _read_buckets(
     pairs: Sequence[ReadPair],
     timeout_s: float,
 ) -> tuple[XferHandle, ...] | None:
-    """Post the bucket READs and wait for every one; ``None`` if any fails (all released)."""
+    """Post the bucket READs and wait for every one; ``None`` if one stays in flight past
+    ``timeout_s`` (all are released either way). A failed post or READ raises: the peer is lost
+    (the guard quarantines it)."""
     handles: tuple[XferHandle, ...] = ()
     try:
         handles = (await backend.post_reads((), then=pairs))[1]
         for h in handles:
             await completions.wait(h, timeout_s, what="a READ of a staged producer's boards")
-    except KvSidecarError:
+    except DeadlineExceededError:
         return None
     finally:
         for h in handles:
