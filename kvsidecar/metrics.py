@@ -35,6 +35,7 @@ from kvsidecar import __version__
 from kvsidecar.discovery.base import DiscoveryStats
 from kvsidecar.engine.stats import POST_BUCKETS, EngineStats, HistogramSnapshot, ReadPhase
 from kvsidecar.ops.push_metrics import PushCollector
+from kvsidecar.ops.staging_metrics import StagingCollector
 from kvsidecar.types import DiscoveryState
 
 StatsSource = Callable[[], EngineStats]
@@ -382,6 +383,8 @@ class Metrics:
         r.register(self._discovery)
         self._push = PushCollector()
         r.register(self._push)
+        self._staging = StagingCollector()
+        r.register(self._staging)
 
     def attach_discovery(self, source: Callable[[], DiscoveryStats] | None) -> None:
         """Read discovery metrics from ``source`` from now on (``None``: export none)."""
@@ -389,7 +392,7 @@ class Metrics:
 
     def attach(self, source: StatsSource | None) -> None:
         """Read engine metrics from ``source`` from now on (``None``: export none)."""
-        self._engine.source = self._push.source = source
+        self._engine.source = self._push.source = self._staging.source = source
 
     def render(self) -> bytes:
         """The exposition text of every metric."""

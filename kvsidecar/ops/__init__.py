@@ -1,6 +1,7 @@
 """Operational signals the server derives from the engine's stats snapshot: whether P/D
 transfers happen at all (``flow``), the Prometheus families of the cost matrix and of that
-signal (``collector``), and the server's periodic tick that drives them (``tick``: loop lag,
+signal (``collector``), of push mode (``push_metrics``) and of the staging pool
+(``staging_metrics``), and the server's periodic tick that drives them (``tick``: loop lag,
 watchdog, the window, republishing the discovery record with its costs).
 
 May import: the engine's face and leaves (``engine.core``, ``engine.stats``, ``ratelog``),

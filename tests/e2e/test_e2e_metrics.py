@@ -52,6 +52,11 @@ COUNTER_FAMILIES = {
     "pushes_failed": "kvsidecar_push_pushes_failed",
     "writes_posted": "kvsidecar_push_writes_posted",
     "bytes_written": "kvsidecar_push_written_bytes",
+    "holds_staged": "kvsidecar_staging_holds_staged",
+    "staging_waits": "kvsidecar_staging_waits",
+    "staging_refused": "kvsidecar_staging_refused",
+    "staging_failed": "kvsidecar_staging_failed",
+    "bytes_staged": "kvsidecar_staging_copied_bytes",
 }
 
 
