@@ -39,6 +39,8 @@ class Xfer:
     reads: list[InFlightRead] = field(default_factory=list)
     board: bool = False  #: a READ of hold-board buckets (not of KV): it fails no read
     slots: tuple[int, ...] = ()  #: landing slots it writes (freed when it is released)
+    #: a board READ's landing slot of each read it checks, by request id
+    slot_of: dict[str, int] = field(default_factory=dict)
     #: for the cost matrix: the peer read from, bytes read, perf_counter when it was posted
     peer: Peer | None = None
     bytes: int = 0

@@ -91,6 +91,7 @@ class BoardCheck:
     link: RankLink
     reads: tuple[int, ...]
     slots: tuple[int, ...]
+    request_ids: tuple[str, ...]  #: of the reads, as ``reads`` (each one's slot: ``slots``)
     pair: ReadPair
     owner: LandingSlots
 
@@ -109,12 +110,13 @@ def plan_checks(
     for link, reads in ranks:
         if link.board_dlist is None or not reads:
             continue
-        taken: list[tuple[int, int, int]] = []  # (read index, slot, bucket)
+        taken: list[tuple[int, int, int, str]] = []  # (read index, slot, bucket, request id)
         for i, cmd in reads:
             slot = slots.take()
             if slot is None:
                 break
-            taken.append((i, slot, bucket_of(cmd.token, cmd.remote_request_id, link.board_buckets)))
+            bucket = bucket_of(cmd.token, cmd.remote_request_id, link.board_buckets)
+            taken.append((i, slot, bucket, cmd.request_id))
         if taken:
             pair = ReadPair(
                 local=slots.dlist,
@@ -127,6 +129,7 @@ def plan_checks(
                     link=link,
                     reads=tuple(t[0] for t in taken),
                     slots=tuple(t[1] for t in taken),
+                    request_ids=tuple(t[3] for t in taken),
                     pair=pair,
                     owner=slots,
                 )
@@ -146,6 +149,7 @@ def board_xfers(
                 state=XferState.DONE if h.done_at_post else XferState.PROC,
                 board=True,
                 slots=c.slots,
+                slot_of=dict(zip(c.request_ids, c.slots, strict=True)),
             ),
             c.reads,
         )
@@ -154,10 +158,11 @@ def board_xfers(
 
 
 def attach(read: InFlightRead, x: Xfer) -> None:
-    """``read`` waits for board READ ``x``; its slot is the one for the read's place in ``x``."""
+    """``read`` waits for board READ ``x``; its slot is the one ``x`` landed its bucket in (by
+    request id: a read of the check that never attaches shifts nobody)."""
     x.reads.append(read)
     read.xfers.append(x)
-    read.board_slots[x.rank] = x.slots[len(x.reads) - 1]
+    read.board_slots[x.rank] = x.slot_of[read.cmd.request_id]
 
 
 def confirmed(slots: LandingSlots, read: InFlightRead) -> set[int]:
