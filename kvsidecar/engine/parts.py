@@ -131,6 +131,7 @@ class Parts:
         )
         producer.stager = staging
         guard = PeerGuard(peers=peers, reads=reads.book)
+        peers.in_flight = reads.book.abandoned  # a peer's handles outlive its abandoned READs
         granter = Granter(peers=peers, events=events, config=config.push)
         poller = Poller(
             backend=backend,
@@ -237,6 +238,7 @@ class Parts:
         await self.link.aclose()
         self.completions.stop()
         await self.reads.aclose()
+        await self.peers.settle()  # the abandoned READs were aborted: their peers go now
         self.producer.board = HoldBoard(None)
         await self.staging.aclose()
         await self.boards.aclose()

@@ -119,6 +119,7 @@ class Poller:
             await self._guard.quarantine(engine_id, f"a READ from {engine_id!r} failed or hung")
         if self._completions is not None:
             await self._completions.poll()
+        await self._peers.settle()  # peers whose release waited for abandoned READs
         now = asyncio.get_running_loop().time()
         if now - self._drained >= _DRAIN_S:
             self._drained = now

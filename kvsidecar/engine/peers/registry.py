@@ -93,6 +93,10 @@ class PeerRegistry:
         self._clock = clock
         self._local: LocalEngine | None = None
         self._peers: dict[str, Peer] = {}
+        #: whether a READ from one of these remote agents is still in flight, abandoned by reads
+        #: that failed: its peer's handles are released only once it ended (``settle``)
+        self.in_flight: Callable[[frozenset[str]], bool] | None = None
+        self._settling: list[Peer] = []  # released, waiting for their abandoned READs
         self._known: dict[str, _Known] = {}
         self._pending: dict[str, asyncio.Task[Peer]] = {}
         self._orphans: set[asyncio.Task[Peer]] = set()  # backend phases of abandoned handshakes
@@ -265,9 +269,23 @@ class PeerRegistry:
         for peer in peers:
             await self.release(peer)
 
+    async def settle(self) -> None:
+        """Release the peers whose release waited for abandoned READs that have ended now."""
+        waiting, self._settling = self._settling, []
+        for peer in waiting:
+            await self.release(peer)
+
     async def release(self, peer: Peer) -> None:
-        """Release the peer's lists and agents, once (errors are logged: release goes on)."""
+        """Release the peer's lists and agents, once (errors are logged: release goes on). While
+        a READ from it is in flight, abandoned by a failed read (``in_flight``), the release
+        waits (``settle``): UCX cannot stop that READ, and releasing its handles would let its
+        bytes land unseen."""
         if peer.released:
+            return
+        agents = frozenset(link.agent.name for link in peer.links.values())
+        if self.in_flight is not None and self.in_flight(agents):
+            if peer not in self._settling:
+                self._settling.append(peer)
             return
         peer.released = True
         for link in peer.links.values():

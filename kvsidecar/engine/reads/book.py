@@ -11,6 +11,7 @@ takes them from READs done to their end.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -26,6 +27,20 @@ from kvsidecar.engine.stats import PhaseHistograms, TransferStats
 from kvsidecar.errors import AlreadyExistsError
 from kvsidecar.types import FailReason
 from kvsidecar.wire.trace import TraceState
+
+log = logging.getLogger(__name__)
+
+
+#: a READ still in flight this long (seconds) after its read failed is aborted, and the read is
+#: reported with its blocks exposed for ``EXPOSED_S`` more
+TEARDOWN_S, EXPOSED_S = 10.0, 60.0
+
+
+@dataclasses.dataclass(slots=True, kw_only=True, eq=False)
+class _Exposed:
+    read: InFlightRead
+    xfers: list[Xfer]  # in flight when it failed: kept until they end
+    since: float  # the book's clock when it failed
 
 
 class ReadBook:
@@ -45,6 +60,8 @@ class ReadBook:
         self.clock = clock  #: the transfer clock deadlines are on (seconds)
         self._reads: dict[str, InFlightRead] = {}
         self._waiting: dict[str, Admitted] = {}  # accepted, waiting for their peer's handshake
+        #: failed while a READ of theirs was in flight: reported once it ended (``settle``)
+        self._exposed: dict[str, _Exposed] = {}
         self.ids = ReadIds(remember_ids)  # a read posted at once takes its id here first
         self.transfers = Transfers(backend)
         self._report = ReadReport(events, tracer)
@@ -59,13 +76,15 @@ class ReadBook:
         )
 
     def __len__(self) -> int:
-        """Reads accepted and not yet ended (waiting for a handshake, reading or confirming)."""
-        return len(self._reads) + len(self._waiting)
+        """Reads accepted and not yet ended (waiting for a handshake, reading or confirming, or
+        failed and waiting for a READ in flight to end)."""
+        return len(self._reads) + len(self._waiting) + len(self._exposed)
 
     @property
     def idle(self) -> bool:
         """No read in flight and no handle waiting to be released."""
-        return not self._reads and not self._waiting and self.transfers.idle
+        idle = not self._reads and not self._waiting and not self._exposed
+        return idle and self.transfers.idle
 
     def live(self, read: InFlightRead) -> bool:
         """Whether ``read`` is still in the book (not ended, not replaced)."""
@@ -216,15 +235,75 @@ class ReadBook:
             for r in x.reads
             if r is not read and self._reads.get(r.cmd.request_id) is r
         ]
+        flying = [x for x in read.xfers if x.state is XferState.PROC and not x.released]
         for x in read.xfers:
-            await self.transfers.release(x)
+            if x.state is XferState.PROC and not x.released:
+                x.abandoned = True  # kept until it ends: UCX cannot stop it (``settle``)
+            else:
+                await self.transfers.release(x)
         read.xfers = []
-        self.ids.end(read.cmd.request_id)
-        self._report.failure(read.cmd, *read.failure)
+        if flying:  # its event waits until nothing more can land in its blocks
+            self._exposed[read.cmd.request_id] = _Exposed(
+                read=read, xfers=flying, since=self.clock()
+            )
+            label = read.failure[0].name.lower()
+            self.trace.record(
+                read.cmd.request_id, TraceState.FAILED, detail=f"{label}: waits for its READ"
+            )
+        else:
+            self._failed(read)
         for r in siblings:
             r.failure = r.failure or read.failure
             await self.close(r)
 
+    def _failed(self, read: InFlightRead, exposed_until_unix_ns: int = 0) -> None:
+        assert read.failure is not None
+        self.ids.end(read.cmd.request_id)
+        self._report.failure(read.cmd, *read.failure, exposed_until_unix_ns)
+
+    def abandoned(self, agents: frozenset[str]) -> bool:
+        """Whether a READ from one of ``agents`` (remote agent names) is abandoned and still
+        kept: its peer's handles must stay until it ends (``PeerRegistry.in_flight``)."""
+        return any(
+            not x.released and x.handle.remote_agent in agents
+            for e in self._exposed.values()
+            for x in e.xfers
+        )
+
+    async def settle(self) -> None:
+        """Reads that failed with a READ in flight: each is reported once every such READ ended
+        (NIXL says DONE or ERR: nothing more lands; RECV_FAILED with ``exposed_until`` 0). One
+        still in flight ``TEARDOWN_S`` after its read failed is aborted and the read reported
+        with its blocks exposed ``EXPOSED_S`` more (UCX may still land bytes of it)."""
+        if not self._exposed:
+            return
+        flying = [x for e in self._exposed.values() for x in e.xfers if not x.released]
+        for x in await self.transfers.poll(flying):
+            await self.transfers.release(x)  # ended: released like any other
+        now = self.clock()
+        for rid, e in list(self._exposed.items()):
+            late = now - e.since >= TEARDOWN_S
+            if late:
+                for x in e.xfers:
+                    await self.transfers.release(x)  # aborted in flight
+            if all(x.released for x in e.xfers):
+                del self._exposed[rid]
+                exposed = time.time_ns() + int(EXPOSED_S * 1e9) if late else 0
+                if late:
+                    log.error(
+                        "read %r: its READ from %r stayed in flight %gs after it failed: "
+                        "aborted, its blocks reported exposed for %gs",
+                        rid,
+                        e.read.peer.engine_id,
+                        TEARDOWN_S,
+                        EXPOSED_S,
+                    )
+                self._failed(e.read, exposed)
+
     async def aclose(self) -> None:
-        """Give back the handles of ended reads (the registration is gone)."""
+        """Give back the handles of ended reads and abort the abandoned ones (the sidecar
+        stops: their reads are reported with their blocks exposed)."""
         await self.transfers.release_retired()
+        for e in self._exposed.values():
+            e.since = self.clock() - TEARDOWN_S
+        await self.settle()

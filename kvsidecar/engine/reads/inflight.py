@@ -217,6 +217,7 @@ class InFlightReads:
         own memory is faulty; a failed board READ fails nothing (its ranks are asked)."""
         book = self.book
         await book.transfers.release_retired()
+        await book.settle()
         reads = book.values()
         if not reads:
             return set()

@@ -59,9 +59,12 @@ class ReadReport:
         self.confirm_duration.observe(seconds)
         self.phases.observe(ReadPhase.CONFIRM, seconds)
 
-    def failure(self, cmd: ReadCommand, reason: FailReason, message: str) -> None:
+    def failure(
+        self, cmd: ReadCommand, reason: FailReason, message: str, exposed_until_unix_ns: int = 0
+    ) -> None:
         """``cmd`` ended RECV_FAILED; every local block id it named is reported invalid (an
-        unposted read wrote nothing, so those blocks do not hold the data either)."""
+        unposted read wrote nothing, so those blocks do not hold the data either), reusable from
+        ``exposed_until_unix_ns`` on (0: now)."""
         label = reason.name.lower()
         self.failed[label] = self.failed.get(label, 0) + 1
         log.warning("read %r failed: %s", cmd.request_id, message, request_id=cmd.request_id)
@@ -72,6 +75,7 @@ class ReadReport:
                 reason=reason,
                 message=message,
                 invalid_block_ids=tuple(tuple(int(i) for i in g) for g in cmd.local_ids),
+                exposed_until_unix_ns=exposed_until_unix_ns,
             )
         )
 

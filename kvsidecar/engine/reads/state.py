@@ -36,6 +36,9 @@ class Xfer:
     handle: XferHandle
     state: XferState = XferState.PROC
     released: bool = False  #: its handle went back to the backend (exactly once)
+    #: its reads failed while it was in flight: kept (not released) until it ends, because UCX
+    #: cannot stop a READ in flight and its bytes may land until then (``ReadBook.settle``)
+    abandoned: bool = False
     reads: list[InFlightRead] = field(default_factory=list)
     board: bool = False  #: a READ of hold-board buckets (not of KV): it fails no read
     slots: tuple[int, ...] = ()  #: landing slots it writes (freed when it is released)

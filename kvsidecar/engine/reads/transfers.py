@@ -107,15 +107,20 @@ class Transfers:
             await self.release(x)
 
     async def release(self, x: Xfer) -> None:
-        """Give ``x``'s handle back to the backend, once whoever asks; its slots are free."""
+        """Give ``x``'s handle back to the backend, once whoever asks; its slots are free, unless
+        it was still in flight (aborted after it was abandoned too long: bytes may still land in
+        them, so they are never handed out again)."""
         if x.released:
             return
         x.released = True
         self._proc.pop(x.handle.id, None)
+        in_flight = x.state is XferState.PROC
         try:
             await self._backend.release_xfer(x.handle)
         except KvSidecarError as exc:
             log.error("releasing a READ handle failed: %s", exc)
-        if x.slots and self.slots is not None:  # nothing lands in them any more
+        if x.slots and self.slots is not None and not in_flight:  # nothing lands in them now
             for slot in x.slots:
                 self.slots.give_back(slot)
+        elif x.slots and self.slots is not None:
+            self.slots.lost += len(x.slots)

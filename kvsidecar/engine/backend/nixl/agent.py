@@ -274,8 +274,17 @@ class NixlAgent:
         return self._book.errors.get(xfer.id)
 
     def release_xfer(self, h: XferHandle) -> None:
+        """Release a transfer. One still in flight may go on landing bytes (UCX cannot stop an
+        RMA in flight): its remote agent becomes suspect, so that removing it tears its
+        connection down (invalidated, never parked) and nothing of it lands afterwards."""
         self.watched.discard(h)
         raw = self._book.xfer(h)
+        try:
+            in_flight = self._agent.getXferStatus(raw) == self._b.NIXL_IN_PROG
+        except Exception:  # unknown: assume the worst
+            in_flight = True
+        if in_flight:
+            self._suspect.add(h.remote_agent)
         self._run("releaseXferReq", lambda: self._agent.releaseXferReq(raw))
         del self._book.xfers[h.id]  # only once NIXL let go: close() retries otherwise
         self._book.errors.pop(h.id, None)

@@ -57,6 +57,8 @@ class LandingSlots:
         self.confirmed = 0  #: producer ranks a board check confirmed
         self.missed = 0  #: producer ranks asked over PeerService after a board check
         self.no_slot = 0  #: producer ranks asked over PeerService: every slot was in use
+        #: slots never handed out again: a READ into them was aborted in flight
+        self.lost = 0
 
     def take(self) -> int | None:
         """A free slot (zeroed), or ``None`` when all are in use."""
