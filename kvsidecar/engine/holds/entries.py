@@ -5,6 +5,7 @@ the notifications that came before it)."""
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -96,25 +97,35 @@ class Entry:
 
 
 class Recent:
-    """The last ``size`` ids added (oldest forgotten first); ``size`` 0 remembers nothing."""
+    """The last ``size`` ids added (oldest forgotten first), each with a digest of the token its
+    hold had; ``size`` 0 remembers nothing."""
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[str, bytes] = OrderedDict()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._ids
 
-    def add(self, request_id: str) -> None:
+    def ended_with(self, request_id: str, token: str) -> bool:
+        """Whether ``request_id``'s ended hold had ``token`` (a non-empty one)."""
+        return bool(token) and self._ids.get(request_id) == _digest(token)
+
+    def add(self, request_id: str, token: str = "") -> None:
         if self._size == 0:
             return
-        self._ids[request_id] = None
+        self._ids[request_id] = _digest(token) if token else b""
         self._ids.move_to_end(request_id)
         while len(self._ids) > self._size:
             self._ids.popitem(last=False)
 
     def discard(self, request_id: str) -> None:
         self._ids.pop(request_id, None)
+
+
+def _digest(token: str) -> bytes:
+    """What is kept of an ended hold's token: enough to recognise it, nothing to reuse."""
+    return hashlib.blake2b(token.encode(), digest_size=16, person=b"kvsidecar.ended").digest()
 
 
 def positive(name: str, value: float) -> None:

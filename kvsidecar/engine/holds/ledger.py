@@ -89,6 +89,13 @@ class ProducerLedger:
         positive("hold.lease_s", lease_s)
         if request_id in self._holds:
             raise AlreadyExistsError(f"hold.request_id={request_id!r} is already held")
+        if self._closed.ended_with(request_id, token):
+            # Same id, token and ids as the ended hold would mean the same marker and the same
+            # answers: a READ made between the two could be confirmed (docs/confirmation.md).
+            raise AlreadyExistsError(
+                f"hold.token of request_id={request_id!r} is the token of its ended hold: a new "
+                "hold of a request needs a new token"
+            )
         self._closed.discard(request_id)
         entry = Entry(
             deadline=self._clock() + lease_s,
@@ -102,7 +109,7 @@ class ProducerLedger:
             if problem:
                 self._warn(request_id, problem)
             if entry.full():
-                self._closed.add(request_id)
+                self._closed.add(request_id, entry.token)
                 self._n.sends_done += 1
                 return entry.done(request_id, expired=False)
         self._holds[request_id] = entry
@@ -111,9 +118,10 @@ class ProducerLedger:
 
     def release(self, request_id: str) -> bool:
         """Drop a hold now (the engine aborted); no SendDone. False if it is not held."""
-        if self._holds.pop(request_id, None) is None:
+        entry = self._holds.pop(request_id, None)
+        if entry is None:
             return False
-        self._closed.add(request_id)
+        self._closed.add(request_id, entry.token)
         self._n.released += 1
         return True
 
@@ -121,8 +129,8 @@ class ProducerLedger:
         """The engine is gone: drop every hold (no SendDone) and every early notification
         (counted stale). Returns the number of holds dropped."""
         dropped = len(self._holds)
-        for request_id in self._holds:
-            self._closed.add(request_id)
+        for request_id, held in self._holds.items():
+            self._closed.add(request_id, held.token)
         self._holds.clear()
         for request_id, entry in self._early.items():
             self._stale_early(request_id, entry, "engine dropped")
@@ -202,7 +210,7 @@ class ProducerLedger:
         if not entry.full():
             return NotificationOutcome.COUNTED, None
         del self._holds[request_id]
-        self._closed.add(request_id)
+        self._closed.add(request_id, entry.token)
         self._n.sends_done += 1
         return NotificationOutcome.COMPLETED, entry.done(request_id, expired=False)
 
@@ -243,7 +251,7 @@ class ProducerLedger:
         for request_id, _ in self._deadlines.due(self._clock()):
             entry = self._holds.pop(request_id, None)
             if entry is not None:
-                self._closed.add(request_id)
+                self._closed.add(request_id, entry.token)
                 self._n.leases_expired += 1
                 out.append(entry.done(request_id, expired=True))
                 self._warn(request_id, "lease expired (%s)", out[-1])
