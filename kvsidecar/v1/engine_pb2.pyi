@@ -1138,7 +1138,9 @@ class Hold(_message.Message):
     for its notifications to count. Empty = the sidecar generates one and returns it in
     NotifyResponse.token. An engine with TP > 1 chooses one token per request (16-256 printable
     ASCII characters, e.g. secrets.token_urlsafe(24)) and holds it on every rank, so that one token
-    in the transfer parameters covers every producer rank.
+    in the transfer parameters covers every producer rank. A new hold of a request needs a new
+    token: a HOLD that reuses the token of the request's ended hold is refused (ALREADY_EXISTS;
+    docs/confirmation.md, "A new hold, a new token").
     At most 256 characters.
     """
     @_builtins.property
