@@ -151,6 +151,13 @@ class TransferBackend(Protocol):
         """This agent's name (valid after ``start``)."""
         ...
 
+    @property
+    def aborts_in_flight(self) -> bool:
+        """Whether releasing a transfer still in flight guarantees that nothing of it lands
+        afterwards. NIXL cannot (UCX does not stop RMA in flight): a read that fails with a READ
+        in flight then keeps it until it ends (``reads.book``)."""
+        ...
+
     async def start(self) -> None:
         """Create the agent. Called once, before anything else."""
         ...

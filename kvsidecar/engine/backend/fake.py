@@ -150,6 +150,11 @@ class FakeBackend:
     def agent_name(self) -> str:
         return self._name
 
+    @property
+    def aborts_in_flight(self) -> bool:
+        """A released transfer is never copied: nothing of it lands afterwards."""
+        return True
+
     async def start(self) -> None:
         if not self._started:
             self._fabric.attach(self)

@@ -235,9 +235,10 @@ class ReadBook:
             for r in x.reads
             if r is not read and self._reads.get(r.cmd.request_id) is r
         ]
-        flying = [x for x in read.xfers if x.state is XferState.PROC and not x.released]
+        keep = not self._backend.aborts_in_flight  # what lands of a released READ: nothing?
+        flying = [x for x in read.xfers if keep and x.state is XferState.PROC and not x.released]
         for x in read.xfers:
-            if x.state is XferState.PROC and not x.released:
+            if x in flying:
                 x.abandoned = True  # kept until it ends: UCX cannot stop it (``settle``)
             else:
                 await self.transfers.release(x)

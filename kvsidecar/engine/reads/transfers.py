@@ -114,7 +114,7 @@ class Transfers:
             return
         x.released = True
         self._proc.pop(x.handle.id, None)
-        in_flight = x.state is XferState.PROC
+        in_flight = x.state is XferState.PROC and not self._backend.aborts_in_flight
         try:
             await self._backend.release_xfer(x.handle)
         except KvSidecarError as exc:

@@ -364,3 +364,10 @@ async def test_write_to_a_dead_target_is_a_typed_error_within_one_second(pair: P
         await asyncio.sleep(0.01)
     assert isinstance(seen, RemoteDisconnectedError), seen
     assert time.monotonic() - started < 1.0
+
+
+async def test_whether_a_release_stops_a_transfer_in_flight_is_declared(pair: Pair) -> None:
+    """``aborts_in_flight``: the fake never copies a released transfer; NIXL cannot stop an RMA
+    in flight (a failed read keeps such a READ until it ends: reads.book)."""
+    expected = pair.kind == "fake"
+    assert pair.initiator.aborts_in_flight is expected

@@ -119,6 +119,11 @@ class NixlBackend:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
+    @property
+    def aborts_in_flight(self) -> bool:
+        """UCX does not stop RMA in flight: bytes of a released READ may still land."""
+        return False
+
     async def start(self) -> None:
         if self._agent is not None:
             return
