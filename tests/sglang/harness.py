@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
 from sglang.srt.server_args import ServerArgs
 
-from kvsidecar.integrations.sglang import register, share_kv_pool, share_metadata_buffers
+from kvsidecar.integrations.sglang import memory, register
 
 PAGE_SIZE = 4
 POOL_SIZE = 64  # tokens: pages 1..16 usable, page 0 is padding
@@ -232,15 +232,13 @@ def make_engine(
     ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
     # No torch.distributed groups here: the pipeline group is absent (pp_size 1).
     ctx.parallel.override_permanently(pp_group=None)
+    # Built in the role's context, as its scheduler builds them: the plugin's hooks place them in
+    # shared memory (nothing here moves them).
     with use_context(ctx):
         pool = new_pool()
+        stack.callback(memory.release, pool)
         mb = new_metadata_buffers()
-    for what, share, obj in (("kv", share_kv_pool, pool), ("aux", share_metadata_buffers, mb)):
-        path = shm_path(f"{mode}-{what}")
-        stack.callback(remove_file, path)  # even if sharing fails half-way
-        region = share(obj, path)
-        stack.callback(region.unlink)
-        stack.callback(region.close)
+        stack.callback(memory.release, mb)
     return Engine(mode=mode, server_args=sa, ctx=ctx, pool=pool, mb=mb)
 
 
