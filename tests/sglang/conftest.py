@@ -62,6 +62,8 @@ WRITE_TIMEOUT_S = 60
 # Stopping a sidecar drains in-flight work for at most this long (then it exits).
 GRACE_PERIOD_S = 2
 SIDECAR_NAMES = ("prefill-0", "decode-0")
+# A sidecar starts in ~2 s; the bound leaves room for a busy 2-core host.
+SIDECAR_START_S = 60.0
 LOG_TAIL_LINES = 200
 
 if HAS_SGLANG:
@@ -142,6 +144,13 @@ def sidecar_args(tmp_path: Path, name: str) -> list[str]:
     ]
 
 
+def start_sidecar(tmp_path: Path, name: str) -> sidecar_proc.SidecarProcess:
+    """Start (or start again, after a kill) the sidecar ``name`` of a test's world."""
+    return sidecar_proc.start(
+        tmp_path, *sidecar_args(tmp_path, name), name=name, timeout=SIDECAR_START_S
+    )
+
+
 @pytest.fixture
 def sidecars(
     request: pytest.FixtureRequest, tmp_path: Path
@@ -153,9 +162,7 @@ def sidecars(
     try:
         with ThreadPoolExecutor(len(SIDECAR_NAMES)) as pool:
             futures = {
-                name: pool.submit(
-                    sidecar_proc.start, tmp_path, *sidecar_args(tmp_path, name), name=name
-                )
+                name: pool.submit(start_sidecar, tmp_path, name)
                 for name in SIDECAR_NAMES
             }
             errors = []

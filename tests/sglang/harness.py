@@ -201,7 +201,9 @@ class Engine:
         a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
         a.state_layer_ids, a.state_dim_per_tensor, a.state_slice_outer_counts = [], [], []
         a.state_conv_shard_groups, a.swa_kv_cache_layout, a.is_hybrid_mla_backend = [], None, False
-        a.ib_device, a.gpu_id, a.kv_head_num, a.total_kv_head_num = None, 0, HEADS, HEADS
+        a.ib_device, a.gpu_id = None, 0
+        if self.mode == "prefill":  # SGLang's decode _init_kv_manager sets neither (0.5.23)
+            a.kv_head_num, a.total_kv_head_num = HEADS, HEADS
         a.page_size, a.prefill_start_layer, a.prefill_end_layer = PAGE_SIZE, 0, self.pool.layer_num
         a.mla_compression_ratios, a.kv_buf_groups = None, 1
         a.hidden_kv_layers, a.draft_kv_layers = 0, 0
@@ -269,6 +271,7 @@ class Room:
     sender: Any = None
     receiver: Any = None
     sent: int = 0  # chunks sent so far
+    prefix_tokens: int = -1  # the decode prefix the prefill's sender reported (after open)
 
     def __post_init__(self) -> None:
         assert len(self.p_pages) == len(self.d_pages) == sum(self.chunks)
@@ -298,9 +301,12 @@ class World:
 
     # - the scheduler's steps -
 
-    def open(self, r: Room) -> None:
+    def open(self, r: Room, prefix_tokens: int = 0) -> None:
         """Sender and receiver for ``r``, the decode handshake and metadata, the sender's init:
-        what the prefill bootstrap queue and the decode prealloc queue do before any KV moves."""
+        what the prefill bootstrap queue and the decode prealloc queue do before any KV moves.
+        ``prefix_tokens``: decode already holds the request's first tokens (its prefix cache);
+        ``r``'s pages are the rest, and the prefill starts after the prefix SGLang's sender
+        reports (``pop_decode_prefix_len``, as ``finalize_bootstrap`` does)."""
         with self.prefill.active():
             r.sender = self.backend.sender(
                 mgr=self.prefill.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=r.room
@@ -312,9 +318,14 @@ class World:
             r.receiver.init(prefill_dp_rank=0)
         self.wait_status(r, "receiver", KVPoll.WaitingForInput)
         with self.decode.active():
-            r.receiver.send_metadata(np.asarray(r.d_pages, dtype=np.int32), aux_index=r.d_row)
+            r.receiver.send_metadata(
+                np.asarray(r.d_pages, dtype=np.int32),
+                aux_index=r.d_row,
+                decode_prefix_len=prefix_tokens or None,
+            )
         self.wait_status(r, "sender", KVPoll.WaitingForInput)
         with self.prefill.active():
+            r.prefix_tokens = r.sender.pop_decode_prefix_len()
             r.sender.init(len(r.p_pages), aux_index=r.p_row)
 
     def send_next(self, r: Room) -> None:

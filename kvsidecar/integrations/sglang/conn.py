@@ -119,6 +119,20 @@ def _instance_host(mgr: CommonKVManager) -> str:
     return str(mgr.local_ip)
 
 
+def _total_kv_heads(args: Any, server_args: Any, mla: bool) -> int:
+    """The model's KV heads over all ranks. SGLang's prefill ``_init_kv_manager`` sets
+    ``KVArgs.total_kv_head_num``; its decode one does not (0.5.23), so it is read from the model's
+    config there, as the prefill's scheduler reads it."""
+    total = getattr(args, "total_kv_head_num", None)
+    if total:
+        return int(total)
+    if mla:
+        return 1  # one latent per token, replicated: heads do not enter the geometry
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
+
+
 class KvSidecarKVManager(CommonKVManager):
     """One SGLang rank's link to its sidecar (``config``: where it is, the engine's id)."""
 
@@ -161,7 +175,8 @@ class KvSidecarKVManager(CommonKVManager):
             kv_ptrs=args.kv_data_ptrs, kv_lens=args.kv_data_lens, kv_item_lens=args.kv_item_lens,
             aux_ptrs=args.aux_data_ptrs, aux_lens=args.aux_data_lens,
             aux_item_lens=args.aux_item_lens, page_size=args.page_size,
-            total_kv_heads=args.total_kv_head_num, mla=bool(is_mla_backend),
+            total_kv_heads=_total_kv_heads(args, server_args, bool(is_mla_backend)),
+            mla=bool(is_mla_backend),
         )  # fmt: skip
         self._views, self._memories = sglang_views(buffers, locate)
         self._dtype = str(args.kv_cache_dtype_str)
@@ -181,6 +196,7 @@ class KvSidecarKVManager(CommonKVManager):
             registered = self._register()
         except BaseException:
             self.client.close()
+            self._zmq_ctx.destroy(linger=0)  # SGLang's manager sockets: nobody else closes them
             raise
         self.peer_endpoint = registered.peer_endpoint
         self._agent = registered.agent_name
