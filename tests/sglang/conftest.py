@@ -146,6 +146,7 @@ def sidecar_args(tmp_path: Path, name: str) -> list[str]:
 
 def start_sidecar(tmp_path: Path, name: str) -> sidecar_proc.SidecarProcess:
     """Start (or start again, after a kill) the sidecar ``name`` of a test's world."""
+    (tmp_path / f"{name}.ready.json").unlink(missing_ok=True)  # a killed one's stale file
     return sidecar_proc.start(
         tmp_path, *sidecar_args(tmp_path, name), name=name, timeout=SIDECAR_START_S
     )

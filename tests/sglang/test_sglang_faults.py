@@ -104,8 +104,9 @@ def test_unreachable_prefill_sidecar_never_stalls_the_decode_scheduler(
     sidecars: dict[str, sidecar_proc.SidecarProcess],
     request: pytest.FixtureRequest,
 ) -> None:
-    """The prefill's sidecar hangs (SIGSTOP): a decode room's grant cannot be issued (the decode
-    sidecar's handshake with it times out). Every call SGLang's decode scheduler thread makes
+    """The prefill's sidecar hangs (SIGSTOP): a decode room cannot complete (its grant is refused
+    when the decode sidecar must handshake with it, or fails when the hung writer misses its
+    beats). Every call SGLang's decode scheduler thread makes
     (building the receiver, ``init``, ``send_metadata``, every ``poll``) returns long before the
     grant's failure is known; the room then fails with the sidecar's reason. The longest call is
     recorded (``user_properties``: ``longest_scheduler_call_ms``)."""
@@ -156,9 +157,6 @@ def test_unreachable_prefill_sidecar_never_stalls_the_decode_scheduler(
         failed_after = time.monotonic() - queued
     finally:
         os.kill(stopped, signal.SIGCONT)
-    assert status == KVPoll.Failed, harness.name(status)
-    reason = world.failure(r, "receiver")
-    assert "grant refused" in reason, reason
     longest = max(durations)
     request.node.user_properties.append(("longest_scheduler_call_ms", round(longest * 1e3, 3)))
     request.node.user_properties.append(("grant_failed_after_ms", round(failed_after * 1e3, 1)))
@@ -166,6 +164,11 @@ def test_unreachable_prefill_sidecar_never_stalls_the_decode_scheduler(
         f"\nlongest decode scheduler call: {longest * 1e3:.3f} ms over {len(durations)} calls; "
         f"the grant failed after {failed_after * 1e3:.0f} ms"
     )
+    assert status == KVPoll.Failed, harness.name(status)
+    # The grant is refused (no handshake with the hung sidecar yet) or, issued by the decode
+    # sidecar on an earlier handshake, fails when the hung writer misses its beats.
+    reason = world.failure(r, "receiver")
+    assert re.search("grant refused|PEER_DISCONNECTED", reason), reason
     assert longest < failed_after / 10, (longest, failed_after)
     with world.prefill.active():
         r.sender.clear()
