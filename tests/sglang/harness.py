@@ -144,12 +144,13 @@ def random_fill(t: torch.Tensor, gen: torch.Generator) -> None:
     raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
 
 
-def new_pool() -> Any:
+def new_pool(tp: int = 1) -> Any:
+    """One rank's pool: ``HEADS // tp`` of the model's KV heads."""
     return MHATokenToKVPool(
         size=POOL_SIZE,
         page_size=PAGE_SIZE,
         dtype=torch.bfloat16,
-        head_num=HEADS,
+        head_num=HEADS // tp,
         head_dim=HEAD_DIM,
         layer_num=LAYERS,
         device="cpu",
@@ -184,6 +185,8 @@ class Engine:
     pool: Any
     mb: Any
     mgr: Any = None
+    tp: int = 1
+    rank: int = 0
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -193,7 +196,7 @@ class Engine:
     def kv_args(self) -> Any:
         """KVArgs as ``_init_kv_manager`` fills them for a plain MHA pool (TP 1, no state)."""
         a = KVArgs()
-        a.engine_rank, a.pp_rank, a.system_dp_rank, a.rust_http_port = 0, 0, 0, None
+        a.engine_rank, a.pp_rank, a.system_dp_rank, a.rust_http_port = self.rank, 0, 0, None
         a.kv_cache_dtype_str, a.kv_layout = "bfloat16", None
         a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = self.pool.get_contiguous_buf_infos()
         a.kv_layer_ids = list(range(self.pool.layer_num)) * 2
@@ -203,7 +206,7 @@ class Engine:
         a.state_conv_shard_groups, a.swa_kv_cache_layout, a.is_hybrid_mla_backend = [], None, False
         a.ib_device, a.gpu_id = None, 0
         if self.mode == "prefill":  # SGLang's decode _init_kv_manager sets neither (0.5.23)
-            a.kv_head_num, a.total_kv_head_num = HEADS, HEADS
+            a.kv_head_num, a.total_kv_head_num = HEADS // self.tp, HEADS
         a.page_size, a.prefill_start_layer, a.prefill_end_layer = PAGE_SIZE, 0, self.pool.layer_num
         a.mla_compression_ratios, a.kv_buf_groups = None, 1
         a.hidden_kv_layers, a.draft_kv_layers = 0, 0
@@ -219,9 +222,16 @@ class Engine:
 
 
 def make_engine(
-    mode: str, model_dir: Any, bootstrap_port: int, stack: contextlib.ExitStack
+    mode: str,
+    model_dir: Any,
+    bootstrap_port: int,
+    stack: contextlib.ExitStack,
+    tp: int = 1,
+    rank: int = 0,
 ) -> Engine:
+    """Attention-TP rank ``rank`` of ``tp`` of a ``mode`` instance."""
     sa = ServerArgs(
+        tp_size=tp,
         model_path=str(model_dir),
         disaggregation_mode=mode,
         disaggregation_transfer_backend="kvsidecar",
@@ -231,17 +241,17 @@ def make_engine(
         skip_tokenizer_init=True,
         page_size=PAGE_SIZE,
     )
-    ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
     # No torch.distributed groups here: the pipeline group is absent (pp_size 1).
     ctx.parallel.override_permanently(pp_group=None)
     # Built in the role's context, as its scheduler builds them: the plugin's hooks place them in
     # shared memory (nothing here moves them).
     with use_context(ctx):
-        pool = new_pool()
+        pool = new_pool(tp)
         stack.callback(memory.release, pool)
         mb = new_metadata_buffers()
         stack.callback(memory.release, mb)
-    return Engine(mode=mode, server_args=sa, ctx=ctx, pool=pool, mb=mb)
+    return Engine(mode=mode, server_args=sa, ctx=ctx, pool=pool, mb=mb, tp=tp, rank=rank)
 
 
 def teardown_manager(mgr: Any) -> None:

@@ -29,7 +29,7 @@ from kvsidecar.integrations.sglang.conn import EngineCollisionError
 from kvsidecar.testing import process as sidecar_proc
 from tests.sglang import harness
 from tests.sglang.conftest import start_sidecar
-from tests.sglang.harness import PAGE_SIZE, POLL_S, STEP_TIMEOUT_S, KVPoll, Room, World
+from tests.sglang.harness import PAGE_SIZE, POLL_S, STEP_TIMEOUT_S, KVPoll, World
 from tests.sglang.test_sglang_backend import (
     REPORT_S,
     assert_success,
@@ -211,8 +211,9 @@ def test_decode_sidecar_restart_mid_run(
     engine_id = world.decode.mgr.engine_id
     harness.wait_for(
         "the decode engine registered with the new sidecar",
-        lambda: (s := sidecar_status(sidecars["decode-0"])).engine_id == engine_id
-        and s.watch_connected,
+        lambda: (
+            (s := sidecar_status(sidecars["decode-0"])).engine_id == engine_id and s.watch_connected
+        ),
         STEP_TIMEOUT_S * 2,
     )
     for r in rooms:
@@ -249,10 +250,10 @@ def test_sglang_waiting_timeout_revokes_the_grant(
     world.wait_status(r, "sender", KVPoll.Failed, timeout=REPORT_S)
     harness.wait_for(
         "the revoked grant counted by the decode sidecar",
-        lambda: metric(
-            sidecars["decode-0"], "kvsidecar_push_grants_failed_total", 'reason="revoked"'
-        )
-        > before,
+        lambda: (
+            metric(sidecars["decode-0"], "kvsidecar_push_grants_failed_total", 'reason="revoked"')
+            > before
+        ),
         REPORT_S,
     )
     harness.wait_for("the room's pages safe", lambda: mgr.is_abort_release_safe(r.room, 1))
