@@ -13,6 +13,8 @@ package, which needs AVX-512: docs/sglang.md.)
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import re
@@ -101,6 +103,12 @@ class Scheduler:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._out.close()
+        # The sidecar unlinks a registered engine's files once it exited; a scheduler that died
+        # before registering leaves them: they are this test's (named after its pid).
+        if self.scheduler_pid:
+            for path in glob.glob(f"/dev/shm/kvsidecar-sglang-{self.scheduler_pid}-*"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
 
 def mapped_files(pid: int, pattern: str) -> set[str]:
