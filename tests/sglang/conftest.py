@@ -62,6 +62,9 @@ WRITE_TIMEOUT_S = 60
 # Stopping a sidecar drains in-flight work for at most this long (then it exits).
 GRACE_PERIOD_S = 2
 SIDECAR_NAMES = ("prefill-0", "decode-0")
+SIDECAR_NAMES_TP2 = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+# A sidecar starts in ~2 s; the bound leaves room for a busy 2-core host.
+SIDECAR_START_S = 60.0
 LOG_TAIL_LINES = 200
 
 if HAS_SGLANG:
@@ -142,27 +145,29 @@ def sidecar_args(tmp_path: Path, name: str) -> list[str]:
     ]
 
 
-@pytest.fixture
-def sidecars(
-    request: pytest.FixtureRequest, tmp_path: Path
+def start_sidecar(tmp_path: Path, name: str) -> sidecar_proc.SidecarProcess:
+    """Start (or start again, after a kill) the sidecar ``name`` of a test's world."""
+    (tmp_path / f"{name}.ready.json").unlink(missing_ok=True)  # a killed one's stale file
+    return sidecar_proc.start(
+        tmp_path, *sidecar_args(tmp_path, name), name=name, timeout=SIDECAR_START_S
+    )
+
+
+def _sidecars(
+    request: pytest.FixtureRequest, tmp_path: Path, names: tuple[str, ...]
 ) -> Iterator[dict[str, sidecar_proc.SidecarProcess]]:
-    """Two real sidecars, ``prefill-0`` and ``decode-0`` (sockets ``<tmp>/<name>.sock``), started
-    together; stopped at teardown (bounded), where one that died or did not stop cleanly fails
-    the test with its log."""
+    """Real sidecars ``names`` (sockets ``<tmp>/<name>.sock``), started together; stopped at
+    teardown (bounded), where one that died or did not stop cleanly fails the test with its
+    log. A test may replace one (killed and started again) in the dict it gets."""
     procs: dict[str, sidecar_proc.SidecarProcess] = {}
     try:
-        with ThreadPoolExecutor(len(SIDECAR_NAMES)) as pool:
-            futures = {
-                name: pool.submit(
-                    sidecar_proc.start, tmp_path, *sidecar_args(tmp_path, name), name=name
-                )
-                for name in SIDECAR_NAMES
-            }
+        with ThreadPoolExecutor(len(names)) as pool:
+            futures = {name: pool.submit(start_sidecar, tmp_path, name) for name in names}
             errors = []
             for name, future in futures.items():
                 try:
                     procs[name] = future.result()
-                except Exception as exc:  # the other one still has to be stopped
+                except Exception as exc:  # the others still have to be stopped
                     errors.append(exc)
             if errors:
                 raise errors[0]
@@ -181,6 +186,22 @@ def sidecars(
     if dead or bad:
         logs = "\n".join(f"--- {name} ---\n{procs[name].log()}" for name in procs)
         pytest.fail(f"sidecars died during the test {dead} or stopped badly {bad}:\n{logs}")
+
+
+@pytest.fixture
+def sidecars(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[dict[str, sidecar_proc.SidecarProcess]]:
+    """Two real sidecars, ``prefill-0`` and ``decode-0``."""
+    yield from _sidecars(request, tmp_path, SIDECAR_NAMES)
+
+
+@pytest.fixture
+def sidecars_tp2(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[dict[str, sidecar_proc.SidecarProcess]]:
+    """Four real sidecars: ``prefill-0``, ``prefill-1``, ``decode-0``, ``decode-1``."""
+    yield from _sidecars(request, tmp_path, SIDECAR_NAMES_TP2)
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
 from sglang.srt.server_args import ServerArgs
 
-from kvsidecar.integrations.sglang import register, share_kv_pool, share_metadata_buffers
+from kvsidecar.integrations.sglang import memory, register
 
 PAGE_SIZE = 4
 POOL_SIZE = 64  # tokens: pages 1..16 usable, page 0 is padding
@@ -144,12 +144,13 @@ def random_fill(t: torch.Tensor, gen: torch.Generator) -> None:
     raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
 
 
-def new_pool() -> Any:
+def new_pool(tp: int = 1) -> Any:
+    """One rank's pool: ``HEADS // tp`` of the model's KV heads."""
     return MHATokenToKVPool(
         size=POOL_SIZE,
         page_size=PAGE_SIZE,
         dtype=torch.bfloat16,
-        head_num=HEADS,
+        head_num=HEADS // tp,
         head_dim=HEAD_DIM,
         layer_num=LAYERS,
         device="cpu",
@@ -184,6 +185,8 @@ class Engine:
     pool: Any
     mb: Any
     mgr: Any = None
+    tp: int = 1
+    rank: int = 0
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -193,7 +196,7 @@ class Engine:
     def kv_args(self) -> Any:
         """KVArgs as ``_init_kv_manager`` fills them for a plain MHA pool (TP 1, no state)."""
         a = KVArgs()
-        a.engine_rank, a.pp_rank, a.system_dp_rank, a.rust_http_port = 0, 0, 0, None
+        a.engine_rank, a.pp_rank, a.system_dp_rank, a.rust_http_port = self.rank, 0, 0, None
         a.kv_cache_dtype_str, a.kv_layout = "bfloat16", None
         a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = self.pool.get_contiguous_buf_infos()
         a.kv_layer_ids = list(range(self.pool.layer_num)) * 2
@@ -201,7 +204,9 @@ class Engine:
         a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
         a.state_layer_ids, a.state_dim_per_tensor, a.state_slice_outer_counts = [], [], []
         a.state_conv_shard_groups, a.swa_kv_cache_layout, a.is_hybrid_mla_backend = [], None, False
-        a.ib_device, a.gpu_id, a.kv_head_num, a.total_kv_head_num = None, 0, HEADS, HEADS
+        a.ib_device, a.gpu_id = None, 0
+        if self.mode == "prefill":  # SGLang's decode _init_kv_manager sets neither (0.5.23)
+            a.kv_head_num, a.total_kv_head_num = HEADS // self.tp, HEADS
         a.page_size, a.prefill_start_layer, a.prefill_end_layer = PAGE_SIZE, 0, self.pool.layer_num
         a.mla_compression_ratios, a.kv_buf_groups = None, 1
         a.hidden_kv_layers, a.draft_kv_layers = 0, 0
@@ -217,9 +222,16 @@ class Engine:
 
 
 def make_engine(
-    mode: str, model_dir: Any, bootstrap_port: int, stack: contextlib.ExitStack
+    mode: str,
+    model_dir: Any,
+    bootstrap_port: int,
+    stack: contextlib.ExitStack,
+    tp: int = 1,
+    rank: int = 0,
 ) -> Engine:
+    """Attention-TP rank ``rank`` of ``tp`` of a ``mode`` instance."""
     sa = ServerArgs(
+        tp_size=tp,
         model_path=str(model_dir),
         disaggregation_mode=mode,
         disaggregation_transfer_backend="kvsidecar",
@@ -229,19 +241,17 @@ def make_engine(
         skip_tokenizer_init=True,
         page_size=PAGE_SIZE,
     )
-    ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    ctx = create_context(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
     # No torch.distributed groups here: the pipeline group is absent (pp_size 1).
     ctx.parallel.override_permanently(pp_group=None)
+    # Built in the role's context, as its scheduler builds them: the plugin's hooks place them in
+    # shared memory (nothing here moves them).
     with use_context(ctx):
-        pool = new_pool()
+        pool = new_pool(tp)
+        stack.callback(memory.release, pool)
         mb = new_metadata_buffers()
-    for what, share, obj in (("kv", share_kv_pool, pool), ("aux", share_metadata_buffers, mb)):
-        path = shm_path(f"{mode}-{what}")
-        stack.callback(remove_file, path)  # even if sharing fails half-way
-        region = share(obj, path)
-        stack.callback(region.unlink)
-        stack.callback(region.close)
-    return Engine(mode=mode, server_args=sa, ctx=ctx, pool=pool, mb=mb)
+        stack.callback(memory.release, mb)
+    return Engine(mode=mode, server_args=sa, ctx=ctx, pool=pool, mb=mb, tp=tp, rank=rank)
 
 
 def teardown_manager(mgr: Any) -> None:
@@ -271,6 +281,7 @@ class Room:
     sender: Any = None
     receiver: Any = None
     sent: int = 0  # chunks sent so far
+    prefix_tokens: int = -1  # the decode prefix the prefill's sender reported (after open)
 
     def __post_init__(self) -> None:
         assert len(self.p_pages) == len(self.d_pages) == sum(self.chunks)
@@ -300,9 +311,12 @@ class World:
 
     # - the scheduler's steps -
 
-    def open(self, r: Room) -> None:
+    def open(self, r: Room, prefix_tokens: int = 0) -> None:
         """Sender and receiver for ``r``, the decode handshake and metadata, the sender's init:
-        what the prefill bootstrap queue and the decode prealloc queue do before any KV moves."""
+        what the prefill bootstrap queue and the decode prealloc queue do before any KV moves.
+        ``prefix_tokens``: decode already holds the request's first tokens (its prefix cache);
+        ``r``'s pages are the rest, and the prefill starts after the prefix SGLang's sender
+        reports (``pop_decode_prefix_len``, as ``finalize_bootstrap`` does)."""
         with self.prefill.active():
             r.sender = self.backend.sender(
                 mgr=self.prefill.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=r.room
@@ -314,9 +328,14 @@ class World:
             r.receiver.init(prefill_dp_rank=0)
         self.wait_status(r, "receiver", KVPoll.WaitingForInput)
         with self.decode.active():
-            r.receiver.send_metadata(np.asarray(r.d_pages, dtype=np.int32), aux_index=r.d_row)
+            r.receiver.send_metadata(
+                np.asarray(r.d_pages, dtype=np.int32),
+                aux_index=r.d_row,
+                decode_prefix_len=prefix_tokens or None,
+            )
         self.wait_status(r, "sender", KVPoll.WaitingForInput)
         with self.prefill.active():
+            r.prefix_tokens = r.sender.pop_decode_prefix_len()
             r.sender.init(len(r.p_pages), aux_index=r.p_row)
 
     def send_next(self, r: Room) -> None:

@@ -395,12 +395,11 @@ def test_rooms_transfer_byte_for_byte(
         world.clear(r)
 
     # The bytes went through the sidecars: each engine registered with its own (default engine
-    # id: role and bootstrap port), every grant and push ended done.
-    port = world.bootstrap_addr.rsplit(":", 1)[1]
+    # id: role, the instance's host and HTTP port), every grant and push ended done.
     prefill, decode = (sidecar_status(sidecars[n]) for n in ("prefill-0", "decode-0"))
     assert (prefill.engine_id, decode.engine_id) == (
-        f"sglang-prefill-{port}",
-        f"sglang-decode-{port}",
+        f"sglang-prefill-127.0.0.1-{world.prefill.server_args.port}",
+        f"sglang-decode-127.0.0.1-{world.decode.server_args.port}",
     )
     assert prefill.watch_connected
     assert decode.watch_connected

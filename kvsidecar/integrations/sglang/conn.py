@@ -3,36 +3,37 @@
 Built on SGLang's ``CommonKV*`` classes (its bootstrap server, rank mapping, ZMQ messaging and
 status bookkeeping), as its own NIXL backend is; the bytes move through the sidecars:
 
-* each manager registers its rank's KV pages and aux rows with its sidecar (``geometry``) and
-  keeps a Watch stream open (its liveness lock) whose events set the rooms' status;
+* each manager registers its rank's KV pages and aux rows (``geometry``, ``memory``) and keeps a
+  Watch stream open whose events set the rooms' status (``link``: reconnects after a restart);
 * a decode receiver registers with its prefill ranks (``KVSC_REG``), which answer with their
-  sidecar's engine id and PeerService address (``KVSC_HELLO``); ``send_metadata`` asks its own
-  sidecar for a write grant of the room's pages and aux row and sends it to every prefill rank
-  (``KVSC_META``);
-* a prefill sender's ``send`` becomes one ``Push`` of the chunk into the grants of every decode rank
-  that names this rank a writer, posted by the manager's I/O thread in order; the last chunk
+  sidecar's engine id and PeerService address (``KVSC_HELLO``; again after they re-registered);
+  ``send_metadata`` queues the room's write grant: an I/O thread waits for the hellos, asks its
+  own sidecar for the grant of the room's pages and aux row and sends it to every prefill rank
+  (``KVSC_META``, with SGLang's decode prefix length);
+* a prefill sender's ``send`` becomes one ``Push`` of the chunk (``pushes``); the last chunk
   carries the aux row;
 * ``poll`` is a dictionary lookup: Success once the sidecar reports SEND_DONE (prefill) or
   RECV_DONE (decode: every writer confirmed every page and the aux row), Failed on SEND_FAILED /
-  RECV_FAILED with the sidecar's reason;
-* a decode abort revokes the grant before it returns (no WRITE lands afterwards unless the revoke
-  says otherwise, logged); a prefill abort tells the decode side at once (AbortPush, and SGLang's
-  own status message).
+  RECV_FAILED with the sidecar's reason, or on any of SGLang's own failure paths;
+* a decode room that ends without success is revoked (an I/O thread), and its pages are handed
+  back to SGLang only once no WRITE of it can land (``exposure``), through SGLang's deferred decode
+  KV release, which polls ``is_abort_release_safe``; a prefill abort tells the decode side at once
+  (AbortPush, and SGLang's own status message).
+
+SGLang's scheduler thread never waits on a sidecar or a remote host here: it only enqueues.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import threading
 import time
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import (
     CommonKVBootstrapServer,
     CommonKVManager,
@@ -40,36 +41,69 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.runtime_context import get_serving
 
 from kvsidecar.client import (
     EngineRole,
-    PushTarget,
+    Event,
     RecvDone,
     RecvFailed,
+    Registered,
     SendDone,
     SendFailed,
-    SidecarClient,
 )
-from kvsidecar.errors import KvSidecarError, NotFoundError
-from kvsidecar.integrations.sglang.config import BackendConfig
+from kvsidecar.errors import ConfigError
+from kvsidecar.integrations.sglang.config import BackendConfig, Instance
+from kvsidecar.integrations.sglang.exposure import NOW
 from kvsidecar.integrations.sglang.geometry import NUM_GROUPS, Buffers, sglang_views
+from kvsidecar.integrations.sglang.grants import GrantDesk, PrefillRank
+from kvsidecar.integrations.sglang.link import EngineCollisionError as EngineCollisionError
+from kvsidecar.integrations.sglang.link import EngineRegistration, SidecarLink
 from kvsidecar.integrations.sglang.memory import locate
-from kvsidecar.integrations.sglang.worker import IoWorker
+from kvsidecar.integrations.sglang.pushes import PushDesk
+from kvsidecar.integrations.sglang.worker import KeyedWorkers
 
 log = logging.getLogger(__name__)
 
-HELLO_WAIT_S = 10.0  # how long send_metadata waits for a prefill rank's KVSC_HELLO
+IO_WORKERS = 4
 
 
-def _room_id(room: int) -> str:
-    return f"room-{room}"
+def _room_of(request_id: str) -> int | None:
+    if not request_id.startswith("room-"):
+        return None
+    try:
+        return int(request_id[5:])
+    except ValueError:
+        return None
+
+
+def _instance_host(mgr: CommonKVManager) -> str:
+    """The instance's address: the multi-node leader's, else this node's."""
+    if mgr.dist_init_addr:
+        host = str(mgr.dist_init_addr).rsplit(":", 1)[0]
+        return host.strip("[]")
+    return str(mgr.local_ip)
+
+
+def _total_kv_heads(args: Any, server_args: Any, mla: bool) -> int:
+    """The model's KV heads over all ranks. SGLang's prefill ``_init_kv_manager`` sets
+    ``KVArgs.total_kv_head_num``; its decode one does not (0.5.23), so it is read from the model's
+    config there, as the prefill's scheduler reads it."""
+    total = getattr(args, "total_kv_head_num", None)
+    if total:
+        return int(total)
+    if mla:
+        return 1  # one latent per token, replicated: heads do not enter the geometry
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
 
 
 class KvSidecarKVManager(CommonKVManager):
-    """One SGLang rank's link to its sidecar (``KVSIDECAR_SOCKET``: the EngineService socket;
-    ``{mode}`` and ``{rank}`` are replaced by prefill/decode and the attention-TP rank)."""
+    """One SGLang rank's link to its sidecar (``config``: where it is, the engine's id)."""
 
-    supports_deferred_decode_kv_release = False
+    # Decode: a failed room's pages stay out of use until no WRITE can land (``exposure``).
+    supports_deferred_decode_kv_release = True
     # SGLang's status messages (a prefill abort reaching decode): tagged, with the reason.
     kv_status_msg_carries_reason = True
     kv_status_msg_tag = b"KVSC_STATUS"
@@ -85,69 +119,104 @@ class KvSidecarKVManager(CommonKVManager):
         self.prefill = disaggregation_mode == DisaggregationMode.PREFILL
         mode = "prefill" if self.prefill else "decode"
         rank = self.attn_tp_rank
-        config = BackendConfig.from_env(mode=mode, rank=rank, bootstrap_port=self.bootstrap_port)
-        self.engine_id = config.engine_id
-        self.client = SidecarClient(config.socket, timeout_s=30.0)
-        buffers = Buffers(
-            kv_ptrs=args.kv_data_ptrs, kv_lens=args.kv_data_lens, kv_item_lens=args.kv_item_lens,
-            aux_ptrs=args.aux_data_ptrs, aux_lens=args.aux_data_lens,
-            aux_item_lens=args.aux_item_lens, page_size=args.page_size,
-            total_kv_heads=args.total_kv_head_num, mla=bool(is_mla_backend),
-        )  # fmt: skip
         if getattr(args, "state_types", None):
             raise NotImplementedError(
                 f"kvsidecar's SGLang backend does not move state buffers yet ({args.state_types})"
             )
-        views, memories = sglang_views(buffers, locate)
-        registered = self.client.register_engine(
-            engine_id=self.engine_id, tp_rank=rank, tp_size=self.attn_tp_size, views=views,
-            memories=memories, num_groups=NUM_GROUPS, dtype=str(args.kv_cache_dtype_str),
-            model=str(getattr(server_args, "served_model_name", "") or ""),
-            role=EngineRole.PRODUCER if self.prefill else EngineRole.CONSUMER,
-            engine_pid=os.getpid(), takeover=True,
+        if not self.prefill and not self.enable_deferred_decode_kv_release:
+            raise ConfigError(
+                "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE",
+                "kvsidecar keeps a failed request's pages until no write can land in them, "
+                "through SGLang's deferred decode KV release: do not turn it off",
+            )
+        self.config = BackendConfig.from_env(
+            Instance(
+                mode=mode, rank=rank, dp_rank=int(self.attn_dp_rank or 0),
+                dp_size=int(self.attn_dp_size or 1), host=_instance_host(self),
+                port=int(get_serving().port), bootstrap_port=int(self.bootstrap_port),
+            )
         )  # fmt: skip
-        self.peer_endpoint = registered.peer_endpoint
-        self._closed = False
-        self._io = IoWorker(f"kvsidecar-{mode}-{rank}-io")
-        self._hello = threading.Condition()
-        self._prefills: dict[tuple[str, int], tuple[str, int, int, str]] = {}
-        self._decodes: dict[int, set[tuple[str, int]]] = {}  # room -> decode (ip, port)
-        self._metas: dict[int, int] = {}  # room -> decode ranks heard from
-        self._decode_engines: dict[int, str] = {}  # room -> the decode engine's id
-        self._pushed: set[int] = set()
-        self._threads = [
-            threading.Thread(target=self._watch, name=f"kvsidecar-{mode}-watch", daemon=True),
-            threading.Thread(target=self._listen, name=f"kvsidecar-{mode}-zmq", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    # --- events -----------------------------------------------------------------------------
-
-    def _watch(self) -> None:
+        self.engine_id = self.config.engine_id
+        buffers = Buffers(
+            kv_ptrs=args.kv_data_ptrs, kv_lens=args.kv_data_lens, kv_item_lens=args.kv_item_lens,
+            aux_ptrs=args.aux_data_ptrs, aux_lens=args.aux_data_lens,
+            aux_item_lens=args.aux_item_lens, page_size=args.page_size,
+            total_kv_heads=_total_kv_heads(args, server_args, bool(is_mla_backend)),
+            mla=bool(is_mla_backend),
+        )  # fmt: skip
+        views, memories = sglang_views(buffers, locate)
+        self._closed = threading.Event()
+        self._io = KeyedWorkers(f"kvsidecar-{mode}-{rank}-io", IO_WORKERS)
+        self.grants = GrantDesk(self, self._io, self.config.write_margin_s)
+        self.pushes = PushDesk(self, self._io)
+        self.link = SidecarLink(
+            EngineRegistration(
+                socket=self.config.socket, engine_id=self.engine_id, tp_rank=rank,
+                tp_size=self.attn_tp_size, views=views, memories=memories,
+                num_groups=NUM_GROUPS, dtype=str(args.kv_cache_dtype_str),
+                model=str(getattr(server_args, "served_model_name", "") or ""),
+                role=EngineRole.PRODUCER if self.prefill else EngineRole.CONSUMER,
+            ),
+            on_event=self._on_event, on_lost=self._on_lost, on_registered=self._on_registered,
+        )  # fmt: skip
+        self.client = self.link.client
         try:
-            for event in self.client.watch():
-                if not event.request_id.startswith("room-"):
-                    continue
-                room = int(event.request_id[5:])
-                if isinstance(event, RecvDone | SendDone):
-                    self.update_status(room, KVPoll.Success)
-                elif isinstance(event, RecvFailed | SendFailed):
-                    self.fail(room, f"{event.reason.name}: {event.message}")
-        except KvSidecarError as exc:
-            if not self._closed:
-                log.error("kvsidecar Watch stream of %s ended: %s", self.engine_id, exc)
+            registered = self.link.register()
+        except BaseException:
+            self.link.close()
+            self._io.close()
+            self._zmq_ctx.destroy(linger=0)  # SGLang's manager sockets: nobody else closes them
+            raise
+        self.peer_endpoint = registered.peer_endpoint
+        self.grants.registered(registered.agent_name)
+        self.link.start()
+        self._listener = threading.Thread(
+            target=self._listen, name=f"kvsidecar-{mode}-zmq", daemon=True
+        )
+        self._listener.start()
+
+    # --- the sidecar's events and stream --------------------------------------------------------
+
+    def _on_event(self, event: Event) -> None:
+        room = _room_of(event.request_id)
+        if room is None:
+            return
+        if isinstance(event, RecvDone):
+            self.grants.exposure.bound(room, NOW)
+            self.update_status(room, KVPoll.Success)
+        elif isinstance(event, RecvFailed):
+            self.grants.exposure.bound(room, event.exposed_until_unix_ns)
+            self.fail(room, f"{event.reason.name}: {event.message}")
+        elif isinstance(event, SendDone):
+            self.update_status(room, KVPoll.Success)
+        elif isinstance(event, SendFailed):
+            self.fail(room, f"{event.reason.name}: {event.message}")
+
+    def _on_lost(self, why: str) -> None:
+        """The sidecar forgot this engine (or is gone): what it had in flight cannot end well."""
+        reason = f"kvsidecar stream lost: {why}"
+        if self.prefill:
+            self.pushes.stream_lost(reason)
+        else:
+            self.grants.stream_lost(reason)
+
+    def _on_registered(self, registered: Registered) -> None:
+        self.peer_endpoint = registered.peer_endpoint
+        self.grants.registered(registered.agent_name)
+        if self.prefill:  # tell every decode rank where this rank's sidecar is now
+            for ip, port in sorted(self.pushes.decode_peers):
+                self._send_hello(ip, port)
 
     # --- ZMQ messages -----------------------------------------------------------------------
 
     def _listen(self) -> None:
-        while not self._closed:
+        while not self._closed.is_set():
             try:
                 if not self.server_socket.poll(200):
                     continue
                 msg = self.server_socket.recv_multipart()
             except Exception:
-                if self._closed:
+                if self._closed.is_set():
                     return
                 raise
             try:
@@ -155,21 +224,26 @@ class KvSidecarKVManager(CommonKVManager):
             except Exception:
                 log.exception("kvsidecar: bad message %r", [m[:32] for m in msg])
 
+    def _send_hello(self, ip: str, port: int) -> None:
+        hello = [b"KVSC_HELLO", self.engine_id.encode(), str(self.attn_tp_rank).encode(),
+                 str(self.attn_tp_size).encode(), self.peer_endpoint.encode(),
+                 self.local_ip.encode(), str(self.rank_port).encode()]  # fmt: skip
+        try:
+            self._send_multipart_locked(f"tcp://{ip}:{port}", hello)
+        except Exception as exc:
+            log.warning("kvsidecar: hello to decode rank %s:%d failed: %s", ip, port, exc)
+
     def _handle(self, msg: list[bytes]) -> None:
         tag = msg[0]
         if tag == b"KVSC_REG":  # prefill: a decode rank registers; tell it our sidecar
             ip, port = msg[1].decode(), int(msg[2])
-            hello = [b"KVSC_HELLO", self.engine_id.encode(), str(self.attn_tp_rank).encode(),
-                     str(self.attn_tp_size).encode(), self.peer_endpoint.encode(),
-                     self.local_ip.encode(), str(self.rank_port).encode()]  # fmt: skip
-            self._send_multipart_locked(f"tcp://{ip}:{port}", hello)
+            self.pushes.decode_peers.add((ip, port))
+            self._send_hello(ip, port)
         elif tag == b"KVSC_HELLO":  # decode: a prefill rank's sidecar
-            key = (msg[5].decode(), int(msg[6]))
-            with self._hello:
-                self._prefills[key] = (msg[1].decode(), int(msg[2]), int(msg[3]), msg[4].decode())
-                self._hello.notify_all()
+            rank = PrefillRank(msg[1].decode(), int(msg[2]), int(msg[3]), msg[4].decode())
+            self.grants.hello(msg[5].decode(), int(msg[6]), rank)
         elif tag == b"KVSC_META":  # prefill: a decode rank's grant for a room
-            self._meta(int(msg[1]), json.loads(msg[2]))
+            self.pushes.meta(int(msg[1]), json.loads(msg[2]))
         elif tag == b"ABORT":  # decode aborted (SGLang's AbortNotification): stop the room
             room = int(msg[1])
             if self.prefill and self.request_status.get(room) != KVPoll.Success:
@@ -179,7 +253,7 @@ class KvSidecarKVManager(CommonKVManager):
             if parsed is not None and parsed[1] == KVPoll.Failed:
                 room = parsed[0]
                 self.fail(room, parsed[3] or "Failed by the prefill side")
-                self._io.submit(lambda: self._revoke(room))
+                self.room_failed(room)
         else:
             log.warning("kvsidecar: dropping an unknown message %r", tag[:32])
 
@@ -192,32 +266,11 @@ class KvSidecarKVManager(CommonKVManager):
             self.failure_records.setdefault(room, reason)
         self.update_status(room, KVPoll.Failed)
 
-    def _meta(self, room: int, meta: dict[str, Any]) -> None:
-        self._decodes.setdefault(room, set()).add((meta["ip"], int(meta["port"])))
-        self._decode_engines[room] = str(meta["engine"])
-        if self.attn_tp_rank in meta["writers"]:
-            target = PushTarget(rank=meta["rank"], endpoint=meta["endpoint"], token=meta["token"])
-            self.transfer_infos.setdefault(room, {})[meta["rank"]] = target
-        self._metas[room] = self._metas.get(room, 0) + 1
-        if self._metas[room] >= int(meta["required"]):
-            self.update_status(room, KVPoll.WaitingForInput)
-
     def build_receiver_registration_message(self) -> list[bytes]:
         return [b"KVSC_REG", self.local_ip.encode(), str(self.rank_port).encode(),
                 str(self.attn_tp_rank).encode()]  # fmt: skip
 
-    def prefill_sidecar(self, ip: str, port: int) -> tuple[str, int, int, str]:
-        """(engine id, rank, tp size, PeerService endpoint) of the prefill rank at ip:port."""
-        deadline = time.monotonic() + HELLO_WAIT_S
-        with self._hello:
-            while (ip, port) not in self._prefills:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"prefill rank {ip}:{port} did not say hello in time")
-                self._hello.wait(left)
-            return self._prefills[(ip, port)]
-
-    # --- prefill: pushes --------------------------------------------------------------------
+    # --- prefill: pushes (``pushes``) ---------------------------------------------------------
 
     def add_transfer_request(
         self,
@@ -230,79 +283,42 @@ class KvSidecarKVManager(CommonKVManager):
         num_kv_tokens: int | None = None,
         **_: Any,
     ) -> None:
-        room = bootstrap_room
-        if self.request_status.get(room) == KVPoll.Failed:
-            return
-        targets = tuple(self.transfer_infos.get(room, {}).values())
-        if not targets:  # this rank writes into no decode rank: nothing to move
-            if is_last_chunk:
-                self.update_status(room, KVPoll.Success)
-            return
-        aux = [aux_index] if is_last_chunk and aux_index is not None else []
-        ids = [[int(i) for i in kv_indices], aux]
-        offsets = [index_slice.start or 0, 0]
-        self.update_status(room, KVPoll.Transferring)
-        self._pushed.add(room)
+        self.pushes.push(bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index)
 
-        def push() -> None:
-            if self.request_status.get(room) == KVPoll.Failed:
-                return
-            try:
-                self.client.push(
-                    _room_id(room), remote_engine_id=self._decode_engine(room), targets=targets,
-                    local_block_ids=ids, offsets=offsets, last=is_last_chunk,
-                )  # fmt: skip
-            except KvSidecarError as exc:
-                self.fail(room, f"push refused: {exc}")
+    # --- decode: grants (``grants``) and page safety --------------------------------------------
 
-        self._io.submit(push)
+    def grant_ttl_s(self) -> float:
+        return self.grants.ttl_s()
 
-    def _decode_engine(self, room: int) -> str:
-        return self._decode_engines.get(room, "")
+    def room_failed(self, room: int) -> None:
+        """A decode room ended without success (any cause): revoke its grant, once."""
+        if not self.prefill:
+            self.grants.room_failed(room)
 
-    def forget(self, room: int) -> None:
-        """A room's sender was cleared: drop what this manager kept for it."""
-        for table in (self._decodes, self._metas, self._decode_engines):
-            table.pop(room, None)
-        self._pushed.discard(room)
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """SGLang's deferred KV release asks this on every scheduler pass: True once no WRITE of
+        the room's grant can land (``exposure``; prefill acks are not what decides)."""
+        return self.grants.exposure.safe(bootstrap_room, time.time_ns())
 
-    def abort_push(self, room: int, why: str) -> None:
-        """Prefill gave up ``room``: its decode ranks are told at once."""
-        decodes = sorted(self._decodes.get(room, ()))
-        self.send_kv_status_message(
-            targets=decodes, bootstrap_room=room, status=KVPoll.Failed, failure_reason=why
-        )
-        if room in self._pushed:
+    def exposure_safe_at(self, room: int) -> int | None:
+        """When ``room``'s pages may be reused (Unix ns; 0: now; None: not known yet)."""
+        return self.grants.exposure.safe_at(room)
 
-            def abort() -> None:
-                with contextlib.suppress(NotFoundError):  # the push had ended
-                    self.client.abort_push(_room_id(room), why)
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        super().clear_deferred_abort_state(bootstrap_room)
+        self.grants.room_done(bootstrap_room)
 
-            self._io.submit(abort)
-
-    # --- decode: grants ---------------------------------------------------------------------
-
-    def _revoke(self, room: int) -> None:
-        try:
-            revoked = self.client.revoke(_room_id(room))
-        except NotFoundError:
-            return
-        if not revoked.quiet:
-            log.warning(
-                "room %d revoked, but prefill ranks %s did not confirm: they may write into its "
-                "pages until %d (Unix ns)",
-                room,
-                list(revoked.unconfirmed_ranks),
-                revoked.exposed_until_unix_ns,
-            )
+    # --- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop the threads and the Watch stream (the sidecar then releases the registration)."""
-        self._closed = True
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self.link.close()  # calls in flight end at once
+        self.grants.close()
         self._io.close()
-        self.client.close()
-        for t in self._threads:
-            t.join(timeout=5)
+        self._listener.join(timeout=5)
         self._zmq_ctx.destroy(linger=0)  # the manager's sockets (SGLang never closes them)
 
 
@@ -313,17 +329,24 @@ class KvSidecarKVSender(CommonKVSender):
         super().clear()
         mgr = self.kv_mgr
         if isinstance(mgr, KvSidecarKVManager):
-            mgr.forget(self.bootstrap_room)
+            mgr.pushes.forget(self.bootstrap_room)
 
     def abort(self) -> None:
         super().abort()
         mgr = self.kv_mgr
         if isinstance(mgr, KvSidecarKVManager):
-            mgr.abort_push(self.bootstrap_room, "prefill aborted")
+            mgr.pushes.abort(self.bootstrap_room, "prefill aborted")
 
 
 class KvSidecarKVReceiver(CommonKVReceiver):
-    """Decode side of a room: ``send_metadata`` grants the pages; ``abort`` revokes the grant."""
+    """Decode side of a room: ``send_metadata`` queues the grant of its pages; a room that ends
+    without success (abort, SGLang's timeouts, a failed bootstrap, the prefill's failure) is
+    revoked."""
+
+    def _mgr(self) -> KvSidecarKVManager:
+        mgr = self.kv_mgr
+        assert isinstance(mgr, KvSidecarKVManager)
+        return mgr
 
     def send_metadata(
         self,
@@ -331,58 +354,45 @@ class KvSidecarKVReceiver(CommonKVReceiver):
         aux_index: int | None = None,
         state_indices: Any = None,
         decode_prefix_len: int | None = None,
-        destination: Any = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
         device_kv_indices: Any = None,
     ) -> None:
-        mgr = self.kv_mgr
-        assert isinstance(mgr, KvSidecarKVManager)
+        mgr = self._mgr()
         room = self.bootstrap_room
         if self.bootstrap_infos is None:
             mgr.record_failure(room, f"no prefill parallel info from {self.bootstrap_addr}")
             mgr.update_status(room, KVPoll.Failed)
             return
-        try:
-            meta = self._grant(mgr, kv_indices, aux_index)
-        except (KvSidecarError, TimeoutError) as exc:
-            mgr.record_failure(room, f"write grant refused: {exc}")
-            mgr.update_status(room, KVPoll.Failed)
-            return
-        message = [b"KVSC_META", str(room).encode(), json.dumps(meta).encode()]
-        for info in self.bootstrap_infos:
-            if not self._send_bootstrap_message(
-                bootstrap_info=info, message=message, operation="send_metadata"
-            ):
-                self.invalidate_cached_bootstrap_infos()
-                return
+        if destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError("kvsidecar's SGLang backend writes device KV pages only")
+        pages = [int(i) for i in kv_indices]
+        aux = None if aux_index is None else int(aux_index)
+        mgr.grants.request(self, pages, aux, int(decode_prefix_len or 0))
         self.init_time = time.time()
 
-    def _grant(
-        self, mgr: KvSidecarKVManager, kv_indices: npt.NDArray[np.int32], aux_index: int | None
-    ) -> dict[str, Any]:
-        assert self.bootstrap_infos is not None
-        prefills = [
-            mgr.prefill_sidecar(i["rank_ip"], int(i["rank_port"])) for i in self.bootstrap_infos
-        ]
-        engine_id, _, tp_size, _ = prefills[0]
-        endpoints = [""] * tp_size
-        for _, rank, _, endpoint in prefills:
-            endpoints[rank] = endpoint
-        ids = [[int(i) for i in kv_indices], [] if aux_index is None else [int(aux_index)]]
-        g = mgr.client.grant(
-            _room_id(self.bootstrap_room), remote_engine_id=engine_id, local_block_ids=ids,
-            endpoints=endpoints,
-        )  # fmt: skip
-        return {
-            "rank": g.tp_rank, "endpoint": g.peer_endpoint, "token": g.token,
-            "writers": list(g.writer_ranks), "required": self.required_dst_info_num,
-            "engine": mgr.engine_id, "ip": mgr.local_ip, "port": mgr.rank_port,
-        }  # fmt: skip
+    def poll(self) -> KVPoll:
+        status = super().poll()
+        if status == KVPoll.Failed:
+            self._mgr().room_failed(self.bootstrap_room)
+        return status
 
     def abort(self) -> None:
         super().abort()
-        mgr = self.kv_mgr
-        if isinstance(mgr, KvSidecarKVManager):
-            mgr._revoke(self.bootstrap_room)  # before SGLang may reuse the pages
+        self._mgr().room_failed(self.bootstrap_room)
+
+    def failure_exception(self) -> None:
+        self._mgr().room_failed(self.bootstrap_room)
+        super().failure_exception()
+
+    def clear(self) -> None:
+        mgr = self._mgr()
+        room = self.bootstrap_room
+        done = KVPoll.Success in (self.conclude_state, mgr.request_status.get(room))
+        if done:
+            mgr.grants.room_done(room)
+        else:
+            mgr.room_failed(room)
+        super().clear()
 
 
 class KvSidecarKVBootstrapServer(CommonKVBootstrapServer):
