@@ -225,26 +225,33 @@ async def step_env(cfg: Config, rec: Recorder) -> tuple[Status, str]:
     for dist in ("nixl", "nixl-cu13", "nixl-cu12", "torch", "cupy-cuda13x", "cupy-cuda12x"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[dist] = importlib.metadata.version(dist)
+    if not any(d.startswith("nixl") for d in versions):
+        versions["nixl"] = "unknown (no dist-info: a slimmed NIXL, see shared/gpu/prepare.sh)"
     versions.update(_ucx_versions())
     rec.put("versions", versions)
     rec.put("platform", platform.platform())
     rec.put("commit", _git("rev-parse", "--short", "HEAD"))
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_", "CUDA_VISIBLE"))}
     rec.put("environment", env)
-    flags = serve_flags()
-    rec.put("serve_staging_flags", sorted(f for f in flags if "staging" in f))
+    status, detail = Status.PASS, "CPU dry run; " + NO_GPU
     if cfg.cpu:
         rec.put("device", {"name": NO_GPU})
-        return Status.PASS, "CPU dry run; " + NO_GPU
-    why = gpu_ready()
-    if why is not None:
+    elif (why := gpu_ready()) is not None:
         rec.put("device", {"error": why})
-        return Status.FAIL, f"no usable GPU: {why}"
-    info = device_info(0)
-    smi = _run_text(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
-    info["nvidia_smi"] = smi.strip().splitlines()[0] if smi.strip() else ""
-    rec.put("device", info)
-    return Status.PASS, f"{info['name']}, driver {info['nvidia_smi'] or info['cuda_driver']}"
+        status, detail = Status.FAIL, f"no usable GPU: {why}"
+    else:
+        info = device_info(0)
+        smi = _run_text(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+        info["nvidia_smi"] = smi.strip().splitlines()[0] if smi.strip() else ""
+        rec.put("device", info)
+        detail = f"{info['name']}, driver {info['nvidia_smi'] or info['cuda_driver']}"
+    try:
+        flags = serve_flags()
+        rec.put("serve_staging_flags", sorted(f for f in flags if "staging" in f))
+    except (OSError, subprocess.SubprocessError) as exc:
+        rec.put("serve_staging_flags", f"`kvsidecar serve --help` failed: {_err(exc)}")
+        status, detail = Status.FAIL, f"{detail}; `kvsidecar serve --help` failed"
+    return status, detail
 
 
 def _ucx_versions() -> dict[str, str]:
@@ -300,10 +307,9 @@ async def step_pytest(cfg: Config, rec: Recorder) -> tuple[Status, str]:
     except subprocess.TimeoutExpired:
         return Status.FAIL, f"pytest did not finish; see {log}"
     text = log.read_text(errors="replace")
-    counts = {
-        word: int(n)
-        for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", text)
-    }
+    outcome = r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)"
+    last = [line for line in text.splitlines() if re.search(outcome + r".* in [\d.]+s", line)]
+    counts = {word: int(n) for n, word in re.findall(outcome, last[-1] if last else "")}
     rec.put("returncode", returncode)
     rec.put("counts", counts)
     rec.put("tail", text.splitlines()[-15:])
@@ -600,7 +606,7 @@ async def step_bandwidth(cfg: Config, rec: Recorder) -> tuple[Status, str]:
     table = bandwidth_rows(parts)
     rec.put("table", table)
     top = table[-1] if table else {}
-    detail = f"{cfg.sizes[-1] // KiB} KiB blocks: " + ", ".join(
+    detail = f"{_size(cfg.sizes[-1])} blocks: " + ", ".join(
         f"{k} {v:.2f} GB/s" for k, v in top.items() if k.endswith("gbps") and v is not None
     )
     return (Status.FAIL if failed else Status.PASS), (
@@ -642,6 +648,7 @@ async def _sidecar_reads(
     compared with the producer's (on the device)."""
     from kvsidecar.testing.gpu import fill_pattern, same_bytes
     from kvsidecar.testing.gpu_cluster import DevCluster, bench_geometry, bench_ids
+    from kvsidecar.testing.pki import make_peer_certificates
 
     geometry = bench_geometry(sizes, cfg.request_bytes)
     cluster = DevCluster(
@@ -653,6 +660,7 @@ async def _sidecar_reads(
         sockdir=_sockdir(),
         sidecar_args=args,
         env=env,
+        certificates=make_peer_certificates(_tempdir("kvs-gc-pki-")),  # as deployed: mutual TLS
     )
     rows = []
     try:
@@ -842,31 +850,18 @@ class Interrupted(Exception):
     """The check itself was told to stop (SIGTERM, SIGINT)."""
 
 
-_current: list[subprocess.Popen[bytes]] = []
-
-
-def _kill_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM ``proc``'s process group (the step and every process it started), SIGKILL what is
-    left after ``grace_s``."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(grace_s)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5.0)
-
-
 def _on_signal(signum: int, frame: object) -> None:
-    for proc in _current:
-        _kill_group(proc, 1.0)
+    from kvsidecar.testing.bounded import kill_live
+
+    kill_live()
     raise Interrupted(signal.Signals(signum).name)
 
 
 def supervise(cfg: Config, step: Step, timeout_s: float) -> dict[str, Any]:
     """Run ``step`` in a process group of its own, bounded by ``timeout_s``; its result (what it
     wrote, or why it has none)."""
+    from kvsidecar.testing.bounded import run_bounded
+
     log = cfg.logs / f"step-{step.name}.log"
     path = cfg.out / "steps" / f"{step.name}.json"
     path.unlink(missing_ok=True)
@@ -879,31 +874,18 @@ def supervise(cfg: Config, step: Step, timeout_s: float) -> dict[str, Any]:
         "--step-timeout-s",
         f"{timeout_s:.0f}",
     ]
-    t0 = time.monotonic()
-    timed_out = False
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    _current.append(proc)
-    try:
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc, 3.0)
-    finally:
-        _kill_group(proc, 0.0)  # whatever the step left behind
-        _current.remove(proc)
+    ended = run_bounded(cmd, log=log, timeout_s=timeout_s)
     doc: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):
         doc = json.loads(path.read_text())
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
-    if timed_out:
+    if ended.timed_out:
         doc["status"] = Status.TIMEOUT.value
         doc["detail"] = f"killed after {timeout_s:.0f}s (time limit); last lines:\n{tail}"
     elif doc.get("status") in (None, "running"):
         doc["status"] = Status.FAIL.value
-        doc["detail"] = f"step process exited {proc.returncode} without a result:\n{tail}"
-    doc["seconds"] = round(time.monotonic() - t0, 1)
+        doc["detail"] = f"step process exited {ended.returncode} without a result:\n{tail}"
+    doc["seconds"] = round(ended.seconds, 1)
     doc["log"] = str(log)
     return doc
 
@@ -927,7 +909,10 @@ def run_all(cfg: Config) -> int:
                 print(f"gpu-check: {step.name} (up to {allowed:.0f}s)", flush=True)
                 results[step.name] = supervise(cfg, step, allowed)
                 print(f"gpu-check: {step.name}: {results[step.name]['status']}", flush=True)
-            write_outputs(cfg, steps, results, started, time.monotonic() - t0)
+            try:
+                write_outputs(cfg, steps, results, started, time.monotonic() - t0)
+            except Exception as exc:  # never lose the remaining steps to a report
+                print(f"gpu-check: could not write the results yet: {_err(exc)}", flush=True)
     except Interrupted as exc:
         for step in steps:
             results.setdefault(step.name, {"status": "skipped", "detail": f"interrupted ({exc})"})
@@ -960,7 +945,13 @@ def write_outputs(
         "steps": results,
     }
     (cfg.out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
-    text = summary(cfg, steps, results, started, seconds)
+    try:
+        text = summary(cfg, steps, results, started, seconds)
+    except Exception as exc:  # the statuses, at least
+        text = "\n".join(
+            [f"# kvsidecar GPU check (summary failed: {_err(exc)}; see results.json)", ""]
+            + [f"- {s.item} {s.name}: {results.get(s.name, {}).get('status')}" for s in steps]
+        )
     (cfg.out / "summary.md").write_text(text)
     return text
 
@@ -982,14 +973,14 @@ def summary(
 ) -> str:
     """The Markdown summary of everything the run found."""
     env = results.get("env", {})
-    dev = env.get("device", {})
-    versions = env.get("versions", {})
+    dev: Mapping[str, Any] = env.get("device") or {}
+    versions: Mapping[str, Any] = env.get("versions") or {}
     lines = [
         "# kvsidecar GPU check",
         "",
         f"- mode: {'CPU dry run (host memory; ' + NO_GPU + ')' if cfg.cpu else 'GPU'}"
         f"{', quick' if cfg.quick else ''}; started {started.isoformat(timespec='seconds')}, "
-        f"{seconds:.0f} s of a {cfg.budget_s:.0f} s budget; commit {env.get('commit', '?')}",
+        f"{seconds:.0f} s of a {cfg.budget_s:.0f} s budget; commit {env.get('commit') or '?'}",
         f"- device: {dev.get('name') or dev.get('error', '?')}"
         + (
             f" ({dev.get('memory_gib')} GiB, sm {dev.get('compute_capability')}); driver "
@@ -1004,19 +995,29 @@ def summary(
         "| item | step | result | detail |",
         "|---|---|---|---|",
     ]
-    for s in steps:
+    for s in sorted(steps, key=lambda s: s.item):
         r = results.get(s.name, {})
         detail = str(r.get("detail", "")).replace("\n", " ").replace("|", "/")[:300]
         lines.append(f"| {s.item} | {s.name} | {r.get('status', '')} | {detail} |")
-    lines += _transfers_md(results.get("transfers", {}))
-    lines += _bandwidth_md(cfg, results.get("bandwidth", {}))
-    lines += _transport_md(results.get("transport", {}), results.get("bandwidth", {}))
-    lines += _register_md(results.get("register", {}))
-    pytest_doc = results.get("pytest", {})
-    if pytest_doc.get("tail"):
-        lines += ["", "## 1. gpu-marked tests", "", "```", *pytest_doc["tail"][-8:], "```"]
+    sections: tuple[Callable[[], list[str]], ...] = (
+        lambda: _transfers_md(results.get("transfers", {})),
+        lambda: _bandwidth_md(cfg, results.get("bandwidth", {})),
+        lambda: _transport_md(results.get("transport", {}), results.get("bandwidth", {})),
+        lambda: _register_md(results.get("register", {})),
+        lambda: _pytest_md(results.get("pytest", {})),
+    )
+    for section in sections:
+        try:
+            lines += section()
+        except Exception as exc:  # a result of an unexpected shape: say so, write the rest
+            lines += ["", f"(a section could not be written: {_err(exc)}; see results.json)"]
     lines += ["", f"Logs: {cfg.logs}; per step: {cfg.out / 'steps'}", ""]
     return "\n".join(lines)
+
+
+def _pytest_md(doc: Mapping[str, Any]) -> list[str]:
+    tail = doc.get("tail")
+    return ["", "## 1. gpu-marked tests", "", "```", *tail[-8:], "```"] if tail else []
 
 
 def _transfers_md(doc: Mapping[str, Any]) -> list[str]:

@@ -180,8 +180,12 @@ class EngineBuffer:
 
     def load(self, data: U8, offset: int = 0) -> None:
         """Copy host bytes ``data`` to ``[offset, offset + len(data))`` and wait for the copy."""
-        with self.on_device():
-            self.array[offset : offset + len(data)] = self.xp.asarray(data)
+        target = self.array[offset : offset + len(data)]
+        if self._kind.device:
+            with self.on_device():
+                target.set(np.ascontiguousarray(data, dtype=np.uint8))  # `data` lives on: sync
+        else:
+            target[:] = data
         self.sync()
 
     def snapshot(self) -> U8:
