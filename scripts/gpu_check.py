@@ -100,6 +100,11 @@ class Config:
         return 16 * MiB if self.cpu else 64 * MiB
 
     @property
+    def staging_request_bytes(self) -> int:
+        """Bytes of one request when staging on and off are compared."""
+        return 1 * MiB if self.quick else 16 * MiB
+
+    @property
     def reps(self) -> int:
         return 2 if self.quick else (3 if self.cpu else 5)
 
@@ -353,17 +358,23 @@ async def step_register(cfg: Config, rec: Recorder) -> tuple[Status, str]:
         failed = [k for k in kinds if not daemon.get(k.value, {}).get("ok")]
         if failed or cfg.debug_always:
             again = {k: buffers[k] for k in failed} or {kinds[0]: buffers[kinds[0]]}
-            debug_env = {"UCX_LOG_LEVEL": "debug"}
+            ucx_log = cfg.logs / "register-debug-ucx.%p.log"
+            debug_env = {"UCX_LOG_LEVEL": "debug", "UCX_LOG_FILE": str(ucx_log)}
             debug = await _register_in_sidecar(
                 cfg, "register-debug", again, views, shape, env=debug_env
             )
             from kvsidecar.testing.ucxlog import relevant_lines
 
-            log = cfg.logs / "register-debug.log"
-            text = log.read_text(errors="replace") if log.exists() else ""
+            logs = [cfg.logs / "register-debug.log", *sorted(cfg.logs.glob("register-debug-ucx.*"))]
+            text = "\n".join(p.read_text(errors="replace") for p in logs if p.exists())
             rec.put(
                 "debug",
-                {"env": debug_env, "result": debug, "log": str(log), "lines": relevant_lines(text)},
+                {
+                    "env": debug_env,
+                    "result": debug,
+                    "logs": [str(p) for p in logs],
+                    "lines": relevant_lines(text),
+                },
             )
     finally:
         for buf in buffers.values():
@@ -485,7 +496,9 @@ async def step_transfers(cfg: Config, rec: Recorder) -> tuple[Status, str]:
             try:
                 entry.update(
                     await asyncio.wait_for(
-                        _one_pair(cfg, name, kind, p, d, staging_args(flags, mode), certs),
+                        _one_pair(
+                            cfg, name, kind, p, d, staging_args(flags, mode, 64 * MiB), certs
+                        ),
                         budget,
                     )
                 )
@@ -573,7 +586,10 @@ async def step_bandwidth(cfg: Config, rec: Recorder) -> tuple[Status, str]:
     rec.put("environment", {ZCOPY: "y", "note": "for (a) and (b); UCX_PROTO_INFO=y to log"})
     side_ucx = cfg.logs / "ucx-bandwidth-sidecar"
     side_ucx.mkdir(parents=True, exist_ok=True)
-    env = {**base, "UCX_LOG_FILE": str(side_ucx / "ucx.%p.log")}
+    if "--ucx-proto-info" in flags:  # the sidecar logs UCX's tables itself and shows them in Status
+        env = {ZCOPY: "y"}
+    else:
+        env = {**base, "UCX_LOG_FILE": str(side_ucx / "ucx.%p.log")}
     parts: dict[str, Any] = {}
 
     async def part(key: str, share: float, fn: Callable[[], Awaitable[Any]]) -> None:
@@ -586,7 +602,9 @@ async def step_bandwidth(cfg: Config, rec: Recorder) -> tuple[Status, str]:
             parts[key] = {"status": Status.FAIL.value, "error": _err(exc)}
         rec.put(key, parts[key])
 
-    await part("sidecar", 0.45, lambda: _sidecar_reads(cfg, "bw", cfg.sizes, env, []))
+    await part(
+        "sidecar", 0.4, lambda: _sidecar_reads(cfg, "bw", cfg.sizes, cfg.request_bytes, env, [])
+    )
     tables = remote_reads(sorted(side_ucx.glob("ucx.*.log")))
     rec.put("sidecar_transport", [dataclasses.asdict(t) for t in tables])
     raw_ucx = cfg.logs / "ucx-bandwidth-raw"
@@ -594,12 +612,11 @@ async def step_bandwidth(cfg: Config, rec: Recorder) -> tuple[Status, str]:
     await part("raw", 0.3, lambda: _raw_reads(cfg, cfg.sizes, cfg.reps, raw_env, raw_ucx))
     await part("copy", 0.1, lambda: asyncio.to_thread(_device_copy, cfg))
     if "--staging" in flags:
-        big = (cfg.sizes[-1],)
+        request = cfg.staging_request_bytes
         for mode in ("on", "off"):
-            args = staging_args(flags, mode, 2 * cfg.request_bytes)
-            await part(
-                f"staging_{mode}", 0.2, functools.partial(_sidecar_reads, cfg, mode, big, env, args)
-            )
+            args = staging_args(flags, mode, 4 * request)
+            read = functools.partial(_sidecar_reads, cfg, mode, cfg.sizes, request, env, args)
+            await part(f"staging_{mode}", 0.2, read)
     else:
         rec.put("staging", "not run: this checkout's `kvsidecar serve` has no --staging")
     failed = [k for k, v in parts.items() if v["status"] != Status.PASS.value]
@@ -615,13 +632,16 @@ async def step_bandwidth(cfg: Config, rec: Recorder) -> tuple[Status, str]:
 
 
 def bandwidth_rows(parts: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Per block size: median GB/s of the sidecar's Reads, raw NIXL and the device copy, and the
-    ratio sidecar / raw NIXL."""
+    """Per block size: median GB/s (and ms per request) of the sidecar's Reads and raw NIXL, the
+    device copy's GB/s, and the ratio sidecar / raw NIXL."""
     by_size: dict[str, dict[int, float | None]] = {}
+    ms: dict[str, dict[int, float]] = {}
     for key in ("sidecar", "raw"):
         for row in parts.get(key, {}).get("sizes", []):
             gbps = _median_gbps(row["bytes"], row["seconds"])
             by_size.setdefault(key, {})[row["block_bytes"]] = gbps
+            if row["seconds"]:
+                ms.setdefault(key, {})[row["block_bytes"]] = statistics.median(row["seconds"]) * 1e3
     copy = parts.get("copy", {}).get("gbps")
     sizes = sorted({s for v in by_size.values() for s in v})
     rows = []
@@ -632,7 +652,9 @@ def bandwidth_rows(parts: Mapping[str, Any]) -> list[dict[str, Any]]:
             {
                 "block_bytes": size,
                 "sidecar_gbps": side,
+                "sidecar_ms": ms.get("sidecar", {}).get(size),
                 "raw_nixl_gbps": raw,
+                "raw_nixl_ms": ms.get("raw", {}).get(size),
                 "device_copy_gbps": copy,
                 "sidecar_over_raw": side / raw if side and raw else None,
             }
@@ -641,16 +663,22 @@ def bandwidth_rows(parts: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 async def _sidecar_reads(
-    cfg: Config, name: str, sizes: Sequence[int], env: dict[str, str], args: list[str]
+    cfg: Config,
+    name: str,
+    sizes: Sequence[int],
+    request_bytes: int,
+    env: dict[str, str],
+    args: list[str],
 ) -> dict[str, Any]:
     """One producer and one consumer sidecar (bench geometry: a group per block size); per size,
-    ``cfg.reps`` requests after one warm-up, each Read -> RECV_DONE timed and every byte
-    compared with the producer's (on the device)."""
+    ``cfg.reps`` requests of ``request_bytes`` after one warm-up, each Read -> RECV_DONE timed and
+    every byte compared with the producer's (on the device)."""
     from kvsidecar.testing.gpu import fill_pattern, same_bytes
     from kvsidecar.testing.gpu_cluster import DevCluster, bench_geometry, bench_ids
     from kvsidecar.testing.pki import make_peer_certificates
+    from kvsidecar.testing.ucxlog import status_transports
 
-    geometry = bench_geometry(sizes, cfg.request_bytes)
+    geometry = bench_geometry(sizes, request_bytes)
     cluster = DevCluster(
         kind=_kind(cfg),
         geometry=geometry,
@@ -690,33 +718,10 @@ async def _sidecar_reads(
             )
         consumer = cluster.decode[0].client
         assert consumer is not None
-        status = transport_fields(await consumer.status())
+        status = status_transports(await consumer.status())
     finally:
         await cluster.aclose()
     return {"sizes": rows, "status_transport": status, "logs": str(cluster.logdir)}
-
-
-def transport_fields(obj: Any, prefix: str = "", depth: int = 0) -> dict[str, str]:
-    """Fields of a Status answer (and of what it nests) whose name speaks of the transport or
-    UCX, with their values: where a sidecar reports the UCX transport it used."""
-    out: dict[str, str] = {}
-    if depth > 3:
-        return out
-    if isinstance(obj, Mapping):
-        items = [(str(k), v) for k, v in obj.items()]
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    elif isinstance(obj, tuple | list):
-        items = [(f"[{i}]", v) for i, v in enumerate(obj[:16])]
-    else:
-        return out
-    for name, value in items:
-        path = f"{prefix}.{name}" if prefix and not name.startswith("[") else f"{prefix}{name}"
-        if re.search(r"transport|ucx", name, re.IGNORECASE):
-            out[path] = repr(value)[:500]
-        else:
-            out.update(transport_fields(value, path, depth + 1))
-    return out
 
 
 async def _raw_reads(
@@ -960,6 +965,10 @@ def _gb(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} ms"
+
+
 def _size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
@@ -1046,8 +1055,8 @@ def _bandwidth_md(cfg: Config, doc: Mapping[str, Any]) -> list[str]:
     table = doc.get("table")
     out = [
         "",
-        f"## 3. Bandwidth (GB/s = 1e9 bytes/s, median of {cfg.reps}; "
-        f"{_size(cfg.request_bytes)} per request)",
+        f"## 3. Bandwidth (GB/s = 1e9 bytes/s; median of {cfg.reps} after a warm-up, "
+        f"{_size(cfg.request_bytes)} per request; in brackets: ms per request)",
         "",
     ]
     if table:
@@ -1058,9 +1067,9 @@ def _bandwidth_md(cfg: Config, doc: Mapping[str, Any]) -> list[str]:
         for r in table:
             ratio = r["sidecar_over_raw"]
             out.append(
-                f"| {_size(r['block_bytes'])} | {_gb(r['sidecar_gbps'])} | "
-                f"{_gb(r['raw_nixl_gbps'])} | {_gb(r['device_copy_gbps'])} | "
-                f"{'-' if ratio is None else f'{ratio:.3f}'} |"
+                f"| {_size(r['block_bytes'])} | {_gb(r['sidecar_gbps'])} ({_ms(r.get('sidecar_ms'))}) "
+                f"| {_gb(r['raw_nixl_gbps'])} ({_ms(r.get('raw_nixl_ms'))}) | "
+                f"{_gb(r['device_copy_gbps'])} | {'-' if ratio is None else f'{ratio:.3f}'} |"
             )
     for key in ("sidecar", "raw", "copy", "staging_on", "staging_off"):
         part = doc.get(key)
@@ -1076,11 +1085,19 @@ def _bandwidth_md(cfg: Config, doc: Mapping[str, Any]) -> list[str]:
     for mode in ("on", "off"):
         part = doc.get(f"staging_{mode}", {})
         for r in part.get("sizes", []):
+            median = statistics.median(r["seconds"]) * 1e3 if r["seconds"] else None
+            gbps = _median_gbps(r["bytes"], r["seconds"])
             rows.append(
-                f"| {mode} | {_size(r['block_bytes'])} | {_gb(_median_gbps(r['bytes'], r['seconds']))} |"
+                f"| {mode} | {_size(r['bytes'])} | {_size(r['block_bytes'])} | {_ms(median)} | "
+                f"{_gb(gbps)} |"
             )
     if rows:
-        out += ["", "| staging | block | sidecar Read->RECV_DONE GB/s |", "|---|---|---|", *rows]
+        out += [
+            "",
+            "| staging | request | block | sidecar Read->RECV_DONE | GB/s |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
     elif doc.get("staging"):
         out.append(f"- staging on vs off: {doc['staging']}")
     return out
@@ -1104,13 +1121,26 @@ def _transport_md(doc: Mapping[str, Any], bandwidth: Mapping[str, Any]) -> list[
                 f"| sidecar Reads (bandwidth step) | {t['operation']} | {row['range']} | "
                 f"{row['description']} | {row['config']} |"
             )
-    if rows:
-        out += ["| run | operation | range | protocol | Config |", "|---|---|---|---|---|", *rows]
     status = bandwidth.get("sidecar", {}).get("status_transport")
     if status:
-        out.append(f"- the sidecar's Status reports: {status}")
+        from kvsidecar.testing.ucxlog import protocol_rows
+
+        for operation, span, description, config in protocol_rows(status):
+            if "remote memory read" in operation:
+                rows.append(
+                    f"| sidecar Status (consumer, bandwidth step) | {operation} | {span} | "
+                    f"{description} | {config} |"
+                )
+        text = json.dumps(status, default=str)
+        out.append(f"- the consumer sidecar's Status ({', '.join(status)}): {text[:600]}")
     elif bandwidth.get("sidecar"):
         out.append("- the sidecar's Status has no transport field in this checkout")
+    if rows:
+        out[3:3] = [
+            "| run | operation | range | protocol | Config |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
     return out
 
 
@@ -1128,11 +1158,13 @@ def _register_md(doc: Mapping[str, Any]) -> list[str]:
         out.append(f"- standalone NIXL process, the same memory: {verdict}")
     debug = doc.get("debug")
     if debug:
+        verdicts = {k: v.get("ok") for k, v in debug["result"].items() if isinstance(v, Mapping)}
         out += [
-            f"- rerun with {debug['env']}: {debug['result']}; log {debug['log']}; relevant lines:",
+            f"- rerun with {debug['env']}: registered {verdicts}; logs {debug['logs']}; "
+            "relevant lines:",
             "",
             "```",
-            *debug["lines"][:60],
+            *debug["lines"][:40],
             "```",
         ]
     return out

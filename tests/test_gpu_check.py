@@ -5,6 +5,7 @@ reader. No assertion is about speed: the host may be loaded.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import signal
@@ -12,12 +13,20 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from kvsidecar.testing.bounded import Bounded, kill_live, run_bounded
-from kvsidecar.testing.ucxlog import parse_proto_tables, relevant_lines, remote_reads
+from kvsidecar.testing.ucxlog import (
+    parse_proto_tables,
+    protocol_rows,
+    relevant_lines,
+    remote_reads,
+    status_transports,
+)
+from kvsidecar.types import SidecarStatus
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.py"
@@ -234,3 +243,80 @@ def test_relevant_lines_put_the_cause_first_and_stay_bounded() -> None:
     assert cause in lines
     assert "registerMem: NIXL_ERR_BACKEND" in lines
     assert relevant_lines("nothing to see\nhere") == ()
+    # a message repeated with other time stamps counts once
+    repeated = [f"[{t}.5] [h:1:0] sys.c:481 UCX DEBUG cuda: failed to open x" for t in range(5)]
+    assert len(relevant_lines("\n".join(repeated))) == 1
+
+
+class _Op(enum.Enum):
+    READ = "read"
+
+
+@dataclass(frozen=True)
+class _Range:
+    min_bytes: int
+    max_bytes: int | None
+    description: str
+    config: str
+
+
+@dataclass(frozen=True)
+class _Protocol:
+    op: _Op
+    operation: str
+    ranges: tuple[_Range, ...]
+
+
+@dataclass(frozen=True)
+class _Ucx:
+    log: str
+    protocols: tuple[_Protocol, ...]
+
+
+@dataclass(frozen=True)
+class _Status:
+    """A Status answer of the shape a sidecar that reports UCX's protocols gives."""
+
+    engine_id: str
+    counters: dict[str, int]
+    ucx: _Ucx
+
+
+def test_the_transport_a_status_reports_is_found_whatever_its_field() -> None:
+    read = _Protocol(
+        op=_Op.READ,
+        operation="remote memory read by ucp_get* into cuda/GPU0 from cuda",
+        ranges=(
+            _Range(min_bytes=0, max_bytes=8191, description="software emulation", config="tcp/lo"),
+            _Range(min_bytes=8192, max_bytes=None, description="zero-copy", config="cuda_ipc/cuda"),
+        ),
+    )
+    status = _Status(
+        engine_id="d", counters={"reads_done": 3}, ucx=_Ucx(log="read", protocols=(read,))
+    )
+    found = status_transports(status)
+    assert list(found) == ["ucx"]
+    assert found["ucx"]["protocols"][0]["op"] == "read"
+    json.dumps(found)  # plain data
+    assert protocol_rows(found) == [
+        (read.operation, "0..8191", "software emulation", "tcp/lo"),
+        (read.operation, "8192..inf", "zero-copy", "cuda_ipc/cuda"),
+    ]
+    plain = SidecarStatus(
+        events=(),
+        engine_id="d",
+        tp_rank=0,
+        tp_size=1,
+        epoch=1,
+        ready=True,
+        draining=False,
+        peers=(),
+        reads_in_flight=0,
+        holds_active=0,
+        counters={"reads_done": 3},
+        agent_name="a",
+        watch_connected=True,
+        peer_tls=True,
+        confirm_reads=True,
+    )
+    assert status_transports(plain) == {}  # this checkout's Status: no transport field

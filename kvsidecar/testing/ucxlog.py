@@ -1,5 +1,6 @@
 """Reading UCX's logs: the protocol tables ``UCX_PROTO_INFO=y`` prints (which transport served an
-operation), and the lines of a debug log that say why a registration failed.
+operation), and the lines of a debug log that say why a registration failed; and what a
+sidecar's ``Status`` says about its transports, whatever field carries it.
 
 With ``UCX_PROTO_INFO=y`` UCX prints, the first time an endpoint configuration uses an operation,
 one table per (configuration, operation), e.g. (UCX 1.23; each line after the log prefix)::
@@ -19,10 +20,13 @@ no UCX needed.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: what a NIXL READ is in UCX's words
 REMOTE_READ = "remote memory read"
@@ -127,16 +131,99 @@ def remote_reads(paths: Iterable[Path]) -> tuple[ProtoTable, ...]:
 #: what says most about a refused VRAM registration, then what may help
 STRONG = re.compile(r"detected as host|VRAM|registerMem|NIXL_ERR|cannot proceed", re.IGNORECASE)
 WEAK = re.compile(
-    r"cuda_ipc|cuda_copy|mem_?type|cuPointer|cuCtx|context|failed|error|unsupported", re.IGNORECASE
+    r"cuda|mem_?type|memory domain|mem_reg|regist|cuPointer|cuCtx| ERROR | WARN ", re.IGNORECASE
 )
 
 
 def relevant_lines(text: str, limit: int = 80) -> tuple[str, ...]:
     """Up to ``limit`` lines of ``text`` (a debug log) that bear on a registration failure, in
-    log order: every ``STRONG`` line (up to ``limit``), then ``WEAK`` ones while room is left."""
+    log order: every ``STRONG`` line (up to ``limit``), then ``WEAK`` ones while room is left;
+    a message repeated (the same text after UCX's time stamp and pid) counts once."""
     lines = text.splitlines()
-    strong = [i for i, line in enumerate(lines) if STRONG.search(line)][:limit]
-    room = limit - len(strong)
-    weak = [i for i, line in enumerate(lines) if not STRONG.search(line) and WEAK.search(line)]
-    keep = sorted({*strong, *weak[: max(room, 0)]})
+    seen: set[str] = set()
+    strong, weak = [], []
+    for i, line in enumerate(lines):
+        message = _PREFIX.sub("", line).strip()
+        if message in seen:
+            continue
+        seen.add(message)
+        if STRONG.search(line):
+            strong.append(i)
+        elif WEAK.search(line):
+            weak.append(i)
+    strong = strong[:limit]
+    keep = sorted({*strong, *weak[: max(limit - len(strong), 0)]})
     return tuple(lines[i].rstrip()[:400] for i in keep)
+
+
+_WORDS = re.compile(r"transport|ucx", re.IGNORECASE)
+
+
+def status_transports(obj: Any, path: str = "", depth: int = 0) -> dict[str, Any]:
+    """What a sidecar's ``Status`` answer says about UCX's transports: every field (nested too)
+    whose name speaks of a transport or of UCX, as JSON-able values (dataclasses as dicts),
+    keyed by its path (``ucx``, ``peers[0].transport``). Empty when the sidecar has none."""
+    out: dict[str, Any] = {}
+    if depth > 3:
+        return out
+    if isinstance(obj, Mapping):
+        items = [(f"{path}.{k}" if path else str(k), str(k), v) for k, v in obj.items()]
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [
+            (f"{path}.{f.name}" if path else f.name, f.name, getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+        ]
+    elif isinstance(obj, tuple | list):
+        items = [(f"{path}[{i}]", "", v) for i, v in enumerate(obj[:16])]
+    else:
+        return out
+    for where, name, value in items:
+        if _WORDS.search(name):
+            out[where] = _plain(value)
+        else:
+            out.update(status_transports(value, where, depth + 1))
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON-able data: dataclasses as dicts, enums as their values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return repr(value)
+
+
+def protocol_rows(data: Any) -> list[tuple[str, str, str, str]]:
+    """(operation, range, protocol, Config) of every protocol table inside ``data`` (what
+    ``status_transports`` returned): any dict with ``operation`` and ``ranges`` (a sidecar's
+    ``TransportProtocol``), each range with ``min_bytes``, ``max_bytes``, ``description`` and
+    ``config``."""
+    rows = []
+    if isinstance(data, Mapping):
+        if "operation" in data and isinstance(data.get("ranges"), list):
+            for r in data["ranges"]:
+                if isinstance(r, Mapping):
+                    top = "inf" if r.get("max_bytes") is None else str(r.get("max_bytes"))
+                    span = f"{r.get('min_bytes', '?')}..{top}"
+                    rows.append(
+                        (
+                            str(data["operation"]),
+                            span,
+                            str(r.get("description", "")),
+                            str(r.get("config", "")),
+                        )
+                    )
+            return rows
+        for v in data.values():
+            rows += protocol_rows(v)
+    elif isinstance(data, list):
+        for v in data:
+            rows += protocol_rows(v)
+    return rows
