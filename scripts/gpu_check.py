@@ -670,18 +670,18 @@ async def _sidecar_reads(
     env: dict[str, str],
     args: list[str],
 ) -> dict[str, Any]:
-    """One producer and one consumer sidecar (bench geometry: a group per block size); per size,
-    ``cfg.reps`` requests of ``request_bytes`` after one warm-up, each Read -> RECV_DONE timed and
-    every byte compared with the producer's (on the device)."""
+    """One producer and one consumer sidecar; per block size (the engines registered again with
+    one view of that size: a staging pool's slot is one block), ``cfg.reps`` requests of
+    ``request_bytes`` after one warm-up, each Read -> RECV_DONE timed and every byte compared with
+    the producer's (on the device)."""
     from kvsidecar.testing.gpu import fill_pattern, same_bytes
     from kvsidecar.testing.gpu_cluster import DevCluster, bench_geometry, bench_ids
     from kvsidecar.testing.pki import make_peer_certificates
     from kvsidecar.testing.ucxlog import status_transports
 
-    geometry = bench_geometry(sizes, request_bytes)
     cluster = DevCluster(
         kind=_kind(cfg),
-        geometry=geometry,
+        geometry=bench_geometry(sizes[0], request_bytes),
         prefill_tp=1,
         decode_tp=1,
         logdir=cfg.logs / f"bandwidth-{name}",
@@ -689,6 +689,7 @@ async def _sidecar_reads(
         sidecar_args=args,
         env=env,
         certificates=make_peer_certificates(_tempdir("kvs-gc-pki-")),  # as deployed: mutual TLS
+        memory_bytes=request_bytes,
     )
     rows = []
     try:
@@ -696,23 +697,24 @@ async def _sidecar_reads(
         src, dst = cluster.prefill[0].memory, cluster.decode[0].memory
         await asyncio.to_thread(fill_pattern, src, 3)
         await cluster.handshake()
-        for group, size in enumerate(sizes):
-            view = geometry.views(1)[group]
-            lo, hi = view.offset, view.offset + view.num_blocks * size
-            ids = bench_ids(geometry, group)
+        for i, size in enumerate(sizes):
+            geometry = bench_geometry(size, request_bytes)
+            if i:
+                await cluster.reregister(geometry, timeout_s=30.0 * cfg.slowness)
+            ids = bench_ids(geometry)
             seconds = []
             for rep in range(cfg.reps + 1):  # the first request of a size warms up, untimed
-                dst.zero(lo, hi)
+                dst.zero(0, request_bytes)
                 moved = await cluster.transfer(f"{name}-{size}-{rep}", ids, ids, timeout_s=60.0)
-                if not await asyncio.to_thread(same_bytes, dst, src, lo, hi):
+                if not await asyncio.to_thread(same_bytes, dst, src, 0, request_bytes):
                     raise RuntimeError(f"{size}-byte blocks: the bytes read are not the producer's")
                 if rep:
                     seconds.append(moved.latencies_s[0])
             rows.append(
                 {
                     "block_bytes": size,
-                    "blocks": view.num_blocks,
-                    "bytes": hi - lo,
+                    "blocks": len(ids[0]),
+                    "bytes": request_bytes,
                     "seconds": seconds,
                 }
             )

@@ -58,35 +58,25 @@ def toy_geometry(shape: toy.ModelShape) -> Geometry:
     )
 
 
-def bench_geometry(block_sizes: Sequence[int], request_bytes: int) -> Geometry:
-    """One view per block size ``S`` (bytes), each its own KV-cache group ``g`` of
-    ``request_bytes // S`` blocks of one replicated span: a request whose ids are all in group
-    ``g`` (``bench_ids``) reads ``request_bytes`` in blocks of ``S`` bytes, one registration
-    serving every size."""
-    views = []
-    offset = 0
-    for group, size in enumerate(block_sizes):
-        count = request_bytes // size
-        views.append(
-            View(
-                name=f"bench.{size}",
-                memory_id="kv",
-                offset=offset,
-                num_blocks=count,
-                block_stride=size,
-                groups=(group,),
-                spans=(Span(key="kv", offset=0, length=size, global_units=0),),
-            )
-        )
-        offset += count * size
-    frozen = tuple(views)
-    return Geometry(views=lambda tp: frozen, num_groups=len(frozen), model="bench", dtype="1B")
+def bench_geometry(block_bytes: int, request_bytes: int) -> Geometry:
+    """One view of ``request_bytes // block_bytes`` blocks of ``block_bytes`` (one replicated
+    span) at offset 0: a request of every block (``bench_ids``) reads ``request_bytes``. One
+    view per registration, so that a staging pool's slot is one block of this size."""
+    view = View(
+        name=f"bench.{block_bytes}",
+        memory_id="kv",
+        offset=0,
+        num_blocks=request_bytes // block_bytes,
+        block_stride=block_bytes,
+        spans=(Span(key="kv", offset=0, length=block_bytes, global_units=0),),
+    )
+    return Geometry(views=lambda tp: (view,), model=f"bench-{block_bytes}", dtype="1B")
 
 
-def bench_ids(geometry: Geometry, group: int) -> list[list[int]]:
-    """Block ids of a request that reads every block of group ``group``'s view and nothing else."""
-    view = geometry.views(1)[group]
-    return [list(range(view.num_blocks)) if g == group else [] for g in range(geometry.num_groups)]
+def bench_ids(geometry: Geometry) -> list[list[int]]:
+    """Block ids of a request that reads every block of ``geometry``'s one view."""
+    (view,) = geometry.views(1)
+    return [list(range(view.num_blocks))]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -147,7 +137,9 @@ class DevCluster:
     ``kind`` on CUDA device ``device``. Sidecars get ``sidecar_args`` and ``env`` (on top of this
     process's environment); logs, ready files and sockets go under ``logdir`` and ``sockdir``
     (keep the latter short: a Unix socket's path has at most 107 bytes). ``certificates``: mutual
-    TLS between the sidecars (``None``: ``--peer-insecure``).
+    TLS between the sidecars (``None``: ``--peer-insecure``). ``memory_bytes``: each rank's
+    memory (default: what ``geometry`` needs), for a cluster re-registered with another
+    geometry later (``reregister``).
 
     ``await start()``, then always ``await aclose()`` (stops the sidecars, frees the memory)."""
 
@@ -164,6 +156,7 @@ class DevCluster:
         env: Mapping[str, str] | None = None,
         certificates: PeerCertificates | None = None,
         device: int = 0,
+        memory_bytes: int | None = None,
     ) -> None:
         self.kind = kind
         self.geometry = geometry
@@ -175,6 +168,7 @@ class DevCluster:
         self.env = dict(env or {})
         self.certificates = certificates
         self.device = device
+        self.memory_bytes = memory_bytes
         self.prefill: list[DevRank] = []
         self.decode: list[DevRank] = []
         self._tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -208,9 +202,8 @@ class DevCluster:
         try:
             views = self.geometry.views(tp_size)
             shm = Path("/dev/shm") / f"kvsidecar-gc-{self._tag}-{name}"
-            memory = EngineBuffer.allocate(
-                self.kind, toy.memory_size(views, tp_size), shm_path=shm, device=self.device
-            )
+            size = self.memory_bytes or toy.memory_size(views, tp_size)
+            memory = EngineBuffer.allocate(self.kind, size, shm_path=shm, device=self.device)
         except BaseException:
             sidecar.stop(signal.SIGKILL)
             raise
@@ -242,10 +235,30 @@ class DevCluster:
         for rank in self.ranks:
             await self._wait_watching(rank, deadline)
 
-    async def _register(self, rank: DevRank, timeout_s: float) -> None:
-        rank.client = AsyncSidecarClient(
-            rank.sidecar.addresses["engine_socket"], timeout_s=max(timeout_s, 5.0)
-        )
+    async def reregister(self, geometry: Geometry, timeout_s: float = 30.0) -> None:
+        """Register every engine again (takeover: a new epoch) with ``geometry``'s views over the
+        same memory, open new Watch streams, handshake again. The memory must hold them."""
+        deadline = time.monotonic() + timeout_s
+        self.geometry = geometry
+        for rank in self.ranks:
+            rank.views = geometry.views(rank.tp_size)
+            if toy.memory_size(rank.views, rank.tp_size) > rank.memory.size:
+                raise ClusterError(f"{geometry.model}: the views need more than the memory holds")
+            old = rank.watcher
+            await self._register(rank, deadline - time.monotonic(), takeover=True)
+            if old is not None:  # the new registration ended its stream
+                old.cancel()
+                with contextlib.suppress(BaseException):
+                    await old
+        for rank in self.ranks:
+            await self._wait_watching(rank, deadline)
+        await self.handshake()
+
+    async def _register(self, rank: DevRank, timeout_s: float, *, takeover: bool = False) -> None:
+        if rank.client is None:
+            rank.client = AsyncSidecarClient(
+                rank.sidecar.addresses["engine_socket"], timeout_s=max(timeout_s, 5.0)
+            )
         group = self.prefill if rank.engine_id == PREFILL else self.decode
         try:
             await rank.client.register_engine(
@@ -259,6 +272,7 @@ class DevCluster:
                 dtype=self.geometry.dtype,
                 num_groups=self.geometry.num_groups,
                 role=EngineRole.PRODUCER if rank.engine_id == PREFILL else EngineRole.CONSUMER,
+                takeover=takeover,
             )
         except Exception as exc:
             raise ClusterError(
