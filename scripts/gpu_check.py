@@ -236,7 +236,11 @@ async def step_env(cfg: Config, rec: Recorder) -> tuple[Status, str]:
     rec.put("versions", versions)
     rec.put("platform", platform.platform())
     rec.put("commit", _git("rev-parse", "--short", "HEAD"))
-    env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_", "CUDA_VISIBLE"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(("UCX_", "NIXL_", "CUDA_VISIBLE", "PYTORCH_CUDA_ALLOC"))
+    }
     rec.put("environment", env)
     status, detail = Status.PASS, "CPU dry run; " + NO_GPU
     if cfg.cpu:
@@ -825,7 +829,7 @@ STEPS = (
     Step("pytest", "1 gpu-marked tests", 75.0, step_pytest),
     Step("register", "5 registration", 50.0, step_register),
     Step("transfers", "2 transfers", 100.0, step_transfers),
-    Step("bandwidth", "3 bandwidth", 75.0, step_bandwidth),
+    Step("bandwidth", "3 bandwidth", 90.0, step_bandwidth),
     Step("transport", "4 UCX transport", 45.0, step_transport),
 )
 BY_NAME = {s.name: s for s in STEPS}
@@ -1001,7 +1005,7 @@ def summary(
             else ""
         ),
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
-        f"- UCX/NIXL/CUDA environment: {env.get('environment') or 'none set'}",
+        f"- UCX/NIXL/CUDA/torch allocator environment: {env.get('environment') or 'none set'}",
         "",
         "| item | step | result | detail |",
         "|---|---|---|---|",

@@ -89,10 +89,14 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     # registration: in the daemon and in a standalone NIXL process
     assert steps["register"]["sidecar"]["host"]["ok"] is True
     assert steps["register"]["standalone"]["ok"] is True
-    # transfers: every byte read was checked, prefix hits included
-    (run,) = steps["transfers"]["runs"]
-    assert run["tp"] == "1->2"
-    assert run["bytes_verified"] == run["bytes_read"] > 0
+    # transfers: every byte read was checked, prefix hits included (staging on and off, where
+    # `serve` has --staging)
+    staging = "--staging" in steps["env"]["serve_staging_flags"]
+    runs = steps["transfers"]["runs"]
+    assert [r["staging"] for r in runs] == (["on", "off"] if staging else ["default"])
+    for run in runs:
+        assert run["tp"] == "1->2"
+        assert run["bytes_verified"] == run["bytes_read"] > 0
     # bandwidth: every size measured by all three, in one run
     table = steps["bandwidth"]["table"]
     assert [r["block_bytes"] for r in table] == [64 << 10, 256 << 10]
@@ -102,6 +106,9 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
         assert row["device_copy_gbps"] > 0
         assert row["sidecar_over_raw"] > 0
     assert steps["bandwidth"]["copy"]["what"].startswith("host memcpy")
+    for mode in ("on", "off") if staging else ():
+        measured = steps["bandwidth"][f"staging_{mode}"]
+        assert [r["block_bytes"] for r in measured["sizes"]] == [64 << 10, 256 << 10]
     # transport: one table per run at least, with a Config column, and the sidecars' own
     for r in steps["transport"]["runs"]:
         assert r["configs"], r

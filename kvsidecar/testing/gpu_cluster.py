@@ -230,8 +230,14 @@ class DevCluster:
         deadline = time.monotonic() + timeout_s
         for rank in self.ranks:
             await _ready(rank, deadline)
-        for rank in self.ranks:
-            await self._register(rank, deadline - time.monotonic())
+        # concurrently: each sidecar imports its memory (CUDA: a context and cupy) meanwhile
+        left = deadline - time.monotonic()
+        done = await asyncio.gather(
+            *(self._register(r, left) for r in self.ranks), return_exceptions=True
+        )
+        for outcome in done:
+            if isinstance(outcome, BaseException):
+                raise outcome
         for rank in self.ranks:
             await self._wait_watching(rank, deadline)
 
