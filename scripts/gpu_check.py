@@ -555,7 +555,9 @@ async def _one_pair(
             pb = rng.sample(range(shape.num_blocks), n)
             db = rng.sample(range(shape.num_blocks), n)
             pids, dids = request_ids(shape, pb, db, hit=hit)
-            result = await cluster.transfer(f"{name}-r{i}", pids, dids, timeout_s=30.0)
+            result = await cluster.transfer(
+                f"{name}-r{i}", pids, dids, timeout_s=30.0 * cfg.slowness
+            )
             checked = await asyncio.to_thread(verify_toy, cluster, seed, pids, dids)
             if checked != result.bytes_read or (hit < n and not checked):
                 raise RuntimeError(
@@ -596,8 +598,10 @@ async def step_bandwidth(cfg: Config, rec: Recorder) -> tuple[Status, str]:
         env = {**base, "UCX_LOG_FILE": str(side_ucx / "ucx.%p.log")}
     parts: dict[str, Any] = {}
 
-    async def part(key: str, share: float, fn: Callable[[], Awaitable[Any]]) -> None:
-        budget = min(share * cfg.step_timeout_s, _left(deadline))
+    async def part(key: str, later: float, fn: Callable[[], Awaitable[Any]]) -> None:
+        """Run ``fn`` with what is left of the step but the share ``later`` kept for the parts
+        after it."""
+        budget = _left(deadline) - later * cfg.step_timeout_s
         try:
             if budget < 5.0:
                 raise TimeoutError("no time left in the step")
@@ -606,21 +610,25 @@ async def step_bandwidth(cfg: Config, rec: Recorder) -> tuple[Status, str]:
             parts[key] = {"status": Status.FAIL.value, "error": _err(exc)}
         rec.put(key, parts[key])
 
+    staged = "--staging" in flags
     await part(
-        "sidecar", 0.4, lambda: _sidecar_reads(cfg, "bw", cfg.sizes, cfg.request_bytes, env, [])
+        "sidecar",
+        0.55 if staged else 0.15,
+        lambda: _sidecar_reads(cfg, "bw", cfg.sizes, cfg.request_bytes, env, []),
     )
     tables = remote_reads(sorted(side_ucx.glob("ucx.*.log")))
     rec.put("sidecar_transport", [dataclasses.asdict(t) for t in tables])
     raw_ucx = cfg.logs / "ucx-bandwidth-raw"
     raw_env = {**base, "UCX_LOG_FILE": str(raw_ucx / "ucx.%p.log")}
-    await part("raw", 0.3, lambda: _raw_reads(cfg, cfg.sizes, cfg.reps, raw_env, raw_ucx))
-    await part("copy", 0.1, lambda: asyncio.to_thread(_device_copy, cfg))
-    if "--staging" in flags:
+    raw = functools.partial(_raw_reads, cfg, cfg.sizes, cfg.reps, raw_env, raw_ucx)
+    await part("raw", 0.45 if staged else 0.05, raw)
+    await part("copy", 0.4 if staged else 0.0, lambda: asyncio.to_thread(_device_copy, cfg))
+    if staged:
         request = cfg.staging_request_bytes
-        for mode in ("on", "off"):
+        for mode, later in (("on", 0.2), ("off", 0.0)):
             args = staging_args(flags, mode, 4 * request)
             read = functools.partial(_sidecar_reads, cfg, mode, cfg.sizes, request, env, args)
-            await part(f"staging_{mode}", 0.2, read)
+            await part(f"staging_{mode}", later, read)
     else:
         rec.put("staging", "not run: this checkout's `kvsidecar serve` has no --staging")
     failed = [k for k, v in parts.items() if v["status"] != Status.PASS.value]
@@ -709,7 +717,9 @@ async def _sidecar_reads(
             seconds = []
             for rep in range(cfg.reps + 1):  # the first request of a size warms up, untimed
                 dst.zero(0, request_bytes)
-                moved = await cluster.transfer(f"{name}-{size}-{rep}", ids, ids, timeout_s=60.0)
+                moved = await cluster.transfer(
+                    f"{name}-{size}-{rep}", ids, ids, timeout_s=30.0 * cfg.slowness
+                )
                 if not await asyncio.to_thread(same_bytes, dst, src, 0, request_bytes):
                     raise RuntimeError(f"{size}-byte blocks: the bytes read are not the producer's")
                 if rep:
