@@ -353,8 +353,9 @@ class DevCluster:
             send_done=tuple(done),
         )
 
-    async def aclose(self) -> None:
-        """Close the clients, stop every sidecar (SIGTERM, SIGKILL after 5 s), then free the
+    async def aclose(self, stop_timeout_s: float = 15.0) -> None:
+        """Close the clients, stop every sidecar (SIGTERM, SIGKILL after ``stop_timeout_s``: a
+        sidecar killed loses what its libraries buffered, UCX's log among them), then free the
         memory (no sidecar maps it any more); bounded, and never raises."""
         for rank in self.ranks:
             if rank.watcher is not None:
@@ -365,15 +366,16 @@ class DevCluster:
                 with contextlib.suppress(Exception):
                     await rank.client.aclose()
         await asyncio.gather(
-            *(asyncio.to_thread(_stop, r.sidecar) for r in self.ranks), return_exceptions=True
+            *(asyncio.to_thread(_stop, r.sidecar, stop_timeout_s) for r in self.ranks),
+            return_exceptions=True,
         )
         for rank in self.ranks:
             rank.memory.close()
 
 
-def _stop(sidecar: SidecarProcess) -> None:
+def _stop(sidecar: SidecarProcess, timeout_s: float) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-        sidecar.stop(signal.SIGTERM, timeout=5.0)
+        sidecar.stop(signal.SIGTERM, timeout=timeout_s)
 
 
 async def _ready(rank: DevRank, deadline: float) -> None:
