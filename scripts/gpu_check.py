@@ -1180,7 +1180,7 @@ def _register_md(doc: Mapping[str, Any]) -> list[str]:
             "relevant lines:",
             "",
             "```",
-            *debug["lines"][:40],
+            *(line[:220] for line in debug["lines"][:25]),  # all of them: results.json
             "```",
         ]
     return out
