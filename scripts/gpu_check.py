@@ -48,7 +48,6 @@ import sys
 import tempfile
 import time
 import traceback
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,20 +175,24 @@ def _left(deadline: float) -> float:
 _TEMP: list[Path] = []  # a step's temporary directories, removed when it ends
 
 
-def _tempdir(prefix: str) -> Path:
+TEMP_PREFIX = "kvs-gc-"  # + pid: what a killed step leaves is removed after it (remove_orphans)
+
+
+def _tempdir(role: str) -> Path:
     """A private temporary directory, short enough for Unix sockets (107 bytes a path)."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
+    path = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-{role}-"))
     _TEMP.append(path)
     return path
 
 
 def _sockdir() -> Path:
-    return _tempdir("kvs-gc-")
+    return _tempdir("s")
 
 
-def _shm(name: str) -> Path:
-    """A new /dev/shm path for a host buffer (where sidecars accept engine memory)."""
-    return Path("/dev/shm") / f"kvsidecar-gc-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}"
+def _shm(role: str) -> Path:
+    from kvsidecar.testing.gpu import shm_path
+
+    return shm_path(role)
 
 
 def serve_flags() -> frozenset[str]:
@@ -484,7 +487,7 @@ async def step_transfers(cfg: Config, rec: Recorder) -> tuple[Status, str]:
     ]
     if _gpu(cfg):
         runs += [(MemoryKind.CUPY, mode, (1, 1)) for mode in modes]
-    certs = make_peer_certificates(_tempdir("kvs-gc-pki-"))
+    certs = make_peer_certificates(_tempdir("pki"))
     results: list[dict[str, Any]] = []
     for kind, mode, (p, d) in runs:
         name = f"{kind.value}-staging_{mode or 'default'}-p{p}d{d}"
@@ -492,7 +495,10 @@ async def step_transfers(cfg: Config, rec: Recorder) -> tuple[Status, str]:
             "memory": kind.value,
             "staging": mode or "default",
             "tp": f"{p}->{d}",
+            "status": "running",  # what a step killed on its limit was doing
         }
+        results.append(entry)
+        rec.put("runs", results)
         budget = min(45.0 * cfg.slowness, _left(deadline))
         if budget < 5.0:
             entry.update(status=Status.SKIPPED.value, error="no time left in the step")
@@ -509,7 +515,6 @@ async def step_transfers(cfg: Config, rec: Recorder) -> tuple[Status, str]:
                 entry["status"] = Status.PASS.value
             except Exception as exc:
                 entry.update(status=Status.FAIL.value, error=_err(exc))
-        results.append(entry)
         rec.put("runs", results)
     failed = [r for r in results if r["status"] != Status.PASS.value]
     detail = f"{len(results) - len(failed)}/{len(results)} runs moved and verified every byte"
@@ -602,6 +607,7 @@ async def step_bandwidth(cfg: Config, rec: Recorder) -> tuple[Status, str]:
         """Run ``fn`` with what is left of the step but the share ``later`` kept for the parts
         after it."""
         budget = _left(deadline) - later * cfg.step_timeout_s
+        rec.put(key, {"status": "running"})  # what a step killed on its limit was doing
         try:
             if budget < 5.0:
                 raise TimeoutError("no time left in the step")
@@ -700,7 +706,7 @@ async def _sidecar_reads(
         sockdir=_sockdir(),
         sidecar_args=args,
         env=env,
-        certificates=make_peer_certificates(_tempdir("kvs-gc-pki-")),  # as deployed: mutual TLS
+        certificates=make_peer_certificates(_tempdir("pki")),  # as deployed: mutual TLS
         memory_bytes=request_bytes,
     )
     rows = []
@@ -882,6 +888,7 @@ def supervise(cfg: Config, step: Step, timeout_s: float) -> dict[str, Any]:
     """Run ``step`` in a process group of its own, bounded by ``timeout_s``; its result (what it
     wrote, or why it has none)."""
     from kvsidecar.testing.bounded import run_bounded
+    from kvsidecar.testing.gpu import SHM_PREFIX, remove_orphans
 
     log = cfg.logs / f"step-{step.name}.log"
     path = cfg.out / "steps" / f"{step.name}.json"
@@ -896,18 +903,27 @@ def supervise(cfg: Config, step: Step, timeout_s: float) -> dict[str, Any]:
         f"{timeout_s:.0f}",
     ]
     ended = run_bounded(cmd, log=log, timeout_s=timeout_s)
+    removed = [  # what the step's processes left if they were killed
+        *remove_orphans(Path("/dev/shm"), SHM_PREFIX),
+        *remove_orphans(Path(tempfile.gettempdir()), TEMP_PREFIX),
+    ]
     doc: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):
         doc = json.loads(path.read_text())
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
     if ended.timed_out:
         doc["status"] = Status.TIMEOUT.value
-        doc["detail"] = f"killed after {timeout_s:.0f}s (time limit); last lines:\n{tail}"
+        doc["detail"] = (
+            f"killed after {timeout_s:.0f}s (its time limit); what it had recorded is kept"
+        )
+        doc["detail"] += f"; its last lines:\n{tail}" if tail.strip() else ""
     elif doc.get("status") in (None, "running"):
         doc["status"] = Status.FAIL.value
         doc["detail"] = f"step process exited {ended.returncode} without a result:\n{tail}"
     doc["seconds"] = round(ended.seconds, 1)
     doc["log"] = str(log)
+    if removed:
+        doc["left_behind_and_removed"] = removed
     return doc
 
 
@@ -1091,6 +1107,8 @@ def _bandwidth_md(cfg: Config, doc: Mapping[str, Any]) -> list[str]:
         part = doc.get(key)
         if isinstance(part, Mapping) and part.get("status") == Status.FAIL.value:
             out.append(f"- {key}: FAILED: {part.get('error')}")
+        elif isinstance(part, Mapping) and part.get("status") == "running":
+            out.append(f"- {key}: cut off by the step's time limit")
     copy = doc.get("copy", {})
     if copy.get("what"):
         out.append(f"- device copy: {copy['what']}, {_size(copy['bytes'])} per copy")

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.testing.bounded import Bounded, kill_live, run_bounded
+from kvsidecar.testing.gpu import SHM_PREFIX, remove_orphans
 from kvsidecar.testing.ucxlog import (
     parse_proto_tables,
     protocol_rows,
@@ -30,11 +31,10 @@ from kvsidecar.types import SidecarStatus
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.py"
-SHM_PREFIXES = ("kvsidecar-gc-", "kvsidecar-target-", "kvsidecar-raw-")
 
 
 def _ours_in_shm() -> set[str]:
-    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(SHM_PREFIXES)}
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(SHM_PREFIX)}
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -329,3 +329,21 @@ def test_the_transport_a_status_reports_is_found_whatever_its_field() -> None:
         confirm_reads=True,
     )
     assert status_transports(plain) == {}  # this checkout's Status: no transport field
+
+
+def test_what_a_killed_process_left_is_removed_and_nothing_else(tmp_path: Path) -> None:
+    """A step killed on its limit leaves its /dev/shm buffers and temporary directories (named
+    with its pid); they are removed once that pid is gone, never those of a live process."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)
+    (tmp_path / f"kvs-x-{gone.pid}-a").write_bytes(b"kv")
+    (tmp_path / f"kvs-x-{gone.pid}-dir").mkdir()
+    (tmp_path / f"kvs-x-{gone.pid}-dir" / "f").write_bytes(b"kv")
+    (tmp_path / f"kvs-x-{os.getpid()}-mine").write_bytes(b"kv")
+    (tmp_path / "kvs-x-notapid").write_bytes(b"kv")
+    removed = remove_orphans(tmp_path, "kvs-x-")
+    assert sorted(removed) == [f"kvs-x-{gone.pid}-a", f"kvs-x-{gone.pid}-dir"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"kvs-x-{os.getpid()}-mine",
+        "kvs-x-notapid",
+    ]

@@ -18,7 +18,11 @@ from __future__ import annotations
 import contextlib
 import enum
 import importlib
+import os
+import re
+import shutil
 import time
+import uuid
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -34,6 +38,45 @@ U8 = npt.NDArray[np.uint8]
 #: Bytes of padding before a TORCH buffer inside its allocation, so that the export carries a
 #: non-zero offset into the allocation, as an engine's KV tensors do (torch sub-allocates).
 TORCH_OFFSET = 4096
+
+
+#: Host buffers live in /dev/shm as ``<SHM_PREFIX><pid>-<random>-<role>``: the creator's pid
+#: first, so that ``remove_orphans`` can tell what a killed process left behind.
+SHM_PREFIX = "kvsidecar-gc-"
+
+
+def shm_path(role: str, root: Path = Path("/dev/shm")) -> Path:
+    """A new path for a HOST buffer of this process (``role`` ends the name)."""
+    return root / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-{role}"
+
+
+def remove_orphans(root: Path, prefix: str) -> tuple[str, ...]:
+    """Remove the files and directories of ``root`` named ``<prefix><pid>-...`` whose process
+    ``pid`` no longer runs (what a killed step left); the names removed."""
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)-")
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in root.iterdir():
+            m = pattern.match(entry.name)
+            if m is None or _alive(int(m.group(1))):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+                removed.append(entry.name)
+    return tuple(removed)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's: not ours to judge
+    return True
 
 
 class MemoryKind(enum.Enum):

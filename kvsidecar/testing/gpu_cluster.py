@@ -15,12 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import secrets
 import signal
 import subprocess
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +28,7 @@ import numpy as np
 from kvsidecar.client import AsyncSidecarClient, EngineRole, Event, RecvDone, SendDone
 from kvsidecar.plan import Span, View
 from kvsidecar.testing import toy
-from kvsidecar.testing.gpu import EngineBuffer, MemoryKind
+from kvsidecar.testing.gpu import EngineBuffer, MemoryKind, shm_path
 from kvsidecar.testing.pki import PeerCertificates
 from kvsidecar.testing.process import SidecarProcess, spawn
 
@@ -171,7 +169,6 @@ class DevCluster:
         self.memory_bytes = memory_bytes
         self.prefill: list[DevRank] = []
         self.decode: list[DevRank] = []
-        self._tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     @property
     def ranks(self) -> list[DevRank]:
@@ -201,7 +198,7 @@ class DevCluster:
         )
         try:
             views = self.geometry.views(tp_size)
-            shm = Path("/dev/shm") / f"kvsidecar-gc-{self._tag}-{name}"
+            shm = shm_path(name)
             size = self.memory_bytes or toy.memory_size(views, tp_size)
             memory = EngineBuffer.allocate(self.kind, size, shm_path=shm, device=self.device)
         except BaseException:

@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ import numpy.typing as npt
 from kvsidecar.engine.backend import DlistHandle, RemoteAgent, XferState
 from kvsidecar.engine.backend.nixl import NixlBackend
 from kvsidecar.testing.daemon.target_process import TargetProcess
-from kvsidecar.testing.gpu import EngineBuffer, MemoryKind, holds_pattern
+from kvsidecar.testing.gpu import EngineBuffer, MemoryKind, holds_pattern, shm_path
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,8 +81,7 @@ async def _read_once(
 
 async def measure(run: RawRun, log_path: Path | None) -> dict[str, object]:
     """Run ``run``; raises on any failure or wrong byte."""
-    shm = Path("/dev/shm") / f"kvsidecar-raw-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    dst = EngineBuffer.allocate(run.kind, run.request_bytes, shm_path=shm)
+    dst = EngineBuffer.allocate(run.kind, run.request_bytes, shm_path=shm_path("raw"))
     target = TargetProcess(
         "own", run.kind.value, str(run.request_bytes), str(run.seed), log_path=log_path
     )

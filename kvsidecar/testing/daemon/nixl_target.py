@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import threading
-import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Protocol
 
 from kvsidecar.engine.backend import RemoteAgent
 from kvsidecar.engine.backend.nixl import NixlBackend
 from kvsidecar.memory import CudaIpcSpec, HostShmSpec, MemoryRegion, import_memory
-from kvsidecar.testing.gpu import EngineBuffer, MemoryKind, fill_pattern
+from kvsidecar.testing.gpu import EngineBuffer, MemoryKind, fill_pattern, shm_path
 
 
 def _emit(doc: object) -> None:
@@ -45,8 +42,7 @@ class _Memory(MemoryRegion, Protocol):
 
 def own_memory(kind: MemoryKind, size: int, seed: int) -> EngineBuffer:
     """``size`` bytes this process allocates itself, filled with ``fill_pattern(seed)``."""
-    shm = Path("/dev/shm") / f"kvsidecar-target-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    buf = EngineBuffer.allocate(kind, size, shm_path=shm)
+    buf = EngineBuffer.allocate(kind, size, shm_path=shm_path("target"))
     try:
         fill_pattern(buf, seed)
     except BaseException:
