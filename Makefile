@@ -24,7 +24,7 @@ SGLANG_DEPS    := torch==2.13.0 torchvision==0.28.0 triton==3.7.1 transformers==
   pyzmq tqdm ipython aiohttp dill gguf prometheus-client partial-json-parser einops setproctitle \
   uvicorn fastapi
 
-.PHONY: setup tools setup-vllm test-vllm setup-sglang test-sglang demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend bench-scale bench-handshakes bench-vllm clean
+.PHONY: setup tools setup-vllm test-vllm setup-sglang test-sglang demo bench test format lint typecheck proto proto-check pytest serve bench bench-plan bench-backend bench-scale bench-handshakes bench-vllm gpu-check clean
 
 setup: $(STAMP)
 
@@ -155,6 +155,14 @@ bench-handshakes: setup
 # "Measuring against NixlConnector"); options: make bench-vllm ARGS="--rounds 4 --out run.json".
 bench-vllm: setup-vllm
 	$(VLLM_VENV)/bin/python -m benchmarks.bench_vllm $(ARGS)
+
+# One bounded command on a GPU host (docs/gpu.md, "Checking a GPU host"): no venv there, so no
+# `setup`; `.gpu/` (built elsewhere by shared/gpu/prepare.sh, ignored in git) travels with the
+# checkout. Writes $(OUT) (default gpu-check-out): summary.md, results.json, logs. The script keeps
+# to its own 240 s budget; `timeout` is the last resort. Options: GPU_CHECK_ARGS="--quick".
+gpu-check:
+	@test -f .gpu/device-env.sh || { echo "gpu-check: no .gpu/device-env.sh: build it with bash shared/gpu/prepare.sh .gpu on a host with network"; exit 2; }
+	timeout -k 10 290 bash -c 'source .gpu/device-env.sh && exec python3 scripts/gpu_check.py --out "$(or $(OUT),gpu-check-out)" $(GPU_CHECK_ARGS)'
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

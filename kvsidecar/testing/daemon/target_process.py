@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -45,23 +46,27 @@ def read_region(mem: HostShmMemory, offset: int, n: int) -> bytes:
 
 class TargetProcess:
     """``kvsidecar.testing.daemon.nixl_target`` in a subprocess; its stdout JSON lines are read by a thread
-    into a queue. ``start`` waits for its ``ready`` line; ``stop`` ends it on every path."""
+    into a queue. ``start`` waits for its ``ready`` line; ``stop`` ends it on every path.
+    ``log_path``: where its stderr goes (default: discarded)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, log_path: Path | None = None) -> None:
         self._args = [sys.executable, "-m", "kvsidecar.testing.daemon.nixl_target", *args]
+        self._log_path = log_path
         self.proc: subprocess.Popen[str] | None = None
         self.lines: queue.Queue[dict[str, object]] = queue.Queue()
         self.ready: dict[str, object] = {}
         self._pump: threading.Thread | None = None
 
     def start(self, timeout_s: float = 20.0) -> None:
-        self.proc = subprocess.Popen(
-            self._args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        with contextlib.ExitStack() as stack:
+            err = stack.enter_context(self._log_path.open("wb")) if self._log_path else None
+            self.proc = subprocess.Popen(
+                self._args,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL if err is None else err,
+                text=True,
+            )
         out = self.proc.stdout
         assert out is not None
 
@@ -76,16 +81,32 @@ class TargetProcess:
         self.ready = self.expect("ready", timeout_s)
 
     def expect(self, key: str, timeout_s: float) -> dict[str, object]:
+        """The next line carrying ``key``; raises ``TimeoutError`` after ``timeout_s``, or
+        ``RuntimeError`` (with its log's tail, if it has a log) once the process has exited."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
-                doc = self.lines.get(timeout=left)
+                doc = self.lines.get(timeout=min(left, 0.1))
             except queue.Empty:
-                break
+                if self.proc is None or self.proc.poll() is None:
+                    continue
+                if self._pump is not None:
+                    self._pump.join(timeout=1.0)  # what it printed before exiting is queued
+                if self.lines.empty():
+                    raise RuntimeError(
+                        f"target exited ({self.proc.returncode}) before sending {key!r}"
+                        + self._log_tail()
+                    ) from None
+                continue
             if key in doc:
                 value = doc[key]
                 return value if isinstance(value, dict) else {"value": value}
         raise TimeoutError(f"target sent no {key!r} within {timeout_s}s")
+
+    def _log_tail(self, lines: int = 20) -> str:
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        return ":\n" + "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def send(self, doc: dict[str, object]) -> None:
         assert self.proc is not None
