@@ -688,7 +688,7 @@ def until_quiet(conn: KvSidecarConnector, sidecar: sidecar_proc.SidecarProcess) 
     assert conn._worker is not None
     worker = conn._worker
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 10
-    while (status(sidecar).reads_in_flight or worker._quiet) and time.monotonic() < deadline:
+    while (status(sidecar).reads_in_flight or worker._book._quiet) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert status(sidecar).reads_in_flight == 0
 
@@ -738,7 +738,7 @@ def test_full_prefix_hit_finishes_on_decode_whatever_its_notification_does(
     _, failed, invalid, _ = worker_step(sc, conn)
     assert (failed, invalid) == (set(), set())  # nothing about B reaches vLLM
     assert conn._worker is not None
-    assert not conn._worker._quiet  # nothing waits for it any more
+    assert not conn._worker._book._quiet  # nothing waits for it any more
     assert "B" not in sc.requests
     assert sched.free_blocks(sc) == free
 
