@@ -50,9 +50,9 @@ from kvsidecar.integrations.vllm.scheduler import Hold, Load, StepWork  # noqa: 
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from kvsidecar.testing import toy  # noqa: E402
+from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 from kvsidecar.types import SidecarStatus  # noqa: E402
 from tests.vllm import sched  # noqa: E402
-from tests.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 
 BS = sched.BLOCK_SIZE
 PROMPT = [(7 * i + 3) % 2000 + 10 for i in range(80)]  # 2 full blocks and a partial one

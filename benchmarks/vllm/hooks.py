@@ -1,6 +1,6 @@
 """Timing subclasses of kvsidecar's vLLM connector and of vLLM's NixlConnector (``bench_vllm``).
 
-Loaded by vLLM through ``kv_connector_module_path="benchmarks.vllm_hooks"`` with
+Loaded by vLLM through ``kv_connector_module_path="benchmarks.vllm.hooks"`` with
 ``kv_connector="KvSidecarConnector"`` or ``"NixlConnector"``: the classes keep the real
 connectors' names, so every place where vLLM looks at the connector's name treats them as the
 real ones. Nothing in a connector changes: each worker-side hook vLLM calls on the model thread
