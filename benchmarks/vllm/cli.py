@@ -81,6 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="kvsidecar's workers drive the sidecar's lane, not the I/O thread's Session stream",
     )
+    parser.add_argument(
+        "--no-scheduler-sends",
+        dest="scheduler_sends",
+        action="store_false",
+        help="kvsidecar's scheduler leaves holds and loads to the next step's start_load_kv",
+    )
     parser.add_argument("--tiny", action="store_true", help="very small everything (tests)")
     parser.add_argument("--json", action="store_true", help="print only the JSON report")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
@@ -104,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bind_d=args.bind_d,
             nixl_pin=args.nixl_pin,
             lane=args.lane,
+            scheduler_sends=args.scheduler_sends,
         )
     if min(s.rounds, s.singles, s.batch, s.batch_len, s.steps_len, s.layers) < 1:
         parser.error(

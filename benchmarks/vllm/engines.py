@@ -260,6 +260,7 @@ def start_pairs(s: Settings, model: Path, workdir: Path) -> dict[str, Pair]:
                         "sidecar_socket": sc.addresses["engine_socket"],
                         "lease_s": 600,
                         "lane": s.lane,
+                        "scheduler_sends": s.scheduler_sends,
                     }
                 wanted.append((c, side, extra))
         for (c, side), engine in start_engines(s, model, workdir, wanted).items():

@@ -48,13 +48,19 @@ def wait_step(path: Path, since: float, key: str, n: int) -> dict[str, Any] | No
         time.sleep(0.005)
 
 
+def thread_s(record: dict[str, Any]) -> float:
+    """A step record's connector time on the model thread: the worker's hooks and the
+    scheduler's since the previous step (the same thread in a single-process engine)."""
+    return float(record["s"]) + float(record.get("sched_s", 0.0))
+
+
 @dataclass
 class StepSample:
     n: int
     p_us: float
     d_us: float
-    p_count: int  # holds the P step carried
-    d_count: int  # loads the D step carried
+    p_count: int  # holds P's scheduler decided in that step
+    d_count: int  # loads D's scheduler decided in that step
     p_hooks: dict[str, float]
     d_hooks: dict[str, float]
 
@@ -69,8 +75,8 @@ def measure_steps(pair: Pair, n: int, seed: str, length: int) -> tuple[StepSampl
         raise RuntimeError(f"{pair.connector}: no step record with holds/loads for N={n}")
     sample = StepSample(
         n=n,
-        p_us=p["s"] * 1e6,
-        d_us=d["s"] * 1e6,
+        p_us=thread_s(p) * 1e6,
+        d_us=thread_s(d) * 1e6,
         p_count=p["holds"],
         d_count=d["loads"],
         p_hooks={k: v * 1e6 for k, v in p["hooks"].items()},

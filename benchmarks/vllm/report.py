@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .measure import Collected
+from .measure import Collected, thread_s
 from .settings import CONNECTORS, LABEL, STEP_GOAL_US, TTFT_AIM, TTFT_GOAL, Settings
 
 
@@ -113,7 +113,7 @@ def _hook_medians(samples: Sequence[dict[str, float]]) -> dict[str, float]:
 
 
 def _ordinary(records: Sequence[dict[str, Any]]) -> float | None:
-    return _median([r["s"] * 1e6 for r in records if not r["holds"] and not r["loads"]])
+    return _median([thread_s(r) * 1e6 for r in records if not r["holds"] and not r["loads"]])
 
 
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -184,9 +184,11 @@ def format_table(report: dict[str, Any], before: dict[str, Any] | None = None) -
     lines = [
         f"vLLM P/D on CPU, TP 1, tiny Llama ({s['layers']} layers, "
         f"{s['kv_bytes_per_token'] // 1024} KiB KV per token), {s['rounds']} round(s) per "
-        f"connector (ABBA), engines P on CPU {s['bind_p']}, D on CPU {s['bind_d']}",
+        f"connector (ABBA), engines P on CPU {s['bind_p']}, D on CPU {s['bind_d']}, "
+        f"kvsidecar's scheduler sends {'at once' if s.get('scheduler_sends', True) else 'off'}",
         "",
-        "Model thread per scheduler step, connector hooks (µs, median over rounds):",
+        "Model thread per scheduler step, connector hooks, the scheduler's included (µs, median "
+        "over rounds):",
         f"{'N':>4} {'connector':<14} {'P hold step':>11} {'D load step':>11} {'sum':>9}{col:>9}"
         f" {'reqs P/D':>9}",
     ]

@@ -36,6 +36,7 @@ class Settings:
     nixl_pin: str = "undo"  # "keep": leave NixlConnector's own pin of the model thread
     tiny: bool = False
     lane: bool = False  # kvsidecar's workers drive the sidecar's lane (else the I/O thread)
+    scheduler_sends: bool = True  # kvsidecar's scheduler hands holds and loads over at once
 
     @property
     def max_model_len(self) -> int:

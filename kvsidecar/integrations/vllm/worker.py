@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvsidecar.client import Event, RecvFailed, SidecarClient, StepDone
@@ -45,7 +46,22 @@ from .scheduler import StepWork
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COUNTERS", "StepResults", "WorkerSide"]
+__all__ = ["COUNTERS", "StepResults", "WorkerSide", "in_this_process"]
+
+# The registered workers of this process, by (engine id, TP rank): vLLM's single-process executor
+# runs the scheduler and the only worker in one process, and the scheduler's half then hands its
+# holds and loads to that worker at once (``in_this_process``) instead of through the next
+# step's metadata. Entries are added by ``register`` and removed by ``close``.
+_WORKERS: dict[tuple[str, int], WorkerSide] = {}
+_WORKERS_LOCK = threading.Lock()
+
+
+def in_this_process(engine_id: str, tp_size: int) -> tuple[WorkerSide, ...]:
+    """Every TP rank's registered worker of ``engine_id`` when all live in this process (in rank
+    order), else ()."""
+    with _WORKERS_LOCK:
+        found = tuple(_WORKERS.get((engine_id, r)) for r in range(tp_size))
+    return () if any(w is None for w in found) else tuple(w for w in found if w is not None)
 
 
 class WorkerSide:
@@ -75,6 +91,9 @@ class WorkerSide:
         self._channel: StepChannel | LaneChannel | None = None
         self._fence = SidecarFence(socket)
         self._book = WorkerBook()  # shared by vLLM's calls and the outcomes' threads
+        # start_step's callers: vLLM's model thread, and its scheduler when it runs in this
+        # process (the same thread in vLLM's single-process executor; the lock is uncontended).
+        self._submitting = threading.Lock()
         self._broken: KvSidecarError | None = None  # the stream ended (set by the I/O thread)
         self._overflowing = False  # the step queue was full (logged once until it drains)
         self.peer_endpoint = ""
@@ -125,6 +144,8 @@ class WorkerSide:
         )
         channel.start()
         self._channel = channel
+        with _WORKERS_LOCK:
+            _WORKERS[(self._engine_id, self._tp_rank)] = self
         log.info(
             "kvsidecar: engine %s rank %d/%d registered (epoch %d, %d views) at %s",
             self._engine_id,
@@ -140,14 +161,17 @@ class WorkerSide:
 
     def start_step(self, work: StepWork) -> None:
         """Queue the step's HOLDs, loads and heartbeats for the I/O thread and return: never
-        waits for the sidecar. A step that cannot be queued fails its loads and holds at once."""
+        waits for the sidecar. A step that cannot be queued fails its loads and holds at once.
+        Called by vLLM's model thread (``start_load_kv``) and by the scheduler's half in this
+        process (``in_this_process``), as soon as it decides a hold or a load."""
         if not (work.loads or work.holds or work.heartbeats):
             return
         channel = self._require()
-        self._book.note(work)
-        if channel.submit(work):
-            self._overflowing = False
-            return
+        with self._submitting:
+            self._book.note(work)
+            if channel.submit(work):
+                self._overflowing = False
+                return
         if self._broken is None and not self._overflowing:
             self._overflowing = True
             log.error(
@@ -164,14 +188,16 @@ class WorkerSide:
         """Everything that finished since the last call. A SEND_DONE is reported once vLLM has
         named its request as finished (vLLM's contract for delayed frees)."""
         if isinstance(self._channel, LaneChannel):
-            self._channel.poll()  # what the sidecar answered since the last step
+            with self._submitting:
+                self._channel.poll()  # what the sidecar answered since the last step
         return self._book.take(finished_req_ids)
 
     def pending(self) -> int:
         """Steps sent and not yet answered (taking what came back first, on the lane)."""
         channel = self._require()
         if isinstance(channel, LaneChannel):
-            channel.poll()
+            with self._submitting:
+                channel.poll()
         return channel.pending
 
     def take_counts(self) -> dict[str, int]:
@@ -240,6 +266,9 @@ class WorkerSide:
 
     def close(self) -> None:
         """End the stream (the sidecar releases this engine) and stop the I/O thread, bounded."""
+        with _WORKERS_LOCK:
+            if _WORKERS.get((self._engine_id, self._tp_rank)) is self:
+                del _WORKERS[(self._engine_id, self._tp_rank)]
         channel, self._channel = self._channel, None
         if channel is not None:
             channel.close()
