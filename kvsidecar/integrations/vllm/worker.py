@@ -94,6 +94,7 @@ class WorkerSide:
         # start_step's callers: vLLM's model thread, and its scheduler when it runs in this
         # process (the same thread in vLLM's single-process executor; the lock is uncontended).
         self._submitting = threading.Lock()
+        self._closed = False
         self._broken: KvSidecarError | None = None  # the stream ended (set by the I/O thread)
         self._overflowing = False  # the step queue was full (logged once until it drains)
         self.peer_endpoint = ""
@@ -165,6 +166,9 @@ class WorkerSide:
         Called by vLLM's model thread (``start_load_kv``) and by the scheduler's half in this
         process (``in_this_process``), as soon as it decides a hold or a load."""
         if not (work.loads or work.holds or work.heartbeats):
+            return
+        if self._closed:  # the scheduler's half racing shutdown: nothing reaches the sidecar
+            self._book.failed(work)
             return
         channel = self._require()
         with self._submitting:
@@ -266,6 +270,7 @@ class WorkerSide:
 
     def close(self) -> None:
         """End the stream (the sidecar releases this engine) and stop the I/O thread, bounded."""
+        self._closed = True
         with _WORKERS_LOCK:
             if _WORKERS.get((self._engine_id, self._tp_rank)) is self:
                 del _WORKERS[(self._engine_id, self._tp_rank)]
