@@ -521,7 +521,10 @@ def scheduled_transfer(
     scratch blocks)."""
     endpoints = endpoints or [sched.PEER]
     config = sched.vllm_config(
-        model, mamba_cache_mode="none", extra={"peer_endpoints": endpoints, "lease_s": 30}
+        model,
+        mamba_cache_mode="none",
+        # the step path: the producer's workers may be registered in this process
+        extra={"peer_endpoints": endpoints, "lease_s": 30, "scheduler_sends": False},
     )
     config.parallel_config.tensor_parallel_size = len(endpoints)  # what the connector reads
     producer = sched.scheduler(config, kv_p)
