@@ -11,9 +11,11 @@ real ones. Nothing in a connector changes: each worker-side hook vLLM calls on t
 its wall time to the step's total (a hook calling another hook counts once).
 
 The scheduler-side hooks (``SCHEDULER_HOOKS``: ``request_finished``, ``update_state_after_alloc``,
-``build_connector_meta``, ...) are timed too: in vLLM's single-process executor (TP 1, what the
-benchmark runs) they run on the same thread as the model, between the worker's steps, so their
-time is the model thread's as much as the worker hooks' is.
+``build_connector_meta``, ...) are timed too: in vLLM's single-process executor (GPU engines at TP
+1) they run on the same thread as the model, between the worker's steps, so their time is the
+model thread's as much as the worker hooks' is, and it is added to the worker's next step
+record. vLLM's CPU build always runs its worker in a process of its own (its multiprocess
+executor): there the scheduler's hooks are another process's time and the records have none.
 
 A step runs from ``bind_connector_metadata`` to ``clear_connector_metadata``; at its end one
 JSON line goes to the file named by ``KVSIDECAR_BENCH_HOOKS`` (in the worker process, which
@@ -22,7 +24,8 @@ inherits the engine's environment): ``{"t": wall time at bind, "s": worker hook 
 "meta_holds": n, "meta_loads": n, "hooks": {name: seconds}}`` (scheduler hooks named
 ``sched.<hook>``). ``holds``/``loads``: the requests the scheduler decided since the previous step
 to keep for consumers (``request_finished`` delaying the free) and to read
-(``update_state_after_alloc`` with external tokens), for either connector; ``meta_holds`` /
+(``update_state_after_alloc`` with external tokens), for either connector, or, where the
+scheduler runs in another process, those of the metadata; ``meta_holds`` /
 ``meta_loads``: those the step's connector metadata carries to this worker
 (``KvSidecarMetadata.work.holds``/``.loads``, ``reqs_to_send``/``reqs_to_recv``; kvsidecar hands
 them to an in-process worker at once instead). Without the variable the classes are the plain
@@ -191,8 +194,10 @@ class _Clock:
             "t": self._t,
             "s": self._s,
             "sched_s": sched_s,
-            "holds": holds,
-            "loads": loads,
+            # With the scheduler in another process (vLLM's multiprocess executor, which its CPU
+            # build always uses) nothing is decided here: the step's metadata tells.
+            "holds": max(holds, self._meta_holds),
+            "loads": max(loads, self._meta_loads),
             "meta_holds": self._meta_holds,
             "meta_loads": self._meta_loads,
             "hooks": {k: round(v, 9) for k, v in {**self._hooks, **sched_hooks}.items()},

@@ -201,8 +201,12 @@ class SchedulerSide:
             load = Load(request_id=request.request_id, local_block_ids=local, remote=remote)
             # A local hit ending inside a block gets a copy-on-write block that the worker fills
             # before the forward: the READ must not land first.
-            aligned = self.block_size > 0 and request.num_computed_tokens % self.block_size == 0
-            self._load(load, now=self.loads_now and aligned)
+            self._load(
+                load,
+                now=self.loads_now
+                and self.block_size > 0
+                and request.num_computed_tokens % self.block_size == 0,
+            )
         else:  # full local prefix hit: read nothing, release the producer now
             self._load(_release(request.request_id, remote))
 
