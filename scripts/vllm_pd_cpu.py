@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from kvsidecar.client import SidecarClient  # noqa: E402
 from kvsidecar.testing.pki import make_peer_certificates  # noqa: E402
-from tests.vllm.tiny_llama import make_tiny_llama  # noqa: E402
+from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 
 
 def sidecar(workdir: Path, name: str, tls_flags: list[str]) -> tuple[subprocess.Popen[bytes], dict]:

@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.vllm.front_door import MODEL_NAME, front_door  # noqa: E402
-from tests.vllm.tiny_llama import add_word_tokenizer, make_tiny_llama  # noqa: E402
+from kvsidecar.testing.vllm.front_door import MODEL_NAME, front_door  # noqa: E402
+from kvsidecar.testing.vllm.tiny_llama import add_word_tokenizer, make_tiny_llama  # noqa: E402
 
 
 def post(url: str, body: dict[str, object]) -> dict[str, object]:

@@ -270,9 +270,11 @@ def test_settings_read_only_at_the_edge() -> None:
     # testing.daemon.engines composes many Sidecars in one process (a fleet of real NIXL agents
     # that would not fit as processes), so it builds their Settings as the CLI does. SGLang gives
     # a transfer backend no configuration channel but the process environment (its edge).
-    # testing.process starts `kvsidecar serve` processes with the caller's environment plus extras.
+    # testing.process starts `kvsidecar serve` processes with the caller's environment plus extras,
+    # and testing.vllm.front_door the vLLM servers and router beside them the same way.
     edge = {
         PACKAGE / "testing" / "process.py",
+        PACKAGE / "testing" / "vllm" / "front_door.py",
         PACKAGE / "integrations" / "sglang" / "config.py",
         PACKAGE / "cli" / "main.py",
         PACKAGE / "server.py",
@@ -284,6 +286,59 @@ def test_settings_read_only_at_the_edge() -> None:
             continue
         assert not any(m.startswith("kvsidecar.settings") for m in _imports(path)), path
         assert "os.environ" not in path.read_text(), f"{path} reads os.environ"
+
+
+ROOT = PACKAGE.parent
+
+
+def _imports_tests(path: Path) -> list[str]:
+    """Where ``path`` imports the ``tests`` package: import statements (any depth), and
+    ``importlib.import_module``/``__import__`` of a literal name."""
+
+    def of_tests(name: str) -> bool:
+        return name == "tests" or name.startswith("tests.")
+
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if of_tests(a.name)]
+        elif isinstance(node, ast.ImportFrom) and not node.level and of_tests(node.module or ""):
+            found.append(f"from {node.module} import ...")
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            name, func = node.args[0].value, ast.unparse(node.func)
+            if func.endswith(("import_module", "__import__")) and isinstance(name, str):
+                found += [f"{func}({name!r})"] if of_tests(name) else []
+    return found
+
+
+def _scripts_and_benchmarks() -> list[Path]:
+    return sorted([*(ROOT / "scripts").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")])
+
+
+def test_scripts_and_benchmarks_never_import_tests() -> None:
+    """What scripts and benchmarks need from the test harness is shipped (``kvsidecar.testing``):
+    ``tests`` is not a package a user has, and a test helper must stay free to change."""
+    files = _scripts_and_benchmarks()
+    assert any(p.parent.name == "vllm" for p in files)  # the sub-packages are scanned too
+    offenders = [f"{p.relative_to(ROOT)}: {m}" for p in files for m in _imports_tests(p)]
+    assert offenders == [], offenders
+
+
+def test_the_tests_import_scanner_sees_every_form(tmp_path: Path) -> None:
+    """The rule above catches each way a module can import ``tests``."""
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import tests.vllm.sched\n"
+        "def f():\n"
+        "    from tests.vllm import kv_alloc\n"
+        "    import importlib\n"
+        "    return importlib.import_module('tests.vllm.tiny_llama')\n"
+    )
+    assert _imports_tests(planted) == [
+        "import tests.vllm.sched",
+        "from tests.vllm import ...",
+        "importlib.import_module('tests.vllm.tiny_llama')",
+    ]
 
 
 def test_the_scanner_sees_imports() -> None:

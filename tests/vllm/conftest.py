@@ -1,4 +1,6 @@
-"""vLLM's integration tests run only where vLLM is installed (`make test-vllm` builds that venv).
+"""vLLM's integration tests run only where vLLM is installed (`make test-vllm` builds that venv):
+elsewhere nothing here is collected, not even the tests that need no vLLM (the connector's
+worker half, its parameters and blocks, the router), so that they run once, in that suite.
 
 vLLM and the torch parts it loads raise deprecation and user warnings of their own while being
 imported and while engines start; the project runs with warnings as errors, so those categories are
@@ -13,6 +15,7 @@ import warnings
 import pytest
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+collect_ignore_glob = [] if HAS_VLLM else ["test_*.py"]
 _THIRD_PARTY = ("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
 
 if HAS_VLLM:

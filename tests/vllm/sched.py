@@ -93,8 +93,13 @@ def vllm_config(
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both",
             engine_id=ENGINE_ID,
+            # By default the step path (what a multi-process executor uses): a worker these
+            # tests register in this process would otherwise get the scheduler's holds and
+            # loads at once (tests/vllm/test_vllm_scheduler_sends.py covers that path).
             kv_connector_extra_config=(
-                {"peer_endpoints": [PEER], "lease_s": 30} if extra is None else extra
+                {"peer_endpoints": [PEER], "lease_s": 30, "scheduler_sends": False}
+                if extra is None
+                else extra
             ),
             kv_load_failure_policy=failure_policy,
         ),

@@ -27,7 +27,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 from kvsidecar.client import SidecarClient  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
-from tests.vllm.tiny_llama import make_tiny_llama  # noqa: E402
+from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 
 MAX_TOKENS = 8
 A = [(7 * i + 3) % 2000 + 10 for i in range(80)]

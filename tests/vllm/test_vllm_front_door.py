@@ -22,8 +22,8 @@ pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
 
 from kvsidecar.client import SidecarClient  # noqa: E402
-from tests.vllm.front_door import MODEL_NAME, FrontDoor, front_door  # noqa: E402
-from tests.vllm.tiny_llama import add_word_tokenizer, make_tiny_llama  # noqa: E402
+from kvsidecar.testing.vllm.front_door import MODEL_NAME, FrontDoor, front_door  # noqa: E402
+from kvsidecar.testing.vllm.tiny_llama import add_word_tokenizer, make_tiny_llama  # noqa: E402
 
 MAX_TOKENS = 8
 TIMEOUT_S = 120.0

@@ -49,6 +49,7 @@ from kvsidecar.integrations.vllm.scheduler import Load, StepWork  # noqa: E402
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
 from kvsidecar.plan import build_peer_plan  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
+from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 from tests.plan.plan_oracle import execute_plan  # noqa: E402
 from tests.vllm import sched  # noqa: E402
 from tests.vllm.kv_alloc import Memories, Rank, allocate, build_rank, kv_cache_config  # noqa: E402
@@ -66,7 +67,6 @@ from tests.vllm.test_vllm_geometry import (  # noqa: E402
     state_bytes,
     state_patterns,
 )
-from tests.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 
 BS = sched.BLOCK_SIZE
 PROMPT = [(7 * i + 3) % 2000 + 10 for i in range(80)]  # M = 79 ends inside block-table column 2
@@ -521,7 +521,10 @@ def scheduled_transfer(
     scratch blocks)."""
     endpoints = endpoints or [sched.PEER]
     config = sched.vllm_config(
-        model, mamba_cache_mode="none", extra={"peer_endpoints": endpoints, "lease_s": 30}
+        model,
+        mamba_cache_mode="none",
+        # the step path: the producer's workers may be registered in this process
+        extra={"peer_endpoints": endpoints, "lease_s": 30, "scheduler_sends": False},
     )
     config.parallel_config.tensor_parallel_size = len(endpoints)  # what the connector reads
     producer = sched.scheduler(config, kv_p)

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvsidecar.testing import process as sidecar_proc
-from tests.vllm.tiny_llama import make_tiny_llama
+from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama
 
 ENGINE = r"""
 import sys, time

@@ -50,9 +50,9 @@ from kvsidecar.integrations.vllm.scheduler import Hold, Load, StepWork  # noqa: 
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from kvsidecar.testing import toy  # noqa: E402
+from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 from kvsidecar.types import SidecarStatus  # noqa: E402
 from tests.vllm import sched  # noqa: E402
-from tests.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 
 BS = sched.BLOCK_SIZE
 PROMPT = [(7 * i + 3) % 2000 + 10 for i in range(80)]  # 2 full blocks and a partial one
@@ -688,7 +688,7 @@ def until_quiet(conn: KvSidecarConnector, sidecar: sidecar_proc.SidecarProcess) 
     assert conn._worker is not None
     worker = conn._worker
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 10
-    while (status(sidecar).reads_in_flight or worker._quiet) and time.monotonic() < deadline:
+    while (status(sidecar).reads_in_flight or worker._book._quiet) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert status(sidecar).reads_in_flight == 0
 
@@ -738,7 +738,7 @@ def test_full_prefix_hit_finishes_on_decode_whatever_its_notification_does(
     _, failed, invalid, _ = worker_step(sc, conn)
     assert (failed, invalid) == (set(), set())  # nothing about B reaches vLLM
     assert conn._worker is not None
-    assert not conn._worker._quiet  # nothing waits for it any more
+    assert not conn._worker._book._quiet  # nothing waits for it any more
     assert "B" not in sc.requests
     assert sched.free_blocks(sc) == free
 

@@ -11,10 +11,11 @@ end. A heartbeat that finds no handshake with its producer (NOT_FOUND) handshake
 on the loop, off every step's path.
 
 The Session is the engine's liveness lock: when it drops (the sidecar died, or a newer
-registration ended it), the sidecar has released this engine (its holds dropped, its reads
-failed) and the channel reports ``broken`` once; it sends nothing more. A step whose reply does
-not come within ``timeout_s`` (the sidecar bounds its own work far below it) ends the stream the
-same way, so that nothing it may have done outlives the engine's knowledge of it.
+registration ended it) the channel reports ``broken`` once and sends nothing more. A step whose
+reply does not come within ``timeout_s`` (the sidecar bounds its own work far below it), or that
+fails as a whole after it was sent, ends the stream the same way: what such a step did is not
+known, so it is the worker's to settle with everything else the sidecar may still serve (its
+fence, ``kvsidecar.client.fence``), never reported as not done.
 """
 
 from __future__ import annotations
@@ -37,12 +38,7 @@ from kvsidecar.client import (
     StepDone,
     StepSpec,
 )
-from kvsidecar.errors import (
-    DeadlineExceededError,
-    KvSidecarError,
-    NotFoundError,
-    PeerUnavailableError,
-)
+from kvsidecar.errors import KvSidecarError, NotFoundError, PeerUnavailableError
 
 from .scheduler import Heartbeat, StepWork
 
@@ -65,10 +61,11 @@ class Outcomes(Protocol):
         """The sidecar's answer to ``work``: one outcome per hold, load and heartbeat."""
 
     def on_step_failed(self, work: StepWork, error: KvSidecarError) -> None:
-        """``work`` was not carried out (nothing of it outlives the engine's stream)."""
+        """``work`` never reached the sidecar: nothing of it was carried out."""
 
     def on_broken(self, error: KvSidecarError) -> None:
-        """The stream ended: the sidecar has released the engine; nothing more is sent."""
+        """The stream ended, or a sent step's outcome is unknown: nothing more is sent; what
+        earlier steps started may still be served by the sidecar until it is fenced."""
 
 
 class StepChannel:
@@ -234,14 +231,14 @@ class StepChannel:
             return
         try:
             done = await client.step(step_spec(work))
-        except DeadlineExceededError as exc:  # the stream is ended: nothing of it may outlive it
-            self._outcomes.on_step_failed(work, exc)
-            if self._events is not None:
-                self._events.cancel()  # closes the stream: the sidecar releases the engine
-            self._end(exc)
-            return
         except KvSidecarError as exc:
-            self._outcomes.on_step_failed(work, exc)
+            # Sent, and no per-item answer (no reply in time, the stream broke, the step failed
+            # as a whole): its holds may be live and its reads posted. The stream ends (a live
+            # sidecar then releases the engine) and the worker fences the sidecar before any of
+            # it is reported.
+            if self._events is not None:
+                self._events.cancel()
+            self._end(exc)
             return
         self._outcomes.on_step(work, done)
         for hb, result in zip(work.heartbeats, done.heartbeats, strict=True):

@@ -11,7 +11,10 @@ Load it with ``kv_connector="KvSidecarConnector"`` and
   (default 30; decode engines heartbeat requests that wait in their queue);
 * ``lane``: drive the sidecar's lane from vLLM's model thread instead of the connector's I/O
   thread (default false: measured, the lane costs the model thread more and saves no TTFT on a
-  host where the sidecar shares the engine's cores; docs/vllm.md).
+  host where the sidecar shares the engine's cores; docs/vllm.md);
+* ``scheduler_sends``: where the workers run in the scheduler's process (vLLM's single-process
+  executor), hand a hold to the worker when the request finishes and a load when its blocks are
+  allocated, instead of with the next step's ``start_load_kv`` (default true; docs/vllm.md).
 
 This module imports vLLM; nothing else in kvsidecar does.
 """
@@ -19,6 +22,7 @@ This module imports vLLM; nothing else in kvsidecar does.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +45,7 @@ from .geometry import (
 )
 from .hybrid import StateGroups
 from .scheduler import SchedulerSide, StepWork
-from .worker import COUNTERS, WorkerSide
+from .worker import COUNTERS, WorkerSide, in_this_process
 
 if TYPE_CHECKING:
     import torch
@@ -110,6 +114,19 @@ def _flag(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes")
 
 
+def _sender(engine_id: str, tp_size: int) -> Callable[[StepWork], bool]:
+    """The scheduler's ``send_now``: ``work`` to every rank's worker, when all are in this
+    process (their ``start_step``: the same stream, fence and bookkeeping as a step's)."""
+
+    def send(work: StepWork) -> bool:
+        workers = in_this_process(engine_id, tp_size)
+        for worker in workers:
+            worker.start_step(work)
+        return bool(workers)
+
+    return send
+
+
 def _cpu_pages(vllm_config: VllmConfig) -> bool:
     """Whether this engine's attention pages are the CPU backend's vector-ISA pages (K transposed,
     then V; ``describe_kv_caches(cpu_pages=True)``): a CPU engine whose cache keeps the model's
@@ -165,6 +182,13 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
                     lookahead_tokens=getattr(vllm_config, "num_prefill_lookahead_tokens", 0),
                 ),
                 block_size=int(vllm_config.cache_config.block_size or 0),
+                send_now=(
+                    _sender(self._engine_id, tp_size)
+                    if _flag(self._extra.get("scheduler_sends", True))
+                    else None
+                ),
+                loads_now=len(kv_cache_config.kv_cache_groups) == 1
+                and not getattr(kv_cache_config, "needs_kv_cache_zeroing", True),
             )
         else:
             socket = str(self._extra.get("sidecar_socket", ""))

@@ -9,7 +9,7 @@ what came back with one non-blocking receive when vLLM asks for results (``poll`
 ``WorkerSide.take_results``): no thread, no hand-over, nothing waits.
 
 Same outcomes as the channel (``channel.Outcomes``), reported on the model thread: each step's
-per-item results, the events, and the lane's end (the sidecar released the engine). A step
+per-item results, the events, and the lane's end (``Outcomes.on_broken``). A step
 unanswered for ``timeout_s`` ends the lane the same way. A heartbeat that finds no handshake with
 its producer (NOT_FOUND) handshakes and retries on a small thread of its own, off every step.
 """
@@ -111,10 +111,8 @@ class LaneChannel:
         if step is None:
             return
         work = step[0]
-        if reply.code:
-            self._outcomes.on_step_failed(
-                work, requests.error_from_number(reply.code, reply.message)
-            )
+        if reply.code:  # failed as a whole, after it was sent: what it did is not known
+            self._end(requests.error_from_number(reply.code, reply.message))
             return
         done = lean_results(reply.step)
         self._outcomes.on_step(work, done)
@@ -130,15 +128,15 @@ class LaneChannel:
         self._retries.submit(_heartbeat_after_handshake, self._socket, hb)
 
     def _end(self, error: KvSidecarError) -> None:
-        """The lane is over: report it once; unanswered steps fail with it."""
+        """The lane is over: report it once. Unanswered steps were sent: what they did is the
+        worker's to settle when the sidecar is fenced (``Outcomes.on_broken``), never reported
+        as not done."""
         if self.broken is not None:
             return
         self.broken = error
         self._lane.close()
+        self._steps.clear()
         self._outcomes.on_broken(error)
-        while self._steps:
-            work, _ = self._steps.popitem(last=False)[1]
-            self._outcomes.on_step_failed(work, error)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Close the lane (the sidecar releases the engine); stop the heartbeat thread."""

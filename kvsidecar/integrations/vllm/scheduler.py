@@ -1,7 +1,11 @@
 """The scheduler-side half of the connector: which requests load, hold or heartbeat this step.
 
-It runs in vLLM's scheduler process and never talks to a sidecar: it decides, and the per-step
-:class:`StepWork` travels to every worker (``build_connector_meta``), whose half calls its sidecar.
+It runs in vLLM's scheduler process and never talks to a sidecar: it decides, and its work
+reaches every worker's half, which calls its sidecar. Where every TP rank's worker lives in this
+process (vLLM's single-process executor; ``send_now``) a hold or a load goes to them the moment
+it is decided (``request_finished``, ``update_state_after_alloc``), on the worker's own stream;
+otherwise it travels in the step's :class:`StepWork` (``build_connector_meta``), which workers
+act on in ``start_load_kv``, after the step's forward pass.
 
 * Prefill (``do_remote_decode``): when the request finishes (length-capped or stopped) its blocks
   stay allocated (``request_finished`` returns True) and every worker HOLDs them under one token
@@ -24,7 +28,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +107,13 @@ class SchedulerSide:
     clock: Any = time.monotonic
     states: StateGroups = field(default_factory=StateGroups)
     block_size: int = 0  # tokens per block (vLLM's cache_config.block_size); 0: not known
+    # Hands work to every rank's worker now; False when they are not all in this process (the
+    # work then goes in the next step's metadata). None: always the metadata.
+    send_now: Callable[[StepWork], bool] | None = None
+    # Whether a load may be posted at allocation: vLLM writes nothing of its own into the blocks
+    # it just allocated before the step's forward (no zeroing of new blocks, as for Mamba layers
+    # or mixed-precision caches; no copy-on-write of a partial prefix hit, checked per request).
+    loads_now: bool = False
     _loads: dict[str, Load] = field(default_factory=dict)
     _holds: dict[str, Hold] = field(default_factory=dict)
     _waiting: dict[str, _Waiting] = field(default_factory=dict)
@@ -187,11 +198,23 @@ class SchedulerSide:
             ratio = block_ratio(self.block_size, remote.block_size)
             local = align_local_ids(local, remote.block_ids, ratio)
             self._check_state_slots(request.request_id, local, remote)
-            self._loads[request.request_id] = Load(
-                request_id=request.request_id, local_block_ids=local, remote=remote
+            load = Load(request_id=request.request_id, local_block_ids=local, remote=remote)
+            # A local hit ending inside a block gets a copy-on-write block that the worker fills
+            # before the forward: the READ must not land first.
+            self._load(
+                load,
+                now=self.loads_now
+                and self.block_size > 0
+                and request.num_computed_tokens % self.block_size == 0,
             )
         else:  # full local prefix hit: read nothing, release the producer now
-            self._loads[request.request_id] = _release(request.request_id, remote)
+            self._load(_release(request.request_id, remote))
+
+    def _load(self, load: Load, *, now: bool = True) -> None:
+        """Start ``load`` now (the blocks are allocated and vLLM writes nothing into them before
+        the READ) or with the next step's ``start_load_kv``."""
+        if not (now and self.send_now is not None and self.send_now(StepWork(loads=(load,)))):
+            self._loads[load.request_id] = load
 
     def _check_state_slots(
         self, request_id: str, local: tuple[tuple[int, ...], ...], remote: RemoteKv
@@ -220,7 +243,7 @@ class SchedulerSide:
         if wants_remote_prefill(params):  # aborted before it was scheduled
             params["do_remote_prefill"] = False
             if waiting is not None:
-                self._loads[rid] = _release(rid, waiting.remote)
+                self._load(_release(rid, waiting.remote))
             return False, None
         if not wants_remote_decode(params):
             return False, None
@@ -240,7 +263,11 @@ class SchedulerSide:
             )
             return False, None
         token = secrets.token_urlsafe(24)
-        self._holds[rid] = Hold(request_id=rid, block_ids=blocks, token=token, lease_s=self.lease_s)
+        hold = Hold(request_id=rid, block_ids=blocks, token=token, lease_s=self.lease_s)
+        # Sent before the token leaves (kv_transfer_params are returned from here) where the
+        # workers are in this process; a consumer that still outruns it is answered PENDING.
+        if self.send_now is None or not self.send_now(StepWork(holds=(hold,))):
+            self._holds[rid] = hold
         remote = RemoteKv(
             engine_id=self.engine_id,
             request_id=rid,

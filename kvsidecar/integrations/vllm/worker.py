@@ -14,9 +14,15 @@ a failed request and its invalid block ids.
 
 Nothing is lost or leaked when the sidecar is slow or gone: a step that cannot be queued (too
 many unanswered), a HOLD the sidecar refuses and a load refused at acceptance fail at once (a
-failed hold reports its request finished sending, so vLLM frees the blocks); when the stream
-breaks, every load still pending fails and every hold reports finished sending, as do the loads
-and holds of later steps.
+failed hold reports its request finished sending, so vLLM frees the blocks); the loads and holds
+of steps after a break fail at once too (none of them reached the sidecar).
+
+When the stream breaks, or a step goes unanswered, the blocks of every hold and pending load are
+memory the sidecar may still serve (a hung sidecar's registered memory is read without its event
+loop): they are given back to vLLM only once the sidecar is fenced (``kvsidecar.client.fence``:
+its process gone, killed by this worker if need be, or it answered that it let go). A sidecar
+that cannot be fenced keeps them, and the worker says so (an error log, the ``unfenced``
+counter) until it can.
 """
 
 from __future__ import annotations
@@ -25,41 +31,37 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
-from kvsidecar.client import (
-    Event,
-    RecvDone,
-    RecvFailed,
-    SendDone,
-    SidecarClient,
-    StepDone,
-)
+from kvsidecar.client import Event, RecvFailed, SidecarClient, StepDone
+from kvsidecar.client.fence import Fenced, SidecarFence
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory import MemorySpec
 from kvsidecar.plan import View
 from kvsidecar.types import lane_path
 
+from .book import COUNTERS, StepResults, WorkerBook
 from .channel import MAX_QUEUED_STEPS, STEP_TIMEOUT_S, StepChannel
 from .lane import LaneChannel
 from .scheduler import StepWork
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COUNTERS", "StepResults", "WorkerSide"]
+__all__ = ["COUNTERS", "StepResults", "WorkerSide", "in_this_process"]
+
+# The registered workers of this process, by (engine id, TP rank): vLLM's single-process executor
+# runs the scheduler and the only worker in one process, and the scheduler's half then hands its
+# holds and loads to that worker at once (``in_this_process``) instead of through the next
+# step's metadata. Entries are added by ``register`` and removed by ``close``.
+_WORKERS: dict[tuple[str, int], WorkerSide] = {}
+_WORKERS_LOCK = threading.Lock()
 
 
-@dataclass
-class StepResults:
-    """What finished since the last call (request ids; block ids that did not load)."""
-
-    sending: set[str] = field(default_factory=set)
-    recving: set[str] = field(default_factory=set)
-    failed: set[str] = field(default_factory=set)
-    invalid_block_ids: set[int] = field(default_factory=set)
-
-
-COUNTERS = ("reads", "reads_failed", "bytes_read", "holds", "sends_done", "leases_expired")
+def in_this_process(engine_id: str, tp_size: int) -> tuple[WorkerSide, ...]:
+    """Every TP rank's registered worker of ``engine_id`` when all live in this process (in rank
+    order), else ()."""
+    with _WORKERS_LOCK:
+        found = tuple(_WORKERS.get((engine_id, r)) for r in range(tp_size))
+    return () if any(w is None for w in found) else tuple(w for w in found if w is not None)
 
 
 class WorkerSide:
@@ -87,16 +89,12 @@ class WorkerSide:
         self._max_queued_steps = max_queued_steps
         self._step_timeout_s = step_timeout_s
         self._channel: StepChannel | LaneChannel | None = None
-        # Everything below is shared by vLLM's calls and the I/O thread, under _lock: each holder
-        # only updates sets (no I/O, no logging), once per call, reply or event.
-        self._lock = threading.Lock()
-        self._results = StepResults()
-        self._quiet: set[str] = set()  # loads vLLM does not wait for (full hits, aborts)
-        self._load_ids: dict[str, tuple[tuple[int, ...], ...]] = {}  # request id -> local ids
-        self._held: set[str] = set()  # holds issued and not yet reported sent
-        self._finished_seen: set[str] = set()  # of those, the ones vLLM has named finished
-        self._pending_sends: set[str] = set()
-        self._counts = dict.fromkeys(COUNTERS, 0)  # since the last take_counts
+        self._fence = SidecarFence(socket)
+        self._book = WorkerBook()  # shared by vLLM's calls and the outcomes' threads
+        # start_step's callers: vLLM's model thread, and its scheduler when it runs in this
+        # process (the same thread in vLLM's single-process executor; the lock is uncontended).
+        self._submitting = threading.Lock()
+        self._closed = False
         self._broken: KvSidecarError | None = None  # the stream ended (set by the I/O thread)
         self._overflowing = False  # the step queue was full (logged once until it drains)
         self.peer_endpoint = ""
@@ -112,6 +110,7 @@ class WorkerSide:
     ) -> str:
         """Register this rank's KV memory and open the I/O thread's stream; returns the sidecar's
         advertised PeerService endpoint. Blocking (once, at start-up)."""
+        self._fence.start()  # the process that will hold this registration (before it does)
         with SidecarClient(self._socket) as client:
             registered = client.register_engine(
                 engine_id=self._engine_id,
@@ -129,6 +128,14 @@ class WorkerSide:
                 trailing_holds=True,
             )
         self.peer_endpoint = registered.peer_endpoint
+        self._fence.bind(registered.epoch, registered.agent_name)
+        if self._fence.why_unkillable:
+            log.warning(
+                "kvsidecar: this worker cannot fence sidecar %s (%s): if its stream breaks, "
+                "blocks it may still serve are kept until it exits or answers that it let go",
+                self._socket,
+                self._fence.why_unkillable,
+            )
         # The lane when the sidecar serves one (the model thread drives it: no hand-over to a
         # thread, lane.py says what that saves), else the I/O thread's Session stream.
         lane = self._use_lane and os.path.exists(lane_path(self._socket))
@@ -138,6 +145,8 @@ class WorkerSide:
         )
         channel.start()
         self._channel = channel
+        with _WORKERS_LOCK:
+            _WORKERS[(self._engine_id, self._tp_rank)] = self
         log.info(
             "kvsidecar: engine %s rank %d/%d registered (epoch %d, %d views) at %s",
             self._engine_id,
@@ -153,20 +162,20 @@ class WorkerSide:
 
     def start_step(self, work: StepWork) -> None:
         """Queue the step's HOLDs, loads and heartbeats for the I/O thread and return: never
-        waits for the sidecar. A step that cannot be queued fails its loads and holds at once."""
+        waits for the sidecar. A step that cannot be queued fails its loads and holds at once.
+        Called by vLLM's model thread (``start_load_kv``) and by the scheduler's half in this
+        process (``in_this_process``), as soon as it decides a hold or a load."""
         if not (work.loads or work.holds or work.heartbeats):
             return
-        channel = self._require()
-        with self._lock:
-            self._held.update(h.request_id for h in work.holds)
-            for load in work.loads:
-                if load.reported:
-                    self._load_ids[load.request_id] = load.local_block_ids
-                else:
-                    self._quiet.add(load.request_id)
-        if channel.submit(work):
-            self._overflowing = False
+        if self._closed:  # the scheduler's half racing shutdown: nothing reaches the sidecar
+            self._book.failed(work)
             return
+        channel = self._require()
+        with self._submitting:
+            self._book.note(work)
+            if channel.submit(work):
+                self._overflowing = False
+                return
         if self._broken is None and not self._overflowing:
             self._overflowing = True
             log.error(
@@ -177,38 +186,29 @@ class WorkerSide:
                 len(work.loads),
                 len(work.holds),
             )
-        with self._lock:
-            self._failed(work)
+        self._book.failed(work)
 
     def take_results(self, finished_req_ids: Iterable[str]) -> StepResults:
         """Everything that finished since the last call. A SEND_DONE is reported once vLLM has
         named its request as finished (vLLM's contract for delayed frees)."""
         if isinstance(self._channel, LaneChannel):
-            self._channel.poll()  # what the sidecar answered since the last step
-        with self._lock:
-            self._finished_seen.update(self._held.intersection(finished_req_ids))
-            out, self._results = self._results, StepResults()
-            ready = self._pending_sends & self._finished_seen
-            out.sending |= ready
-            self._pending_sends -= ready
-            self._finished_seen -= ready
-            self._held -= ready
-            return out
+            with self._submitting:
+                self._channel.poll()  # what the sidecar answered since the last step
+        return self._book.take(finished_req_ids)
 
     def pending(self) -> int:
         """Steps sent and not yet answered (taking what came back first, on the lane)."""
         channel = self._require()
         if isinstance(channel, LaneChannel):
-            channel.poll()
+            with self._submitting:
+                channel.poll()
         return channel.pending
 
     def take_counts(self) -> dict[str, int]:
         """Counters since the last call (for vLLM's connector stats)."""
-        with self._lock:
-            out, self._counts = self._counts, dict.fromkeys(COUNTERS, 0)
-            return out
+        return self._book.take_counts()
 
-    # --- outcomes (channel.Outcomes, on the I/O thread: logged, then applied under _lock) ------
+    # --- outcomes (channel.Outcomes, on the I/O thread: logged, then applied to the book) ------
 
     def on_step(self, work: StepWork, done: StepDone) -> None:
         for hold, result in zip(work.holds, done.holds, strict=True):
@@ -217,87 +217,51 @@ class WorkerSide:
         for load, outcome in zip(work.loads, done.reads, strict=True):
             if isinstance(outcome, Exception):
                 log.warning("kvsidecar: read of %s refused: %s", load.request_id, outcome)
-        with self._lock:
-            self._answered(work, done)
+        self._book.answered(work, done)
 
     def on_step_failed(self, work: StepWork, error: KvSidecarError) -> None:
         if self._broken is None and (work.holds or work.loads):  # a break is logged once
             log.warning("kvsidecar: a step failed (its loads fail, its holds end): %s", error)
-        with self._lock:
-            self._failed(work)
+        self._book.failed(work)
 
     def on_broken(self, error: KvSidecarError) -> None:
-        """The sidecar released this engine: every pending load fails, every hold has ended."""
+        """The stream ended or a step went unanswered: later steps fail at once; pending loads
+        fail and holds end once the sidecar is fenced (it can no longer serve their blocks)."""
         log.error(
-            "kvsidecar: the stream to sidecar %s of engine %s ended (%s): pending loads fail, "
-            "holds end, and later steps fail at once",
+            "kvsidecar: the stream to sidecar %s of engine %s ended (%s): later steps fail at "
+            "once; pending loads fail and holds end once the sidecar is fenced",
             self._socket,
             self._engine_id,
             error,
         )
         self._broken = error
-        with self._lock:
-            self._released()
+        self._fence.fence_in_background(self._fenced, self._unfenced)
+
+    def _fenced(self, result: Fenced) -> None:
+        """The sidecar can no longer serve this engine's blocks (the fence's thread)."""
+        log.warning(
+            "kvsidecar: sidecar %s fenced (%s%s): pending loads fail, holds end",
+            self._socket,
+            result.outcome.value,
+            ", killed" if result.killed else "",
+        )
+        self._book.released()
+
+    def _unfenced(self, result: Fenced) -> None:
+        log.error(
+            "kvsidecar: sidecar %s cannot be fenced (%s): the blocks of its holds and pending "
+            "loads are KEPT (vLLM cannot reuse them) until it exits or answers that it let go",
+            self._socket,
+            result.why,
+        )
+        self._book.count("unfenced")
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, RecvFailed):
             log.warning("kvsidecar: read of %s failed: %s", event.request_id, event.message)
-        with self._lock:
-            self._evented(event)
+        self._book.evented(event)
 
     _on_event = on_event  # the name the worker's unit tests use
-
-    # --- applying them (under _lock) -----------------------------------------------------------------
-
-    def _answered(self, work: StepWork, done: StepDone) -> None:
-        for hold, result in zip(work.holds, done.holds, strict=True):
-            if isinstance(result, Exception):
-                self._pending_sends.add(hold.request_id)
-            else:
-                self._counts["holds"] += 1
-        for load, outcome in zip(work.loads, done.reads, strict=True):
-            if isinstance(outcome, Exception):
-                self._ended(load.request_id, ok=False)
-
-    def _failed(self, work: StepWork) -> None:
-        self._pending_sends.update(hold.request_id for hold in work.holds)
-        for load in work.loads:
-            self._ended(load.request_id, ok=False)
-
-    def _released(self) -> None:
-        for request_id in list(self._load_ids):
-            self._ended(request_id, ok=False)
-        self._quiet.clear()
-        self._pending_sends |= self._held
-
-    def _evented(self, event: Event) -> None:
-        if isinstance(event, SendDone):
-            self._pending_sends.add(event.request_id)
-            self._counts["sends_done"] += 1
-            self._counts["leases_expired"] += int(event.expired)
-        elif isinstance(event, RecvDone):
-            self._counts["bytes_read"] += event.bytes
-            self._ended(event.request_id, ok=True)
-        elif isinstance(event, RecvFailed):
-            self._ended(event.request_id, ok=False, invalid=event.invalid_block_ids)
-        # SendFailed is push mode's (never used by this pull connector)
-
-    def _ended(
-        self, request_id: str, *, ok: bool, invalid: Sequence[Sequence[int]] | None = None
-    ) -> None:
-        if request_id in self._quiet:
-            self._quiet.discard(request_id)
-            return
-        local = self._load_ids.pop(request_id, None)
-        if local is None:
-            return
-        self._counts["reads"] += 1
-        self._results.recving.add(request_id)
-        if not ok:
-            self._counts["reads_failed"] += 1
-            self._results.failed.add(request_id)
-            groups = local if invalid is None else invalid
-            self._results.invalid_block_ids.update(int(b) for g in groups for b in g)
 
     def _require(self) -> StepChannel | LaneChannel:
         if self._channel is None:
@@ -306,6 +270,11 @@ class WorkerSide:
 
     def close(self) -> None:
         """End the stream (the sidecar releases this engine) and stop the I/O thread, bounded."""
+        self._closed = True
+        with _WORKERS_LOCK:
+            if _WORKERS.get((self._engine_id, self._tp_rank)) is self:
+                del _WORKERS[(self._engine_id, self._tp_rank)]
         channel, self._channel = self._channel, None
         if channel is not None:
             channel.close()
+        self._fence.close()

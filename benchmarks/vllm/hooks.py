@@ -1,6 +1,6 @@
 """Timing subclasses of kvsidecar's vLLM connector and of vLLM's NixlConnector (``bench_vllm``).
 
-Loaded by vLLM through ``kv_connector_module_path="benchmarks.vllm_hooks"`` with
+Loaded by vLLM through ``kv_connector_module_path="benchmarks.vllm.hooks"`` with
 ``kv_connector="KvSidecarConnector"`` or ``"NixlConnector"``: the classes keep the real
 connectors' names, so every place where vLLM looks at the connector's name treats them as the
 real ones. Nothing in a connector changes: each worker-side hook vLLM calls on the model thread
@@ -10,13 +10,26 @@ real ones. Nothing in a connector changes: each worker-side hook vLLM calls on t
 ``clear_connector_metadata``, and Model Runner V2's extra ones) is wrapped by a clock that adds
 its wall time to the step's total (a hook calling another hook counts once).
 
+The scheduler-side hooks (``SCHEDULER_HOOKS``: ``request_finished``, ``update_state_after_alloc``,
+``build_connector_meta``, ...) are timed too: in vLLM's single-process executor (GPU engines at TP
+1) they run on the same thread as the model, between the worker's steps, so their time is the
+model thread's as much as the worker hooks' is, and it is added to the worker's next step
+record. vLLM's CPU build always runs its worker in a process of its own (its multiprocess
+executor): there the scheduler's hooks are another process's time and the records have none.
+
 A step runs from ``bind_connector_metadata`` to ``clear_connector_metadata``; at its end one
 JSON line goes to the file named by ``KVSIDECAR_BENCH_HOOKS`` (in the worker process, which
-inherits the engine's environment): ``{"t": wall time at bind, "s": hook seconds, "holds": n,
-"loads": n, "hooks": {name: seconds}}``. ``holds``/``loads``: the requests the step's connector
-metadata asks this worker to keep for consumers (producer side) and to read (consumer side):
-``KvSidecarMetadata.work.holds``/``.loads`` for kvsidecar, ``reqs_to_send``/``reqs_to_recv``
-for NixlConnector. Without the variable the classes are the plain connectors.
+inherits the engine's environment): ``{"t": wall time at bind, "s": worker hook seconds,
+"sched_s": scheduler hook seconds since the previous step ended, "holds": n, "loads": n,
+"meta_holds": n, "meta_loads": n, "hooks": {name: seconds}}`` (scheduler hooks named
+``sched.<hook>``). ``holds``/``loads``: the requests the scheduler decided since the previous step
+to keep for consumers (``request_finished`` delaying the free) and to read
+(``update_state_after_alloc`` with external tokens), for either connector, or, where the
+scheduler runs in another process, those of the metadata; ``meta_holds`` /
+``meta_loads``: those the step's connector metadata carries to this worker
+(``KvSidecarMetadata.work.holds``/``.loads``, ``reqs_to_send``/``reqs_to_recv``; kvsidecar hands
+them to an in-process worker at once instead). Without the variable the classes are the plain
+connectors.
 
 With ``KVSIDECAR_BENCH_KEEP_AFFINITY=1`` a connector's constructor leaves the CPU affinity of the
 thread that calls it (vLLM's model thread) as it found it: on a CPU host NixlConnector's worker
@@ -40,7 +53,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as _
 
 from kvsidecar.integrations.vllm.connector import KvSidecarConnector as _KvSidecarConnector
 
-__all__ = ["ENV", "HOOKS", "KEEP_AFFINITY", "KvSidecarConnector", "NixlConnector", "step_counts"]
+__all__ = [
+    "ENV",
+    "HOOKS",
+    "KEEP_AFFINITY",
+    "SCHEDULER_HOOKS",
+    "KvSidecarConnector",
+    "NixlConnector",
+    "step_counts",
+]
 
 ENV = "KVSIDECAR_BENCH_HOOKS"
 KEEP_AFFINITY = "KVSIDECAR_BENCH_KEEP_AFFINITY"
@@ -65,6 +86,57 @@ HOOKS = (
 )
 
 
+# Scheduler-side hooks (the scheduler's thread: the model thread too in a single-process engine).
+SCHEDULER_HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+)
+
+
+class _Decided:
+    """The scheduler's hook time and decisions since the worker's last step, in this process
+    (the scheduler and the worker share a thread in vLLM's single-process executor)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.s = 0.0
+        self.holds = 0
+        self.loads = 0
+        self.hooks: dict[str, float] = {}
+
+    def take(self) -> tuple[float, int, int, dict[str, float]]:
+        out = (self.s, self.holds, self.loads, self.hooks)
+        self._reset()
+        return out
+
+    def call(
+        self, name: str, method: Callable[..., Any], this: Any, args: tuple[Any, ...], kw: Any
+    ) -> Any:
+        t0 = time.perf_counter()
+        try:
+            result = method(this, *args, **kw)
+        finally:
+            dt = time.perf_counter() - t0
+            self.s += dt
+            key = f"sched.{name}"
+            self.hooks[key] = self.hooks.get(key, 0.0) + dt
+        if name.startswith("request_finished") and isinstance(result, tuple) and result[0]:
+            self.holds += 1  # the free is delayed: the blocks are held for a consumer
+        elif name == "update_state_after_alloc":
+            external = args[2] if len(args) > 2 else kw.get("num_external_tokens", 0)
+            self.loads += int(external > 0)
+        return result
+
+
+_DECIDED = _Decided()
+
+
 def step_counts(meta: Any) -> tuple[int, int]:
     """(holds, loads) a step's connector metadata carries, for either connector."""
     work = getattr(meta, "work", None)
@@ -86,8 +158,8 @@ class _Clock:
     def _reset(self) -> None:
         self._t = 0.0
         self._s = 0.0
-        self._holds = 0
-        self._loads = 0
+        self._meta_holds = 0
+        self._meta_loads = 0
         self._hooks: dict[str, float] = {}
         self._open = False
 
@@ -101,7 +173,7 @@ class _Clock:
                 self._flush()
             self._open = True
             self._t = time.time()
-            self._holds, self._loads = step_counts(
+            self._meta_holds, self._meta_loads = step_counts(
                 args[0] if args else kw.get("connector_metadata")
             )
         self._depth += 1
@@ -117,12 +189,18 @@ class _Clock:
                 self._flush()
 
     def _flush(self) -> None:
+        sched_s, holds, loads, sched_hooks = _DECIDED.take()
         record = {
             "t": self._t,
             "s": self._s,
-            "holds": self._holds,
-            "loads": self._loads,
-            "hooks": {k: round(v, 9) for k, v in self._hooks.items()},
+            "sched_s": sched_s,
+            # With the scheduler in another process (vLLM's multiprocess executor, which its CPU
+            # build always uses) nothing is decided here: the step's metadata tells.
+            "holds": max(holds, self._meta_holds),
+            "loads": max(loads, self._meta_loads),
+            "meta_holds": self._meta_holds,
+            "meta_loads": self._meta_loads,
+            "hooks": {k: round(v, 9) for k, v in {**self._hooks, **sched_hooks}.items()},
         }
         self._file.write(json.dumps(record) + "\n")
         self._reset()
@@ -146,8 +224,21 @@ def _wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
+def _wrap_scheduler(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(self: Any, *args: Any, **kw: Any) -> Any:
+        if not self.__dict__.get("_bench_scheduler"):
+            return method(self, *args, **kw)
+        return _DECIDED.call(name, method, self, args, kw)
+
+    timed.__name__ = name
+    timed.__qualname__ = name
+    timed.__doc__ = method.__doc__
+    return timed
+
+
 def _timed(base: type[Any]) -> type[Any]:
-    """A subclass of ``base`` named like it, whose worker instances time their hooks."""
+    """A subclass of ``base`` named like it, whose worker instances time their hooks (and whose
+    scheduler instance its own, for the worker's step records)."""
 
     def __init__(self: Any, vllm_config: Any, role: Any, *args: Any, **kw: Any) -> None:
         affinity = os.sched_getaffinity(0)
@@ -157,6 +248,8 @@ def _timed(base: type[Any]) -> type[Any]:
         path = os.environ.get(ENV)
         if path and role == KVConnectorRole.WORKER:
             self.__dict__["_bench_clock"] = _Clock(path)
+        elif path and role == KVConnectorRole.SCHEDULER:
+            self.__dict__["_bench_scheduler"] = True
 
     def shutdown(self: Any) -> None:
         try:
@@ -176,6 +269,10 @@ def _timed(base: type[Any]) -> type[Any]:
         method = getattr(base, name, None)
         if callable(method):
             namespace[name] = _wrap(name, method)
+    for name in SCHEDULER_HOOKS:
+        method = getattr(base, name, None)
+        if callable(method):
+            namespace[name] = _wrap_scheduler(name, method)
     return type(base.__name__, (base,), namespace)
 
 

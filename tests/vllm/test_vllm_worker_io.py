@@ -137,7 +137,10 @@ def until(predicate: Callable[[], bool], what: str, timeout_s: float = 20.0) -> 
 
 
 def collect(
-    worker: WorkerSide, done: Callable[[StepResults], bool], finished: frozenset[str] = frozenset()
+    worker: WorkerSide,
+    done: Callable[[StepResults], bool],
+    finished: frozenset[str] = frozenset(),
+    timeout_s: float = 20.0,
 ) -> StepResults:
     """``take_results`` once per 10 ms (as vLLM's steps would), merged, until ``done`` holds."""
     merged = StepResults()
@@ -150,7 +153,7 @@ def collect(
         merged.invalid_block_ids |= r.invalid_block_ids
         return done(merged)
 
-    until(step, f"results {merged}")
+    until(step, f"results {merged}", timeout_s)
     return merged
 
 
@@ -308,14 +311,15 @@ def test_a_killed_sidecar_fails_pending_loads_and_ends_holds(
         )
 
 
-def test_an_unanswered_step_ends_the_stream_before_its_holds_are_reported(
+def test_an_unanswered_step_fences_the_sidecar_before_its_holds_are_reported(
     sidecars: Callable[[str], sidecar_proc.SidecarProcess],
     engines: Callable[..., Engine],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A step whose reply does not come in time (the sidecar is stopped): the worker ends its
-    stream, so the sidecar drops whatever the step did, and only then reports the hold sent
-    and the load failed; once the sidecar runs again it has released the engine."""
+    stream and kills the stopped sidecar (its registered memory is served without its loop, so
+    ending the stream alone withdraws nothing), and only once that process is gone reports the
+    holds sent and the load failed."""
     engine = engines(sidecars("both"), "prefill", step_timeout_s=1.0)
     engine.worker.start_step(
         StepWork(holds=(Hold(request_id="before", block_ids=((1,),), token=TOKEN, lease_s=60),))
@@ -326,19 +330,85 @@ def test_an_unanswered_step_ends_the_stream_before_its_holds_are_reported(
     engine.sidecar.proc.send_signal(signal.SIGSTOP)
     try:
         engine.worker.start_step(StepWork(loads=(load,), holds=(hold,)))
-        got = collect(
-            engine.worker,
-            lambda r: bool(r.recving) and len(r.sending) == 2,
-            frozenset({"H", "before"}),
-        )
+        seen: list[int | None] = []  # the sidecar's exit code when something is first reported
+
+        def reported(r: StepResults) -> bool:
+            if (r.sending or r.recving) and not seen:
+                seen.append(engine.sidecar.proc.poll())
+            return bool(r.recving) and len(r.sending) == 2
+
+        got = collect(engine.worker, reported, frozenset({"H", "before"}))
         assert got == StepResults(
             sending={"H", "before"}, recving={"L"}, failed={"L"}, invalid_block_ids={4}
         )
+        assert seen[0] == -signal.SIGKILL  # gone before anything was reported
         assert "stream to sidecar" in caplog.text
+        assert "fenced (released, killed)" not in caplog.text
+        assert "fenced (gone, killed)" in caplog.text
     finally:
-        engine.sidecar.proc.send_signal(signal.SIGCONT)
-    until(lambda: not engine.status().engine_id, "the sidecar released the engine")
-    assert engine.status().holds_active == 0
+        if engine.sidecar.proc.poll() is None:
+            engine.sidecar.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_stopped_producer_sidecar_never_confirms_blocks_vllm_reused(
+    sidecars: Callable[[str], sidecar_proc.SidecarProcess], engines: Callable[..., Engine]
+) -> None:
+    """Issue 37, item 1, with the connector's worker in the loop. The producer sidecar is
+    stopped (SIGSTOP) with hold X live; the producer worker's next step goes unanswered, the
+    worker gives X up as it does (reports it finished sending) and vLLM would then rewrite X's
+    blocks (the test does); a consumer that already handshook then reads X. Its READs and the
+    hold-board check need nothing of the stopped sidecar's loop, so if X's marker were still
+    served the consumer would report RECV_DONE on the rewritten bytes. It must be RECV_FAILED."""
+    producer = engines(sidecars("prefill"), "prefill", step_timeout_s=1.0)
+    consumer = engines(sidecars("decode"), "decode")
+    peer = producer.sidecar.addresses["peer"]
+
+    def hold(rid: str, blocks: tuple[int, ...]) -> StepWork:
+        return StepWork(holds=(Hold(request_id=rid, block_ids=(blocks,), token=TOKEN, lease_s=60),))
+
+    # Warm: one transfer, so the consumer has handshaken and the board is in use.
+    producer.worker.start_step(hold("p-W", (1, 2, 3)))
+    until(lambda: producer.status().holds_active == 1, "the warm hold")
+    warm = Load(request_id="W", local_block_ids=((7, 8, 9),), remote=remote("p-W", (1, 2, 3), peer))
+    consumer.worker.start_step(StepWork(loads=(warm,)))
+    assert collect(consumer.worker, lambda r: bool(r.recving)) == StepResults(recving={"W"})
+    until(lambda: producer.status().counters["sends_done"] == 1, "the warm read's SEND_DONE")
+    assert producer.status().counters["holds_published"] >= 1  # boards on
+
+    producer.worker.start_step(hold("p-X", (4, 5, 6)))
+    until(lambda: producer.status().holds_active == 1, "hold X")
+    producer.sidecar.proc.send_signal(signal.SIGSTOP)
+    try:
+        producer.worker.start_step(hold("p-Y", (10,)))  # unanswered: the worker gives X up
+        got = collect(producer.worker, lambda r: "p-X" in r.sending, frozenset({"p-X", "p-Y"}))
+        assert "p-X" in got.sending
+        # vLLM frees X's blocks and another request writes them.
+        toy.fill(producer.memory.array, producer.views, tp_size=1, rank=0, seed=SEED + 1)
+        x = Load(
+            request_id="X", local_block_ids=((11, 12, 13),), remote=remote("p-X", (4, 5, 6), peer)
+        )
+        consumer.worker.start_step(StepWork(loads=(x,)))
+        res = collect(consumer.worker, lambda r: bool(r.recving), timeout_s=60)
+        wrong = ""
+        if "X" not in res.failed:
+            try:
+                toy.verify(
+                    consumer.memory.array,
+                    consumer.views,
+                    tp_size=1,
+                    rank=0,
+                    seed=SEED,
+                    local_ids=[[11, 12, 13]],
+                    remote_ids=[[4, 5, 6]],
+                )
+            except ValueError as exc:
+                wrong = str(exc)
+        assert res == StepResults(recving={"X"}, failed={"X"}, invalid_block_ids={11, 12, 13}), (
+            f"RECV_DONE on rewritten blocks: {wrong}"
+        )
+    finally:
+        if producer.sidecar.proc.poll() is None:
+            producer.sidecar.proc.send_signal(signal.SIGCONT)
 
 
 def test_a_heartbeat_without_a_handshake_handshakes_and_is_retried(

@@ -1,0 +1,135 @@
+"""What is measured: the connectors' hook time per scheduler step (the step records that
+``benchmarks.vllm.hooks`` writes), and the decode sidecar's Read phases (its metrics)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvsidecar.testing import process as sidecar_proc
+
+from .drive import Handed, prefill_then_decode, prompt
+from .engines import Pair
+from .settings import WAIT_S, log
+
+
+def read_steps(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def wait_step(path: Path, since: float, key: str, n: int) -> dict[str, Any] | None:
+    """The step record since ``since`` that carries the most ``key`` (holds or loads): at once
+    when one carries ``n``, else once those since then carry ``n`` in all and a second has
+    passed, else after ``WAIT_S`` (P's hold step runs just after its requests have returned)."""
+    deadline = time.monotonic() + WAIT_S
+    complete_at = None
+    while True:
+        found = [r for r in read_steps(path) if r["t"] >= since and r[key] > 0]
+        now = time.monotonic()
+        if complete_at is None and sum(r[key] for r in found) >= n:
+            complete_at = now
+        if (
+            any(r[key] >= n for r in found)
+            or (complete_at is not None and now - complete_at > 1.0)
+            or now > deadline
+        ):
+            return max(found, key=lambda r: r[key]) if found else None
+        time.sleep(0.005)
+
+
+def thread_s(record: dict[str, Any]) -> float:
+    """A step record's connector time on the model thread: the worker's hooks and the
+    scheduler's since the previous step (the same thread in a single-process engine)."""
+    return float(record["s"]) + float(record.get("sched_s", 0.0))
+
+
+@dataclass
+class StepSample:
+    n: int
+    p_us: float
+    d_us: float
+    p_count: int  # holds P's scheduler decided in that step
+    d_count: int  # loads D's scheduler decided in that step
+    p_hooks: dict[str, float]
+    d_hooks: dict[str, float]
+
+
+def measure_steps(pair: Pair, n: int, seed: str, length: int) -> tuple[StepSample, Handed]:
+    prompts = [prompt(f"{seed}-{i}", length) for i in range(n)]
+    since = time.time()
+    handed = prefill_then_decode(pair, prompts)
+    p = wait_step(pair.prefill.hooks, since, "holds", n)
+    d = wait_step(pair.decode.hooks, since, "loads", n)
+    if p is None or d is None:
+        raise RuntimeError(f"{pair.connector}: no step record with holds/loads for N={n}")
+    sample = StepSample(
+        n=n,
+        p_us=thread_s(p) * 1e6,
+        d_us=thread_s(d) * 1e6,
+        p_count=p["holds"],
+        d_count=d["loads"],
+        p_hooks={k: v * 1e6 for k, v in p["hooks"].items()},
+        d_hooks={k: v * 1e6 for k, v in d["hooks"].items()},
+    )
+    return sample, handed
+
+
+_PHASES = "kvsidecar_read_phase_seconds"
+
+
+def scrape_phases(sc: sidecar_proc.SidecarProcess) -> dict[str, float]:
+    """``<phase>_sum``/``<phase>_count`` of a sidecar's Read phase histogram."""
+    url = f"http://{sc.addresses['metrics']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        for suffix in ("_sum", "_count"):
+            head = f'{_PHASES}{suffix}{{phase="'
+            if name.startswith(head):
+                out[name[len(head) : -2] + suffix] = float(value)
+    return out
+
+
+def _add_delta(into: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:
+    for key, value in after.items():
+        into[key] = into.get(key, 0.0) + value - before.get(key, 0.0)
+
+
+def phase_means_us(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    out = {}
+    for key, total in after.items():
+        if key.endswith("_sum"):
+            phase = key[: -len("_sum")]
+            count = after.get(phase + "_count", 0.0) - before.get(phase + "_count", 0.0)
+            if count > 0:
+                out[phase] = round((total - before.get(key, 0.0)) / count * 1e6, 1)
+    return out
+
+
+@dataclass
+class Collected:
+    steps: dict[str, dict[int, list[StepSample]]] = field(default_factory=dict)
+    singles: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # seconds, in order
+    batch_ttft: dict[str, list[list[float]]] = field(default_factory=dict)
+    batch_wall: dict[str, list[float]] = field(default_factory=dict)
+    checked: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+    def take(self, handed: Handed) -> None:
+        self.checked += handed.checked
+        self.mismatches += handed.mismatches
+        for m in handed.mismatches:
+            log(f"WRONG: {m}")

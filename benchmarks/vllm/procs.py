@@ -1,0 +1,58 @@
+"""The processes the benchmark starts: finding them (``/proc``) and stopping them, bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+
+def children() -> dict[int, int]:
+    """pid -> parent pid of every process on the host."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            out[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    parents = children()
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {c for c, p in parents.items() if p in frontier and c not in found}
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def kill_all(pids: set[int], timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL what is left after ``timeout`` (bounded)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.05)
+        pids = {p for p in pids if alive(p)}
+        if not pids:
+            return
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

@@ -1,0 +1,77 @@
+"""The benchmark's settings and constants (``python -m benchmarks.bench_vllm``)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+CONNECTORS = ("kvsidecar", "nixl")
+LABEL = {"kvsidecar": "kvsidecar", "nixl": "NixlConnector"}
+HOOKS_MODULE = "benchmarks.vllm.hooks"
+HOOKS_ENV = "KVSIDECAR_BENCH_HOOKS"  # benchmarks.vllm.hooks.ENV (that module imports vLLM)
+KEEP_AFFINITY_ENV = "KVSIDECAR_BENCH_KEEP_AFFINITY"  # benchmarks.vllm.hooks.KEEP_AFFINITY
+STEP_GOAL_US = 1000.0  # the model thread's transfer cost per step at N = 64 (DESIGN 5b)
+TTFT_GOAL = 1.0  # kvsidecar / NixlConnector, decode-side TTFT
+TTFT_AIM = 0.9
+BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
+WAIT_S = 60.0  # bound on waiting for a step record, a sidecar, an engine's processes
+ENGINE_START_S = 900.0  # bound on the engines' start-ups (vLLM bounds each of its own steps)
+REQUEST_TIMEOUT_S = 300.0  # bound on one submission's requests (a loaded host is slow)
+PAUSE_TIMEOUT_S = 120.0  # bound on pausing an engine's scheduler (it waits for idleness)
+
+
+@dataclass(frozen=True)
+class Settings:
+    rounds: int = 2
+    lengths: tuple[int, ...] = (64, 333, 700)
+    singles: int = 5
+    batch: int = 32
+    batch_len: int = 333
+    steps_n: tuple[int, ...] = (1, 8, 64)
+    steps_len: int = 32
+    layers: int = 8
+    bind_p: str = "0"
+    bind_d: str = "1"
+    nixl_pin: str = "undo"  # "keep": leave NixlConnector's own pin of the model thread
+    tiny: bool = False
+    lane: bool = False  # kvsidecar's workers drive the sidecar's lane (else the I/O thread)
+    scheduler_sends: bool = True  # kvsidecar's scheduler hands holds and loads over at once
+
+    @property
+    def max_model_len(self) -> int:
+        longest = max((*self.lengths, self.batch_len, self.steps_len)) + 1
+        return max(256, -(-longest // 256) * 256)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return max(64, self.batch, *self.steps_n)
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        longest = max((*self.lengths, self.batch_len))
+        return max(2048, max(self.steps_n) * self.steps_len, longest)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Room for the largest phase (the batch, or N step prompts) twice over, rounded to MiB."""
+        per_token = self.layers * 2 * 2 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32
+        tokens = max(self.batch * self.batch_len, max(self.steps_n) * self.steps_len)
+        tokens = max(tokens, max(self.lengths)) + self.max_num_seqs * BLOCK
+        return max(32 << 20, -(-2 * tokens * per_token // (1 << 20)) << 20)
+
+
+TINY = Settings(
+    rounds=1,
+    lengths=(40,),
+    singles=1,
+    batch=3,
+    batch_len=40,
+    steps_n=(1, 4),
+    layers=2,
+    tiny=True,
+)
+
+
+def log(msg: str) -> None:
+    print(f"[bench-vllm {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

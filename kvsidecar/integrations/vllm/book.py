@@ -1,0 +1,146 @@
+"""What a worker's loads and holds have come to, until vLLM takes it (``WorkerBook``).
+
+Shared by vLLM's model thread (``note``, ``take``) and whichever thread reports outcomes (the
+I/O thread, the lane's model thread, a fence's thread): every method takes the book's lock,
+only updates sets (no I/O, no logging) and returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvsidecar.client import Event, RecvDone, RecvFailed, SendDone, StepDone
+
+from .scheduler import StepWork
+
+__all__ = ["COUNTERS", "StepResults", "WorkerBook"]
+
+
+@dataclass
+class StepResults:
+    """What finished since the last call (request ids; block ids that did not load)."""
+
+    sending: set[str] = field(default_factory=set)
+    recving: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+COUNTERS = (
+    "reads",
+    "reads_failed",
+    "bytes_read",
+    "holds",
+    "sends_done",
+    "leases_expired",
+    "unfenced",  # a broken sidecar that could not be fenced: its blocks are kept
+)
+
+
+class WorkerBook:
+    """Loads and holds between the step that started them and vLLM's finished sets."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._results = StepResults()
+        self._quiet: set[str] = set()  # loads vLLM does not wait for (full hits, aborts)
+        self._load_ids: dict[str, tuple[tuple[int, ...], ...]] = {}  # request id -> local ids
+        self._held: set[str] = set()  # holds issued and not yet reported sent
+        self._finished_seen: set[str] = set()  # of those, the ones vLLM has named finished
+        self._pending_sends: set[str] = set()
+        self._counts = dict.fromkeys(COUNTERS, 0)  # since the last take_counts
+
+    def note(self, work: StepWork) -> None:
+        """A step's loads and holds, before they are sent (so that their outcomes find them)."""
+        with self._lock:
+            self._held.update(h.request_id for h in work.holds)
+            for load in work.loads:
+                if load.reported:
+                    self._load_ids[load.request_id] = load.local_block_ids
+                else:
+                    self._quiet.add(load.request_id)
+
+    def take(self, finished_req_ids: Iterable[str]) -> StepResults:
+        """Everything that finished since the last call. A SEND_DONE is reported once vLLM has
+        named its request as finished (vLLM's contract for delayed frees)."""
+        with self._lock:
+            self._finished_seen.update(self._held.intersection(finished_req_ids))
+            out, self._results = self._results, StepResults()
+            ready = self._pending_sends & self._finished_seen
+            out.sending |= ready
+            self._pending_sends -= ready
+            self._finished_seen -= ready
+            self._held -= ready
+            return out
+
+    def take_counts(self) -> dict[str, int]:
+        with self._lock:
+            out, self._counts = self._counts, dict.fromkeys(COUNTERS, 0)
+            return out
+
+    def count(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] += 1
+
+    # --- outcomes -----------------------------------------------------------------------------
+
+    def answered(self, work: StepWork, done: StepDone) -> None:
+        """The sidecar's per-item answer to ``work``: a refused HOLD ends at once (the blocks
+        were never served), a refused load fails."""
+        with self._lock:
+            for hold, result in zip(work.holds, done.holds, strict=True):
+                if isinstance(result, Exception):
+                    self._pending_sends.add(hold.request_id)
+                else:
+                    self._counts["holds"] += 1
+            for load, outcome in zip(work.loads, done.reads, strict=True):
+                if isinstance(outcome, Exception):
+                    self._ended(load.request_id, ok=False)
+
+    def failed(self, work: StepWork) -> None:
+        """``work`` never reached the sidecar: its holds end, its loads fail."""
+        with self._lock:
+            self._pending_sends.update(hold.request_id for hold in work.holds)
+            for load in work.loads:
+                self._ended(load.request_id, ok=False)
+
+    def released(self) -> None:
+        """The sidecar can no longer serve this engine (fenced): every load still pending
+        fails, every hold ends."""
+        with self._lock:
+            for request_id in list(self._load_ids):
+                self._ended(request_id, ok=False)
+            self._quiet.clear()
+            self._pending_sends |= self._held
+
+    def evented(self, event: Event) -> None:
+        with self._lock:
+            if isinstance(event, SendDone):
+                self._pending_sends.add(event.request_id)
+                self._counts["sends_done"] += 1
+                self._counts["leases_expired"] += int(event.expired)
+            elif isinstance(event, RecvDone):
+                self._counts["bytes_read"] += event.bytes
+                self._ended(event.request_id, ok=True)
+            elif isinstance(event, RecvFailed):
+                self._ended(event.request_id, ok=False, invalid=event.invalid_block_ids)
+            # SendFailed is push mode's (never used by this pull connector)
+
+    def _ended(
+        self, request_id: str, *, ok: bool, invalid: Sequence[Sequence[int]] | None = None
+    ) -> None:
+        if request_id in self._quiet:
+            self._quiet.discard(request_id)
+            return
+        local = self._load_ids.pop(request_id, None)
+        if local is None:
+            return
+        self._counts["reads"] += 1
+        self._results.recving.add(request_id)
+        if not ok:
+            self._counts["reads_failed"] += 1
+            self._results.failed.add(request_id)
+            groups = local if invalid is None else invalid
+            self._results.invalid_block_ids.update(int(b) for g in groups for b in g)

@@ -1,0 +1,369 @@
+"""The scheduler's half sends at once (``scheduler_sends``, on by default), against vLLM's real
+``Scheduler`` and a real worker half registered with real ``kvsidecar serve`` processes in this
+process, as vLLM's single-process executor runs them:
+
+* prefill: the HOLD reaches the sidecar when the request finishes (``request_finished``), before
+  any later step's metadata (which carries no hold); a HOLD the sidecar refuses ends at once and
+  vLLM frees the blocks; a request preempted before it finished holds nothing until it finishes,
+  then exactly once;
+* decode: the READ is posted when the blocks are allocated (``update_state_after_alloc``, inside
+  ``schedule()``), before the step's worker hooks run (the metadata carries no load); a request
+  aborted while that read is in flight keeps its blocks until the read ends, is reported once and
+  never scheduled again; a request preempted after its load computes its prompt again locally and
+  reads nothing more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.engine import EngineCoreOutput, FinishReason  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvsidecar.client import SharedMemoryExport, SidecarClient  # noqa: E402
+from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
+from kvsidecar.integrations.vllm.worker import WorkerSide  # noqa: E402
+from kvsidecar.testing import process as sidecar_proc  # noqa: E402
+from kvsidecar.testing import toy  # noqa: E402
+from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
+from kvsidecar.types import SidecarStatus  # noqa: E402
+from tests.vllm import sched  # noqa: E402
+
+PROMPT = [(7 * i + 3) % 2000 + 10 for i in range(80)]  # 3 blocks of 32
+LONG = [(5 * i + 1) % 1900 + 20 for i in range(150)]  # prefilled in 3 chunks of 64 tokens
+HANDSHAKE_TIMEOUT_S = 2.0
+WAIT_S = 20.0
+Outputs = dict[str, EngineCoreOutput]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def sidecars(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A producer's and a consumer's real `kvsidecar serve` (mutual TLS between them)."""
+    tmp = tmp_path_factory.mktemp("sidecars")
+    certs = sidecar_proc.certificates(tmp)
+    procs: dict[str, Any] = {}
+    try:
+        for name in ("producer", "consumer"):
+            procs[name] = sidecar_proc.start(
+                tmp,
+                *sidecar_proc.default_args(tmp, name, certs),
+                "--shm-roots",
+                "/dev/shm",
+                "--handshake-timeout-s",
+                str(HANDSHAKE_TIMEOUT_S),
+                name=name,
+                timeout=60.0,  # a loaded host starts a sidecar slowly
+            )
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def dead_peer() -> Iterator[str]:
+    """A TCP endpoint that accepts connections and never answers (a hung producer sidecar)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+    listener.settimeout(0.05)
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, name="dead-peer", daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+@dataclass
+class Engine:
+    """A worker half registered in this process (what vLLM's single-process executor has)."""
+
+    worker: WorkerSide
+    memory: SharedMemoryExport
+    views: tuple[toy.View, ...]
+    sidecar: sidecar_proc.SidecarProcess
+
+    def status(self) -> SidecarStatus:
+        with SidecarClient(self.sidecar.addresses["engine_socket"], timeout_s=10) as client:
+            return client.status()
+
+    def until(self, what: str, ok: Callable[[SidecarStatus], bool]) -> SidecarStatus:
+        deadline = time.monotonic() + WAIT_S
+        while not ok(now := self.status()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not within {WAIT_S} s: {what} ({now})")
+            time.sleep(0.01)
+        return now
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[..., Engine]]:
+    made: list[Engine] = []
+
+    def make(
+        sidecar: sidecar_proc.SidecarProcess,
+        engine_id: str = sched.ENGINE_ID,
+        num_blocks: int = sched.NUM_BLOCKS,
+        seed: int | None = None,
+    ) -> Engine:
+        shape = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=num_blocks)
+        views = toy.build_views(shape, 1)
+        memory = SharedMemoryExport.create(
+            f"/dev/shm/kvsidecar-test-{uuid.uuid4().hex}", toy.memory_size(views)
+        )
+        if seed is not None:
+            toy.fill(memory.array, views, tp_size=1, rank=0, seed=seed)
+        worker = WorkerSide(
+            socket=sidecar.addresses["engine_socket"], engine_id=engine_id, tp_rank=0, tp_size=1
+        )
+        engine = Engine(worker=worker, memory=memory, views=views, sidecar=sidecar)
+        made.append(engine)
+        worker.register(
+            views=views, memories={"kv": memory.spec}, model="toy", dtype="float16", num_groups=1
+        )
+        return engine
+
+    try:
+        yield make
+    finally:
+        for engine in made:
+            engine.worker.close()
+            engine.memory.close()
+            engine.memory.unlink()
+
+
+def scheduler(model: Path, *, budget: int = 0) -> Scheduler:
+    """vLLM's Scheduler with the connector sending at once (the default); ``budget``: tokens per
+    step (chunked prefill) when not 0."""
+    config = sched.vllm_config(model, extra={"peer_endpoints": [sched.PEER], "lease_s": 30})
+    if budget:
+        config.scheduler_config.max_num_batched_tokens = budget
+    return sched.scheduler(config, sched.kv_cache_config())
+
+
+def worker_step(sc: Scheduler, engine: Engine) -> tuple[SchedulerOutput, set[str], Outputs]:
+    """One engine step: schedule, the worker's hooks as vLLM's model runner calls them, one
+    token per scheduled request, and the transfer results back to the scheduler."""
+    out = sc.schedule()
+    return (out, *finish_step(sc, engine, out))
+
+
+def finish_step(sc: Scheduler, engine: Engine, out: SchedulerOutput) -> tuple[set[str], Outputs]:
+    worker = engine.worker
+    worker.start_step(sched.work(out))
+    r = worker.take_results(out.finished_req_ids)
+    kv = sched.model_output(
+        out,
+        sending=r.sending,
+        recving=r.recving,
+        failed=r.failed,
+        partial=sched.partial_prefills(sc, out),
+    )
+    result = sc.update_from_output(out, kv)
+    return r.failed, {o.request_id: o for eco in result.values() for o in eco.outputs}
+
+
+def steps_until(
+    sc: Scheduler, engine: Engine, done: Callable[[SchedulerOutput, set[str], Outputs], bool]
+) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not done(*worker_step(sc, engine)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {WAIT_S} s")
+        time.sleep(0.01)
+
+
+# --- prefill ----------------------------------------------------------------------------------
+
+
+def test_the_hold_reaches_the_sidecar_when_the_request_finishes(
+    model: Path, sidecars: dict[str, Any], engines: Callable[..., Engine]
+) -> None:
+    engine = engines(sidecars["producer"])
+    before = engine.status().counters["holds_published"]
+    sc = scheduler(model)
+    free = sched.free_blocks(sc)
+    sc.add_request(sched.request(sc, PROMPT, params={"do_remote_decode": True}, request_id="P"))
+    out = sc.schedule()
+    _, outs = finish_step(sc, engine, out)
+    assert outs["P"].finish_reason == FinishReason.LENGTH
+    assert outs["P"].kv_transfer_params is not None
+    # No further step has run: the HOLD went from request_finished.
+    engine.until(
+        "the hold", lambda s: s.holds_active == 1 and s.counters["holds_published"] == before + 1
+    )
+    out = sc.schedule()
+    assert "P" in out.finished_req_ids
+    assert sched.work(out).holds == ()  # nothing left for the step
+    finish_step(sc, engine, out)
+    assert sched.free_blocks(sc) == free - 3  # held for the consumer until SEND_DONE
+
+
+def test_a_hold_the_sidecar_refuses_frees_the_blocks(
+    model: Path, sidecars: dict[str, Any], engines: Callable[..., Engine]
+) -> None:
+    """The sidecar refuses the scheduler's HOLD (a hold of that request id is live already:
+    ALREADY_EXISTS), and vLLM frees the request's blocks once it named it finished, without a
+    step's metadata ever carrying the hold."""
+    engine = engines(sidecars["producer"])
+    with SidecarClient(engine.sidecar.addresses["engine_socket"], timeout_s=10) as client:
+        client.hold("P", block_ids=[[1]], token=secrets.token_urlsafe(24), lease_s=60)
+    sc = scheduler(model)
+    free = sched.free_blocks(sc)
+    sc.add_request(sched.request(sc, PROMPT, params={"do_remote_decode": True}, request_id="P"))
+    _, _, outs = worker_step(sc, engine)
+    assert outs["P"].kv_transfer_params is not None  # the token went out before the refusal
+    steps_until(sc, engine, lambda *_: "P" not in sc.requests)
+    assert sched.free_blocks(sc) == free
+    assert engine.status().holds_active == 1  # the other one only
+
+
+def test_a_preempted_prefill_holds_nothing_until_it_finishes_then_once(
+    model: Path, sidecars: dict[str, Any], engines: Callable[..., Engine]
+) -> None:
+    engine = engines(sidecars["producer"])
+    before = engine.status().counters["holds_published"]
+    sc = scheduler(model, budget=64)
+    sc.add_request(sched.request(sc, LONG, params={"do_remote_decode": True}, request_id="P"))
+    out = sc.schedule()
+    assert out.num_scheduled_tokens == {"P": 64}  # the first chunk
+    finish_step(sc, engine, out)
+    request = sc.requests["P"]
+    sc.running.remove(request)
+    sc._preempt_request(request, time.monotonic())
+    assert request.status == RequestStatus.PREEMPTED
+    done: Outputs = {}
+
+    def finished(_: SchedulerOutput, __: set[str], outs: Outputs) -> bool:
+        done.update(outs)
+        return "P" in outs and outs["P"].finished
+
+    steps_until(sc, engine, finished)
+    assert done["P"].kv_transfer_params is not None
+    engine.until(
+        "one hold", lambda s: s.counters["holds_published"] == before + 1 and s.holds_active == 1
+    )
+
+
+# --- decode -----------------------------------------------------------------------------------
+
+
+def remote_kv(request_id: str, peer: str, token: str = "") -> RemoteKv:
+    blocks = -(-len(PROMPT) // sched.BLOCK_SIZE)
+    return RemoteKv(
+        engine_id=f"prefill-{uuid.uuid4().hex[:8]}",
+        request_id=request_id,
+        block_ids=(tuple(range(40, 40 + blocks)),),
+        endpoints=(peer,),
+        token=token or f"token-{request_id}",
+        tp_size=1,
+        num_tokens=len(PROMPT),
+    )
+
+
+def test_the_read_is_posted_at_allocation_and_an_abort_waits_for_it(
+    model: Path, sidecars: dict[str, Any], engines: Callable[..., Engine], dead_peer: str
+) -> None:
+    engine = engines(sidecars["consumer"])
+    sc = scheduler(model)
+    free = sched.free_blocks(sc)
+    kv = remote_kv("p-D", dead_peer)
+    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="D", max_tokens=2))
+    out = sc.schedule()
+    # Posted from update_state_after_alloc, inside schedule(): no worker hook has run.
+    engine.until("the read waits for its handshake", lambda s: s.reads_handshaking == 1)
+    assert sched.work(out).loads == ()
+    finish_step(sc, engine, out)
+    assert sc.requests["D"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    sc.finish_requests("D", RequestStatus.FINISHED_ABORTED)
+    assert sched.free_blocks(sc) < free  # the READ may still land: the blocks stay allocated
+    ended: set[str] = set()
+
+    def read_ended(_: SchedulerOutput, failed: set[str], outs: Outputs) -> bool:
+        assert "D" not in outs or outs["D"].finished  # never scheduled again
+        ended.update(failed)
+        return bool(ended)
+
+    steps_until(sc, engine, read_ended)
+    assert ended == {"D"}
+    for _ in range(3):
+        _, failed, outs = worker_step(sc, engine)
+        assert failed == set()
+        assert "D" not in outs
+    assert "D" not in sc.requests
+    assert sched.free_blocks(sc) == free
+
+
+def test_a_request_preempted_after_its_load_reads_nothing_more(
+    model: Path, sidecars: dict[str, Any], engines: Callable[..., Engine]
+) -> None:
+    """A real producer holds the blocks; the decode request loads them (RECV_DONE, bytes
+    checked), runs, is preempted (its blocks freed) and computes its prompt locally: no second
+    read, and vLLM's request finishes."""
+    producer = engines(sidecars["producer"], engine_id="prefill-sends", seed=3)
+    consumer = engines(sidecars["consumer"])
+    token = secrets.token_urlsafe(24)
+    kv = dataclasses.replace(
+        remote_kv("p-R", producer.sidecar.addresses["peer"], token), engine_id="prefill-sends"
+    )
+    with SidecarClient(producer.sidecar.addresses["engine_socket"], timeout_s=10) as client:
+        client.hold("p-R", block_ids=[list(kv.block_ids[0])], token=token, lease_s=60)
+    reads = consumer.status().counters["reads_done"]
+    sc = scheduler(model)
+    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="R", max_tokens=4))
+    out = sc.schedule()
+    local = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("R"))
+    finish_step(sc, consumer, out)
+    steps_until(sc, consumer, lambda *_: sc.requests["R"].status == RequestStatus.RUNNING)
+    assert toy.verify(
+        consumer.memory.array,
+        consumer.views,
+        tp_size=1,
+        rank=0,
+        seed=3,
+        local_ids=[list(local[0])],
+        remote_ids=[list(kv.block_ids[0])],
+    )
+    request = sc.requests["R"]
+    sc.running.remove(request)
+    sc._preempt_request(request, time.monotonic())
+    out = sc.schedule()
+    assert "R" in out.num_scheduled_tokens  # computed here (its prefix cache may help)
+    finish_step(sc, consumer, out)
+    steps_until(sc, consumer, lambda *_: "R" not in sc.requests)
+    status = consumer.status()
+    assert status.counters["reads_done"] == reads + 1  # the one load, nothing after preemption
+    assert status.reads_in_flight == 0
