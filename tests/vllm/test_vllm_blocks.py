@@ -1,5 +1,5 @@
 """A decode engine whose blocks are larger than the prefill engine's: the scheduler half's block
-alignment (integrations.vllm.blocks), ``remote_block_size`` in the params (through a protobuf
+alignment (integrations.vllm.params), ``remote_block_size`` in the params (through a protobuf
 Struct proxy too), and that, with the sidecar's pairing rule (plan.tokens), every prompt token
 lands in its own decode block and slot, prefix hits included."""
 
@@ -11,8 +11,13 @@ from typing import Any
 import pytest
 from google.protobuf import json_format, struct_pb2
 
-from kvsidecar.integrations.vllm.blocks import align_local_ids, block_ratio, positions_filled
-from kvsidecar.integrations.vllm.params import ParamsError, RemoteKv
+from kvsidecar.integrations.vllm.params import (
+    ParamsError,
+    RemoteKv,
+    align_local_ids,
+    block_ratio,
+    positions_filled,
+)
 from kvsidecar.integrations.vllm.scheduler import SchedulerSide
 from kvsidecar.plan.tokens import remote_tail
 

@@ -32,9 +32,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .blocks import align_local_ids, block_ratio
 from .hybrid import StateGroups, truncate_prompt
-from .params import ParamsError, RemoteKv, wants_remote_decode, wants_remote_prefill
+from .params import (
+    ParamsError,
+    RemoteKv,
+    align_local_ids,
+    block_ratio,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 
 log = logging.getLogger(__name__)
 
