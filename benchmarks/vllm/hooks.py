@@ -140,8 +140,9 @@ _DECIDED = _Decided()
 def step_counts(meta: Any) -> tuple[int, int]:
     """(holds, loads) a step's connector metadata carries, for either connector."""
     work = getattr(meta, "work", None)
-    if work is not None:  # KvSidecarMetadata
-        return len(work.holds), len(work.loads)
+    if work is not None:  # KvSidecarMetadata: to send, and sent by the scheduler already
+        sent = meta.sent.work
+        return len(work.holds) + len(sent.holds), len(work.loads) + len(sent.loads)
     return len(getattr(meta, "reqs_to_send", ()) or ()), len(
         getattr(meta, "reqs_to_recv", ()) or ()
     )

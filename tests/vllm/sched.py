@@ -251,10 +251,11 @@ def model_output(
     invalid: Iterable[int] = (),
     token: int = 7,
     partial: Iterable[str] = (),
+    worker_meta: Any = None,
 ) -> ModelRunnerOutput:
     """What the workers would return for ``output``: one token per scheduled request but those
     in ``partial`` (a prefill chunk that does not end the prompt: see :func:`partial_prefills`),
-    and the connector's transfer results."""
+    and the connector's transfer results (``worker_meta``: the workers' connector metadata)."""
     ids = list(output.num_scheduled_tokens)
     chunks = set(partial)
     kv = KVConnectorOutput(
@@ -262,6 +263,7 @@ def model_output(
         finished_recving=set(recving) or None,
         failed_recving=set(failed),
         invalid_block_ids=set(invalid),
+        kv_connector_worker_meta=worker_meta,
     )
     return ModelRunnerOutput(
         req_ids=ids,

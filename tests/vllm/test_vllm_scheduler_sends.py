@@ -1,6 +1,9 @@
 """The scheduler's half sends at once (``scheduler_sends``, on by default), against vLLM's real
-``Scheduler`` and a real worker half registered with real ``kvsidecar serve`` processes in this
-process, as vLLM's single-process executor runs them:
+``Scheduler`` and real ``kvsidecar serve`` processes, on both of its paths: to a worker half
+registered in this process, as vLLM's single-process executor runs them, and on the scheduler's
+own channel to the sidecars, with the worker half in a process of its own (vLLM's multiprocess
+executor; ``tests/vllm/remote_worker.py``), which learns from the step's metadata what the
+scheduler sent:
 
 * prefill: the HOLD reaches the sidecar when the request finishes (``request_finished``), before
   any later step's metadata (which carries no hold); a HOLD the sidecar refuses ends at once and
@@ -10,13 +13,19 @@ process, as vLLM's single-process executor runs them:
   ``schedule()``), before the step's worker hooks run (the metadata carries no load); a request
   aborted while that read is in flight keeps its blocks until the read ends, is reported once and
   never scheduled again; a request preempted after its load computes its prompt again locally and
-  reads nothing more.
+  reads nothing more;
+* the scheduler's own channel: a P/D hand-over whose HOLD and READ both left from the schedulers
+  (the consumer's worker told of its load after the load's event came), a refused HOLD, a
+  preempted prefill, an abort while the read is in flight, a preempted decode request; a call
+  whose outcome is unknown fences the sidecar before anything is given back; a socket that
+  does not reach the worker's registration sends nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -36,13 +45,21 @@ from vllm.v1.engine import EngineCoreOutput, FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvsidecar.client import SharedMemoryExport, SidecarClient  # noqa: E402
+from kvsidecar.integrations.vllm.connector import (  # noqa: E402
+    KvSidecarHandshake,
+    KvSidecarMetadata,
+    KvSidecarWorkerMeta,
+)
 from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
+from kvsidecar.integrations.vllm.scheduler import Answer, Hold, Sent, StepWork  # noqa: E402
+from kvsidecar.integrations.vllm.sends import RankSidecar, SidecarSends  # noqa: E402
 from kvsidecar.integrations.vllm.worker import WorkerSide  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from kvsidecar.testing import toy  # noqa: E402
 from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 from kvsidecar.types import SidecarStatus  # noqa: E402
 from tests.vllm import sched  # noqa: E402
+from tests.vllm.remote_worker import RemoteWorker  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 2000 + 10 for i in range(80)]  # 3 blocks of 32
 LONG = [(5 * i + 1) % 1900 + 20 for i in range(150)]  # prefilled in 3 chunks of 64 tokens
@@ -367,3 +384,397 @@ def test_a_request_preempted_after_its_load_reads_nothing_more(
     status = consumer.status()
     assert status.counters["reads_done"] == reads + 1  # the one load, nothing after preemption
     assert status.reads_in_flight == 0
+
+
+# --- the scheduler's own channel: the worker in a process of its own ----------------------------
+
+
+@pytest.fixture
+def remote_workers() -> Iterator[Callable[..., RemoteWorker]]:
+    made: list[RemoteWorker] = []
+
+    def make(
+        sidecar: sidecar_proc.SidecarProcess,
+        engine_id: str = sched.ENGINE_ID,
+        *,
+        seed: int | None = None,
+    ) -> RemoteWorker:
+        worker = RemoteWorker.start(
+            sidecar.addresses["engine_socket"],
+            engine_id,
+            num_blocks=sched.NUM_BLOCKS,
+            seed=seed,
+        )
+        made.append(worker)
+        return worker
+
+    try:
+        yield make
+    finally:
+        for worker in made:
+            worker.close()
+
+
+def until(what: str, ok: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {WAIT_S} s: {what}")
+        time.sleep(0.01)
+
+
+def status(sidecar: sidecar_proc.SidecarProcess) -> SidecarStatus:
+    with SidecarClient(sidecar.addresses["engine_socket"], timeout_s=10) as client:
+        return client.status()
+
+
+def channel_scheduler(
+    model: Path,
+    worker: RemoteWorker,
+    *,
+    engine_id: str = sched.ENGINE_ID,
+    peer: str = sched.PEER,
+    budget: int = 0,
+) -> Scheduler:
+    """vLLM's Scheduler whose connector learnt the worker's registration from its handshake
+    metadata (as EngineCore hands it over) and checked it: its channel sends."""
+    config = sched.vllm_config(model, extra={"peer_endpoints": [peer], "lease_s": 30})
+    config.kv_transfer_config.engine_id = engine_id
+    if budget:
+        config.scheduler_config.max_num_batched_tokens = budget
+    sc = sched.scheduler(config, sched.kv_cache_config())
+    conn = sched.connector(sc)
+    s = worker.started
+    conn.set_xfer_handshake_metadata(
+        {
+            0: KvSidecarHandshake(
+                peer_endpoint=s.peer_endpoint,
+                sidecar_socket=s.sidecar.socket,
+                epoch=s.sidecar.epoch,
+                agent_name=s.sidecar.agent_name,
+            )
+        }
+    )
+    sends = conn._sends  # the connector's sender (private: a test looks at its state)
+    assert sends is not None
+    until("the scheduler's channel checked the registration", lambda: sends.ready)
+    return sc
+
+
+def meta(out: SchedulerOutput) -> KvSidecarMetadata:
+    m = out.kv_connector_metadata
+    assert isinstance(m, KvSidecarMetadata)
+    return m
+
+
+def remote_step(sc: Scheduler, worker: RemoteWorker) -> tuple[SchedulerOutput, set[str], Outputs]:
+    """One engine step with the worker in its own process: the metadata crosses pickled."""
+    out = sc.schedule()
+    return (out, *finish_remote_step(sc, worker, out))
+
+
+def finish_remote_step(
+    sc: Scheduler, worker: RemoteWorker, out: SchedulerOutput
+) -> tuple[set[str], Outputs]:
+    m = meta(out)
+    r, broken = worker.step(m.sent, m.work, out.finished_req_ids)
+    kv = sched.model_output(
+        out,
+        sending=r.sending,
+        recving=r.recving,
+        failed=r.failed,
+        partial=sched.partial_prefills(sc, out),
+        worker_meta=KvSidecarWorkerMeta(broken_ranks=frozenset({0})) if broken else None,
+    )
+    result = sc.update_from_output(out, kv)
+    return r.failed, {o.request_id: o for eco in result.values() for o in eco.outputs}
+
+
+def remote_steps_until(
+    sc: Scheduler,
+    worker: RemoteWorker,
+    done: Callable[[SchedulerOutput, set[str], Outputs], bool],
+) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not done(*remote_step(sc, worker)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {WAIT_S} s")
+        time.sleep(0.01)
+
+
+def test_channel_a_hand_over_whose_hold_and_read_left_from_the_schedulers(
+    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """Producer and consumer workers each in a process of their own. The producer's HOLD is on
+    its sidecar when request_finished returns, before any later step; the consumer's READ is
+    posted inside schedule() and has completed (its RECV_DONE is on the worker's stream) before
+    the worker hears of it from the step's metadata. The worker maps the event all the same,
+    the bytes are the producer's, and the producer frees the blocks on SEND_DONE."""
+    p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
+    producer = remote_workers(p_sidecar, "prefill-ch", seed=3)
+    consumer = remote_workers(d_sidecar, "decode-ch")
+    sc_p = channel_scheduler(
+        model, producer, engine_id="prefill-ch", peer=p_sidecar.addresses["peer"]
+    )
+    sc_d = channel_scheduler(model, consumer, engine_id="decode-ch")
+    p_free, d_free = sched.free_blocks(sc_p), sched.free_blocks(sc_d)
+    held = status(p_sidecar).counters["holds_published"]
+    sc_p.add_request(sched.request(sc_p, PROMPT, params={"do_remote_decode": True}, request_id="P"))
+    _, _, outs = remote_step(sc_p, producer)
+    params = outs["P"].kv_transfer_params
+    assert params is not None
+    until("the hold", lambda: status(p_sidecar).counters["holds_published"] == held + 1)
+    out = sc_p.schedule()
+    assert "P" in out.finished_req_ids
+    assert meta(out).work.holds == ()
+    assert [h.request_id for h in meta(out).sent.work.holds] == ["P"]
+    finish_remote_step(sc_p, producer, out)
+
+    reads = status(d_sidecar).counters["reads_done"]
+    sc_d.add_request(sched.request(sc_d, PROMPT, params=params, request_id="D", max_tokens=2))
+    out = sc_d.schedule()
+    local = tuple(tuple(g) for g in sc_d.kv_cache_manager.get_block_ids("D"))
+    assert meta(out).work.loads == ()
+    assert [ld.request_id for ld in meta(out).sent.work.loads] == ["D"]
+    until("the read done", lambda: status(d_sidecar).counters["reads_done"] == reads + 1)
+    finish_remote_step(sc_d, consumer, out)  # the worker learns of the load only now
+    remote_steps_until(
+        sc_d, consumer, lambda *_: sc_d.requests["D"].status == RequestStatus.RUNNING
+    )
+    remote_blocks = RemoteKv.from_params(params).block_ids
+    assert consumer.verify(3, local, remote_blocks)
+    remote_steps_until(sc_d, consumer, lambda *_: "D" not in sc_d.requests)
+    remote_steps_until(sc_p, producer, lambda *_: "P" not in sc_p.requests)  # SEND_DONE
+    assert (sched.free_blocks(sc_p), sched.free_blocks(sc_d)) == (p_free, d_free)
+    assert status(p_sidecar).holds_active == 0
+
+
+def test_channel_a_hold_the_sidecar_refuses_frees_the_blocks(
+    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """The sidecar refuses the HOLD the scheduler sent (a hold of that request id is live:
+    ALREADY_EXISTS): the refusal reaches the worker in a later step's metadata, the worker
+    reports the request finished sending, and vLLM frees the blocks."""
+    sidecar = sidecars["producer"]
+    worker = remote_workers(sidecar)
+    with SidecarClient(sidecar.addresses["engine_socket"], timeout_s=10) as client:
+        client.hold("P", block_ids=[[1]], token=secrets.token_urlsafe(24), lease_s=60)
+    sc = channel_scheduler(model, worker)
+    free = sched.free_blocks(sc)
+    sc.add_request(sched.request(sc, PROMPT, params={"do_remote_decode": True}, request_id="P"))
+    _, _, outs = remote_step(sc, worker)
+    assert outs["P"].kv_transfer_params is not None  # the token went out before the refusal
+    answers: list[Answer] = []
+
+    def freed(out: SchedulerOutput, *_: Any) -> bool:
+        answers.extend(meta(out).sent.answers)
+        return "P" not in sc.requests
+
+    remote_steps_until(sc, worker, freed)
+    assert answers == [Answer(rank=0, refused_holds=("P",))]
+    assert sched.free_blocks(sc) == free
+    assert status(sidecar).holds_active == 1  # the other one only
+
+
+def test_channel_a_preempted_prefill_holds_once_when_it_finishes(
+    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    sidecar = sidecars["producer"]
+    worker = remote_workers(sidecar)
+    before = status(sidecar).counters["holds_published"]
+    sc = channel_scheduler(model, worker, budget=64)
+    sc.add_request(sched.request(sc, LONG, params={"do_remote_decode": True}, request_id="P"))
+    out = sc.schedule()
+    assert out.num_scheduled_tokens == {"P": 64}  # the first chunk
+    finish_remote_step(sc, worker, out)
+    request = sc.requests["P"]
+    sc.running.remove(request)
+    sc._preempt_request(request, time.monotonic())
+    assert request.status == RequestStatus.PREEMPTED
+    assert status(sidecar).counters["holds_published"] == before  # nothing held yet
+    done: Outputs = {}
+
+    def finished(_: SchedulerOutput, __: set[str], outs: Outputs) -> bool:
+        done.update(outs)
+        return "P" in outs and outs["P"].finished
+
+    remote_steps_until(sc, worker, finished)
+    assert done["P"].kv_transfer_params is not None
+    until(
+        "one hold",
+        lambda: (
+            (s := status(sidecar)).counters["holds_published"] == before + 1 and s.holds_active == 1
+        ),
+    )
+
+
+def test_channel_an_abort_while_the_scheduler_posted_read_is_in_flight(
+    model: Path,
+    sidecars: dict[str, Any],
+    remote_workers: Callable[..., RemoteWorker],
+    dead_peer: str,
+) -> None:
+    """The scheduler posts the READ at allocation (its producer hangs: it waits for a
+    handshake); the request is aborted while it is in flight: vLLM keeps the blocks until the
+    worker, told of the load by the step's metadata, reports its end, once; never scheduled
+    again."""
+    sidecar = sidecars["consumer"]
+    worker = remote_workers(sidecar)
+    sc = channel_scheduler(model, worker)
+    free = sched.free_blocks(sc)
+    kv = remote_kv("p-D", dead_peer)
+    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="D", max_tokens=2))
+    out = sc.schedule()
+    until("the read waits for its handshake", lambda: status(sidecar).reads_handshaking == 1)
+    assert meta(out).work.loads == ()
+    finish_remote_step(sc, worker, out)
+    assert sc.requests["D"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    sc.finish_requests("D", RequestStatus.FINISHED_ABORTED)
+    assert sched.free_blocks(sc) < free  # the READ may still land: the blocks stay allocated
+    ended: set[str] = set()
+
+    def read_ended(_: SchedulerOutput, failed: set[str], outs: Outputs) -> bool:
+        assert "D" not in outs or outs["D"].finished  # never scheduled again
+        ended.update(failed)
+        return bool(ended)
+
+    remote_steps_until(sc, worker, read_ended)
+    assert ended == {"D"}
+    for _ in range(3):
+        _, failed, outs = remote_step(sc, worker)
+        assert failed == set()
+        assert "D" not in outs
+    assert "D" not in sc.requests
+    assert sched.free_blocks(sc) == free
+    assert status(sidecar).reads_in_flight == 0
+
+
+def test_channel_a_request_preempted_after_its_load_reads_nothing_more(
+    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    producer = remote_workers(sidecars["producer"], "prefill-sends", seed=3)
+    consumer = remote_workers(sidecars["consumer"])
+    token = secrets.token_urlsafe(24)
+    kv = dataclasses.replace(
+        remote_kv("p-R", sidecars["producer"].addresses["peer"], token), engine_id="prefill-sends"
+    )
+    with SidecarClient(sidecars["producer"].addresses["engine_socket"], timeout_s=10) as client:
+        client.hold("p-R", block_ids=[list(kv.block_ids[0])], token=token, lease_s=60)
+    reads = status(sidecars["consumer"]).counters["reads_done"]
+    sc = channel_scheduler(model, consumer)
+    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="R", max_tokens=4))
+    out = sc.schedule()
+    local = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("R"))
+    finish_remote_step(sc, consumer, out)
+    remote_steps_until(sc, consumer, lambda *_: sc.requests["R"].status == RequestStatus.RUNNING)
+    assert consumer.verify(3, local, kv.block_ids)
+    request = sc.requests["R"]
+    sc.running.remove(request)
+    sc._preempt_request(request, time.monotonic())
+    out = sc.schedule()
+    assert "R" in out.num_scheduled_tokens  # computed here (its prefix cache may help)
+    assert meta(out).sent.work.loads == ()
+    assert meta(out).work.loads == ()
+    finish_remote_step(sc, consumer, out)
+    remote_steps_until(sc, consumer, lambda *_: "R" not in sc.requests)
+    s = status(sidecars["consumer"])
+    assert s.counters["reads_done"] == reads + 1  # the one load, nothing after preemption
+    assert s.reads_in_flight == 0
+    producer.close()
+
+
+def test_channel_an_unsettled_call_fences_the_sidecar_before_the_hold_is_given_back(
+    tmp_path: Path, remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """The scheduler's call to a stopped sidecar (SIGSTOP) gets no answer in time: its HOLD may
+    be live. The worker, told by the next metadata, ends its stream and fences the sidecar (it
+    is killed: stopped, it cannot let go), and only then reports the hold finished sending."""
+    sidecar = sidecar_proc.start(
+        tmp_path,
+        *sidecar_proc.default_args(tmp_path, "fenced", sidecar_proc.certificates(tmp_path)),
+        "--shm-roots",
+        "/dev/shm",
+        name="fenced",
+        timeout=60.0,
+    )
+    try:
+        worker = remote_workers(sidecar)
+        s = worker.started.sidecar
+        sends = SidecarSends(sched.ENGINE_ID, [s], timeout_s=1.0)
+        sends.start()
+        try:
+            until("the channel checked the registration", lambda: sends.ready)
+            hold = Hold(request_id="H", block_ids=((2,),), token="t" * 24, lease_s=60)
+            sidecar.proc.send_signal(signal.SIGSTOP)
+            assert sends.submit(StepWork(holds=(hold,)))
+            answers: list[Answer] = []
+            until("the call's end", lambda: bool(answers.extend(sends.answers()) or answers))
+            assert answers[0].rank == 0
+            assert answers[0].unsettled
+            assert not sends.ready  # nothing more is sent
+            assert not sends.submit(StepWork(holds=(hold,)))
+        finally:
+            sends.close()
+        sent = Sent(work=StepWork(holds=(hold,)), answers=tuple(answers))
+        results, _ = worker.step(sent, StepWork(), {"H"})
+        assert results.sending == set()  # not before the sidecar is fenced
+        seen: list[int | None] = []
+
+        def reported() -> bool:
+            r, _ = worker.step(Sent(), StepWork(), ())
+            if r.sending:
+                seen.append(sidecar.proc.poll())
+            return bool(r.sending)
+
+        until("the hold given back", reported)
+        assert seen == [-signal.SIGKILL]  # gone before the hold was given back
+    finally:
+        if sidecar.proc.poll() is None:
+            sidecar.proc.send_signal(signal.SIGCONT)
+            sidecar.stop(signal.SIGKILL)
+
+
+def test_channel_sends_nothing_to_a_socket_without_the_workers_registration(
+    sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """The socket reaches a sidecar, but not the registration the worker made (another epoch:
+    a stale or a foreign one): the channel never sends; the steps carry the work."""
+    worker = remote_workers(sidecars["producer"])
+    s = worker.started.sidecar
+    wrong = RankSidecar(rank=0, socket=s.socket, epoch=s.epoch + 1, agent_name=s.agent_name)
+    sends = SidecarSends(sched.ENGINE_ID, [wrong])
+    sends.start()
+    try:
+        until("the check", lambda: bool(sends.stopped))
+        assert "not the worker's registration" in sends.stopped
+        hold = Hold(request_id="X", block_ids=((2,),), token="t" * 24, lease_s=60)
+        assert not sends.submit(StepWork(holds=(hold,)))
+    finally:
+        sends.close()
+
+
+def test_channel_answers_each_item_of_holds_sent_together(
+    sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """Holds submitted back to back (they may leave in one Step: everything queued since the
+    I/O thread's last wake-up goes in one call): the one the sidecar refuses is named in the
+    answers, the others are live."""
+    sidecar = sidecars["producer"]
+    worker = remote_workers(sidecar)
+    with SidecarClient(sidecar.addresses["engine_socket"], timeout_s=10) as client:
+        client.hold("X", block_ids=[[1]], token=secrets.token_urlsafe(24), lease_s=60)
+    sends = SidecarSends(sched.ENGINE_ID, [worker.started.sidecar])
+    sends.start()
+    try:
+        until("the channel checked the registration", lambda: sends.ready)
+        holds = [
+            Hold(request_id=rid, block_ids=((b,),), token=secrets.token_urlsafe(24), lease_s=60)
+            for rid, b in (("A", 2), ("X", 3), ("B", 4))
+        ]
+        assert all(sends.submit(StepWork(holds=(h,))) for h in holds)
+        until("every call answered", lambda: sends.pending == 0)
+        assert sends.answers() == (Answer(rank=0, refused_holds=("X",)),)
+        assert sends.ready  # a refusal is an answer: the channel goes on sending
+    finally:
+        sends.close()
+    assert status(sidecar).holds_active == 3  # X (the test's), A and B

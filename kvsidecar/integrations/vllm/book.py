@@ -13,9 +13,15 @@ from dataclasses import dataclass, field
 
 from kvsidecar.client import Event, RecvDone, RecvFailed, SendDone, StepDone
 
-from .scheduler import StepWork
+from .scheduler import Answer, StepWork
 
-__all__ = ["COUNTERS", "StepResults", "WorkerBook"]
+__all__ = ["COUNTERS", "MAX_EARLY_EVENTS", "StepResults", "WorkerBook"]
+
+# RECV_DONE / RECV_FAILED of loads the book does not know yet, kept until noted: the scheduler
+# posts a load itself and the worker learns of it from the step's metadata, which may come after
+# the load's event. Past this many the oldest is dropped (and counted): only a load the worker
+# is never told of leaves one here, and the scheduler tells it of every load it sent.
+MAX_EARLY_EVENTS = 65536
 
 
 @dataclass
@@ -36,6 +42,7 @@ COUNTERS = (
     "sends_done",
     "leases_expired",
     "unfenced",  # a broken sidecar that could not be fenced: its blocks are kept
+    "early_events_dropped",  # events of loads never noted (see MAX_EARLY_EVENTS)
 )
 
 
@@ -50,6 +57,8 @@ class WorkerBook:
         self._held: set[str] = set()  # holds issued and not yet reported sent
         self._finished_seen: set[str] = set()  # of those, the ones vLLM has named finished
         self._pending_sends: set[str] = set()
+        self._early: dict[str, RecvDone | RecvFailed] = {}  # events of loads not noted yet
+        self._fenced = False  # the sidecar can no longer serve this engine (released())
         self._counts = dict.fromkeys(COUNTERS, 0)  # since the last take_counts
 
     def note(self, work: StepWork) -> None:
@@ -61,6 +70,36 @@ class WorkerBook:
                     self._load_ids[load.request_id] = load.local_block_ids
                 else:
                     self._quiet.add(load.request_id)
+
+    def note_sent(self, work: StepWork) -> None:
+        """Loads and holds the scheduler sent to the sidecar itself (the step's metadata says
+        so, possibly after their events came): noted as :meth:`note`'s, their early events
+        applied. Its holds were sent from ``request_finished``: vLLM has named them finished.
+        Once the sidecar is fenced (:meth:`released`) they end at once: it can serve nothing
+        (a restarted sidecar holds no registration of this engine's to apply them to)."""
+        with self._lock:
+            if self._fenced:
+                self._failed(work)
+                return
+            ids = [h.request_id for h in work.holds]
+            self._held.update(ids)
+            self._finished_seen.update(ids)
+            for load in work.loads:
+                if load.reported:
+                    self._load_ids[load.request_id] = load.local_block_ids
+                else:
+                    self._quiet.add(load.request_id)
+                event = self._early.pop(load.request_id, None)
+                if event is not None:
+                    self._evented(event)
+
+    def settle(self, answer: Answer) -> None:
+        """The sidecar refused holds (they end: their blocks were never served) or loads (they
+        fail) the scheduler sent it (noted before, by :meth:`note_sent`)."""
+        with self._lock:
+            self._pending_sends.update(answer.refused_holds)
+            for request_id in answer.refused_loads:
+                self._ended(request_id, ok=False)
 
     def take(self, finished_req_ids: Iterable[str]) -> StepResults:
         """Everything that finished since the last call. A SEND_DONE is reported once vLLM has
@@ -102,31 +141,53 @@ class WorkerBook:
     def failed(self, work: StepWork) -> None:
         """``work`` never reached the sidecar: its holds end, its loads fail."""
         with self._lock:
-            self._pending_sends.update(hold.request_id for hold in work.holds)
-            for load in work.loads:
-                self._ended(load.request_id, ok=False)
+            self._failed(work)
+
+    def _failed(self, work: StepWork) -> None:
+        self._pending_sends.update(hold.request_id for hold in work.holds)
+        for load in work.loads:
+            self._load_ids.setdefault(load.request_id, load.local_block_ids)
+            if not load.reported:
+                self._quiet.add(load.request_id)
+            self._ended(load.request_id, ok=False)
 
     def released(self) -> None:
         """The sidecar can no longer serve this engine (fenced): every load still pending
-        fails, every hold ends."""
+        fails, every hold ends, and so do those noted from here on (:meth:`note_sent`)."""
         with self._lock:
+            self._fenced = True
             for request_id in list(self._load_ids):
                 self._ended(request_id, ok=False)
             self._quiet.clear()
+            self._early.clear()
             self._pending_sends |= self._held
 
     def evented(self, event: Event) -> None:
         with self._lock:
-            if isinstance(event, SendDone):
-                self._pending_sends.add(event.request_id)
-                self._counts["sends_done"] += 1
-                self._counts["leases_expired"] += int(event.expired)
-            elif isinstance(event, RecvDone):
-                self._counts["bytes_read"] += event.bytes
-                self._ended(event.request_id, ok=True)
-            elif isinstance(event, RecvFailed):
-                self._ended(event.request_id, ok=False, invalid=event.invalid_block_ids)
-            # SendFailed is push mode's (never used by this pull connector)
+            self._evented(event)
+
+    def _evented(self, event: Event) -> None:
+        if isinstance(event, SendDone):
+            self._pending_sends.add(event.request_id)
+            self._counts["sends_done"] += 1
+            self._counts["leases_expired"] += int(event.expired)
+        elif isinstance(event, RecvDone | RecvFailed) and not self._known(event.request_id):
+            self._keep_early(event)
+        elif isinstance(event, RecvDone):
+            self._counts["bytes_read"] += event.bytes
+            self._ended(event.request_id, ok=True)
+        elif isinstance(event, RecvFailed):
+            self._ended(event.request_id, ok=False, invalid=event.invalid_block_ids)
+        # SendFailed is push mode's (never used by this pull connector)
+
+    def _known(self, request_id: str) -> bool:
+        return request_id in self._load_ids or request_id in self._quiet
+
+    def _keep_early(self, event: RecvDone | RecvFailed) -> None:
+        if len(self._early) >= MAX_EARLY_EVENTS:
+            del self._early[next(iter(self._early))]
+            self._counts["early_events_dropped"] += 1
+        self._early[event.request_id] = event
 
     def _ended(
         self, request_id: str, *, ok: bool, invalid: Sequence[Sequence[int]] | None = None

@@ -151,6 +151,20 @@ class StepChannel:
             if thread.is_alive():
                 log.error("kvsidecar: the I/O thread did not stop within %g s", timeout_s)
 
+    def abandon(self, error: KvSidecarError) -> None:
+        """End the stream from any thread, as a step sent and unanswered does: the sidecar lets
+        go of the engine, and the outcomes hear ``on_broken`` (what was sent is the worker's to
+        settle once the sidecar is fenced). Nothing happens once the channel is closing."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+                loop.call_soon_threadsafe(self._abandoned, error)
+
+    def _abandoned(self, error: KvSidecarError) -> None:
+        if self._events is not None:
+            self._events.cancel()  # ends the Session stream
+        self._end(error)
+
     # --- the I/O thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:

@@ -12,9 +12,10 @@ Load it with ``kv_connector="KvSidecarConnector"`` and
 * ``lane``: drive the sidecar's lane from vLLM's model thread instead of the connector's I/O
   thread (default false: measured, the lane costs the model thread more and saves no TTFT on a
   host where the sidecar shares the engine's cores; docs/vllm.md);
-* ``scheduler_sends``: where the workers run in the scheduler's process (vLLM's single-process
-  executor), hand a hold to the worker when the request finishes and a load when its blocks are
-  allocated, instead of with the next step's ``start_load_kv`` (default true; docs/vllm.md).
+* ``scheduler_sends``: send a hold when the request finishes and a load when its blocks are
+  allocated, from the scheduler (to the workers where they run in its process, else to every
+  rank's sidecar on the scheduler's own channel), instead of with the next step's
+  ``start_load_kv`` (default true; docs/vllm.md).
 
 This module imports vLLM; nothing else in kvsidecar does.
 """
@@ -22,8 +23,7 @@ This module imports vLLM; nothing else in kvsidecar does.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -44,7 +45,8 @@ from .geometry import (
     refuse_state_models,
 )
 from .hybrid import StateGroups
-from .scheduler import SchedulerSide, StepWork
+from .scheduler import SchedulerSide, Sent, StepWork
+from .sends import RankSidecar, SendNow
 from .worker import COUNTERS, WorkerSide, in_this_process
 
 if TYPE_CHECKING:
@@ -67,16 +69,36 @@ DEFAULT_LEASE_S = 30.0
 
 @dataclass
 class KvSidecarMetadata(KVConnectorMetadata):
-    """One step's work, from the scheduler to every worker."""
+    """One step's work, from the scheduler to every worker: ``work`` to send, and ``sent``:
+    what the scheduler sent to the sidecars itself and what they answered."""
 
     work: StepWork
+    sent: Sent = field(default_factory=Sent)
 
 
 @dataclass
 class KvSidecarHandshake(KVConnectorHandshakeMetadata):
-    """A worker's sidecar PeerService endpoint, for the scheduler's kv_transfer_params."""
+    """A worker's sidecar PeerService endpoint, for the scheduler's kv_transfer_params, and its
+    registration (socket, epoch, NIXL agent), for the scheduler's own channel to that sidecar."""
 
     peer_endpoint: str
+    sidecar_socket: str = ""
+    epoch: int = 0
+    agent_name: str = ""
+
+
+@dataclass
+class KvSidecarWorkerMeta(KVConnectorWorkerMetadata):
+    """From the workers to the scheduler each step: the ranks whose sidecar stream has ended
+    (the scheduler then stops sending to the sidecars: everything goes with the steps, which
+    fail at once on those ranks)."""
+
+    broken_ranks: frozenset[int] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KvSidecarWorkerMeta):
+            return KvSidecarWorkerMeta(broken_ranks=self.broken_ranks | other.broken_ranks)
+        return self
 
 
 @dataclass
@@ -112,19 +134,6 @@ def _tp(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
 def _flag(value: Any) -> bool:
     """A boolean of kv_connector_extra_config (JSON true/false, or the strings)."""
     return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes")
-
-
-def _sender(engine_id: str, tp_size: int) -> Callable[[StepWork], bool]:
-    """The scheduler's ``send_now``: ``work`` to every rank's worker, when all are in this
-    process (their ``start_step``: the same stream, fence and bookkeeping as a step's)."""
-
-    def send(work: StepWork) -> bool:
-        workers = in_this_process(engine_id, tp_size)
-        for worker in workers:
-            worker.start_step(work)
-        return bool(workers)
-
-    return send
 
 
 def _cpu_pages(vllm_config: VllmConfig) -> bool:
@@ -171,7 +180,11 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         lease_s = float(self._extra.get("lease_s", DEFAULT_LEASE_S))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._sends: SendNow | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if _flag(self._extra.get("scheduler_sends", True)):
+                engine_id = self._engine_id
+                self._sends = SendNow(lambda: in_this_process(engine_id, tp_size))
             self._scheduler = SchedulerSide(
                 engine_id=self._engine_id,
                 tp_size=tp_size,
@@ -182,11 +195,7 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
                     lookahead_tokens=getattr(vllm_config, "num_prefill_lookahead_tokens", 0),
                 ),
                 block_size=int(vllm_config.cache_config.block_size or 0),
-                send_now=(
-                    _sender(self._engine_id, tp_size)
-                    if _flag(self._extra.get("scheduler_sends", True))
-                    else None
-                ),
+                sender=self._sends,
                 loads_now=len(kv_cache_config.kv_cache_groups) == 1
                 and not getattr(kv_cache_config, "needs_kv_cache_zeroing", True),
             )
@@ -238,12 +247,29 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return KvSidecarHandshake(peer_endpoint=self._w().peer_endpoint)
+        worker = self._w()
+        sidecar = worker.sidecar
+        if sidecar is None:
+            return KvSidecarHandshake(peer_endpoint=worker.peer_endpoint)
+        return KvSidecarHandshake(
+            peer_endpoint=worker.peer_endpoint,
+            sidecar_socket=sidecar.socket,
+            epoch=sidecar.epoch,
+            agent_name=sidecar.agent_name,
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvSidecarMetadata)
-        self._w().start_step(meta.work)
+        worker = self._w()
+        worker.note_sent(meta.sent)  # first: the step's own work may follow it
+        worker.start_step(meta.work)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        worker = self._worker
+        if worker is None or not worker.broken:
+            return None
+        return KvSidecarWorkerMeta(broken_ranks=frozenset({worker.tp_rank}))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # pull model: a request runs only once its whole KV has arrived
@@ -291,6 +317,8 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._sends is not None:
+            self._sends.close()
 
     # --- scheduler side -------------------------------------------------------------------------
 
@@ -316,10 +344,14 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self._s().after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KvSidecarMetadata(work=self._s().take_step())
+        scheduler = self._s()
+        return KvSidecarMetadata(work=scheduler.take_step(), sent=scheduler.take_sent())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        return
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvSidecarWorkerMeta) and meta.broken_ranks and self._sends:
+            ranks = sorted(meta.broken_ranks)
+            self._sends.stop(f"the sidecar stream of rank(s) {ranks} has ended")
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -334,13 +366,15 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        self._s().set_endpoints(
-            {
-                rank: meta.peer_endpoint
-                for rank, meta in metadata.items()
-                if isinstance(meta, KvSidecarHandshake)
-            }
-        )
+        ours = {r: m for r, m in metadata.items() if isinstance(m, KvSidecarHandshake)}
+        self._s().set_endpoints({rank: meta.peer_endpoint for rank, meta in ours.items()})
+        ranks = [
+            RankSidecar(rank=r, socket=m.sidecar_socket, epoch=m.epoch, agent_name=m.agent_name)
+            for r, m in sorted(ours.items())
+            if m.sidecar_socket and m.epoch
+        ]
+        if self._sends is not None and [r.rank for r in ranks] == list(range(self._tp_size)):
+            self._sends.open(self._engine_id, ranks)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -138,6 +138,11 @@ class LaneChannel:
         self._steps.clear()
         self._outcomes.on_broken(error)
 
+    def abandon(self, error: KvSidecarError) -> None:
+        """End the lane as an unanswered step does (``StepChannel.abandon``); the caller's
+        thread is the model thread."""
+        self._end(error)
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Close the lane (the sidecar releases the engine); stop the heartbeat thread."""
         self.broken = self.broken or LaneClosedError("the lane is closed")

@@ -1,11 +1,13 @@
 """The scheduler-side half of the connector: which requests load, hold or heartbeat this step.
 
-It runs in vLLM's scheduler process and never talks to a sidecar: it decides, and its work
-reaches every worker's half, which calls its sidecar. Where every TP rank's worker lives in this
-process (vLLM's single-process executor; ``send_now``) a hold or a load goes to them the moment
-it is decided (``request_finished``, ``update_state_after_alloc``), on the worker's own stream;
-otherwise it travels in the step's :class:`StepWork` (``build_connector_meta``), which workers
-act on in ``start_load_kv``, after the step's forward pass.
+It runs in vLLM's scheduler process and decides; a hold or a load leaves the moment it is
+decided (``request_finished``, ``update_state_after_alloc``) where its ``sender`` can take it:
+to every TP rank's worker when all live in this process (vLLM's single-process executor: the
+worker's own stream), else to every rank's sidecar on the scheduler's own channel
+(:mod:`.sends`), and the next step's metadata tells the workers what was sent
+(:class:`Sent`: their streams carry its events) and what the sidecars refused. What neither
+takes travels in the step's :class:`StepWork` (``build_connector_meta``), which workers send in
+``start_load_kv``, after the step's forward pass.
 
 * Prefill (``do_remote_decode``): when the request finishes (length-capped or stopped) its blocks
   stay allocated (``request_finished`` returns True) and every worker HOLDs them under one token
@@ -25,12 +27,13 @@ vLLM objects are used only through the attributes named here (no vLLM import at 
 
 from __future__ import annotations
 
+import enum
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .hybrid import StateGroups, truncate_prompt
 from .params import (
@@ -44,7 +47,17 @@ from .params import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Heartbeat", "Hold", "Load", "SchedulerSide", "StepWork"]
+__all__ = [
+    "Answer",
+    "Heartbeat",
+    "Hold",
+    "Load",
+    "Route",
+    "SchedulerSide",
+    "Sender",
+    "Sent",
+    "StepWork",
+]
 
 # RequestStatus names after which a prefill's KV is complete (not aborted or failed).
 _COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -91,6 +104,49 @@ class StepWork:
     heartbeats: tuple[Heartbeat, ...] = ()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Answer:
+    """What one rank's sidecar answered to work the scheduler sent it, where that rank's worker
+    must act: the holds and loads it refused (request ids), or ``unsettled``: why a call failed
+    as a whole after it may have reached the sidecar (its holds may be live, its reads posted:
+    the worker ends its stream and fences the sidecar before giving any of it back)."""
+
+    rank: int
+    refused_holds: tuple[str, ...] = ()
+    refused_loads: tuple[str, ...] = ()
+    unsettled: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sent:
+    """What the scheduler's channel sent to every rank's sidecar since the previous step
+    (``work``: its holds and loads) and the answers the workers must act on. Each worker notes
+    ``work`` as if it had sent it (the RECV_DONE, RECV_FAILED and SEND_DONE events come on its
+    stream), then settles the answers of its rank."""
+
+    work: StepWork = StepWork()
+    answers: tuple[Answer, ...] = ()
+
+
+class Route(enum.Enum):
+    """Where :meth:`Sender.send` put work."""
+
+    STEP = "step"  #: nowhere: the step's metadata carries it (workers send it)
+    WORKERS = "workers"  #: handed to every rank's worker in this process (their streams)
+    SIDECARS = "sidecars"  #: sent to every rank's sidecar (the workers are told: :class:`Sent`)
+
+
+class Sender(Protocol):
+    """Sends the scheduler's work at once where it can (``connector`` composes it)."""
+
+    def send(self, work: StepWork) -> Route:
+        """Send ``work`` now, or return ``Route.STEP`` at once; never waits for a sidecar."""
+
+    def answers(self) -> tuple[Answer, ...]:
+        """The sidecars' answers to work sent (``Route.SIDECARS``) since the last call that a
+        worker must act on."""
+
+
 @dataclass
 class _Waiting:
     remote: RemoteKv
@@ -113,9 +169,9 @@ class SchedulerSide:
     clock: Any = time.monotonic
     states: StateGroups = field(default_factory=StateGroups)
     block_size: int = 0  # tokens per block (vLLM's cache_config.block_size); 0: not known
-    # Hands work to every rank's worker now; False when they are not all in this process (the
-    # work then goes in the next step's metadata). None: always the metadata.
-    send_now: Callable[[StepWork], bool] | None = None
+    # Sends work at once where it can (to the workers in this process, or to their sidecars);
+    # what it does not take goes in the next step's metadata. None: always the metadata.
+    sender: Sender | None = None
     # Whether a load may be posted at allocation: vLLM writes nothing of its own into the blocks
     # it just allocated before the step's forward (no zeroing of new blocks, as for Mamba layers
     # or mixed-precision caches; no copy-on-write of a partial prefix hit, checked per request).
@@ -123,6 +179,8 @@ class SchedulerSide:
     _loads: dict[str, Load] = field(default_factory=dict)
     _holds: dict[str, Hold] = field(default_factory=dict)
     _waiting: dict[str, _Waiting] = field(default_factory=dict)
+    _sent_loads: list[Load] = field(default_factory=list)
+    _sent_holds: list[Hold] = field(default_factory=list)
     _last_heartbeat: float = 0.0
 
     # --- decode side ----------------------------------------------------------------------------
@@ -219,8 +277,14 @@ class SchedulerSide:
     def _load(self, load: Load, *, now: bool = True) -> None:
         """Start ``load`` now (the blocks are allocated and vLLM writes nothing into them before
         the READ) or with the next step's ``start_load_kv``."""
-        if not (now and self.send_now is not None and self.send_now(StepWork(loads=(load,)))):
+        route = self._send(StepWork(loads=(load,))) if now else Route.STEP
+        if route is Route.STEP:
             self._loads[load.request_id] = load
+        elif route is Route.SIDECARS:
+            self._sent_loads.append(load)
+
+    def _send(self, work: StepWork) -> Route:
+        return Route.STEP if self.sender is None else self.sender.send(work)
 
     def _check_state_slots(
         self, request_id: str, local: tuple[tuple[int, ...], ...], remote: RemoteKv
@@ -270,10 +334,13 @@ class SchedulerSide:
             return False, None
         token = secrets.token_urlsafe(24)
         hold = Hold(request_id=rid, block_ids=blocks, token=token, lease_s=self.lease_s)
-        # Sent before the token leaves (kv_transfer_params are returned from here) where the
-        # workers are in this process; a consumer that still outruns it is answered PENDING.
-        if self.send_now is None or not self.send_now(StepWork(holds=(hold,))):
+        # Sent before the token leaves (kv_transfer_params are returned from here); a consumer
+        # that still outruns it is answered PENDING (the workers register trailing_holds).
+        route = self._send(StepWork(holds=(hold,)))
+        if route is Route.STEP:
             self._holds[rid] = hold
+        elif route is Route.SIDECARS:
+            self._sent_holds.append(hold)
         remote = RemoteKv(
             engine_id=self.engine_id,
             request_id=rid,
@@ -292,6 +359,17 @@ class SchedulerSide:
         self._loads.clear()
         self._holds.clear()
         return StepWork(loads=loads, holds=holds, heartbeats=self._heartbeats())
+
+    def take_sent(self) -> Sent:
+        """What the scheduler's channel sent since the last call, and the answers the workers
+        must act on (for the step's metadata, beside :meth:`take_step`); resets both."""
+        answers = self.sender.answers() if self.sender is not None else ()
+        if not (self._sent_loads or self._sent_holds or answers):
+            return _NOTHING_SENT
+        work = StepWork(loads=tuple(self._sent_loads), holds=tuple(self._sent_holds))
+        self._sent_loads.clear()
+        self._sent_holds.clear()
+        return Sent(work=work, answers=answers)
 
     def _heartbeats(self) -> tuple[Heartbeat, ...]:
         interval = self.heartbeat_s or self.lease_s / 3
@@ -318,6 +396,9 @@ class SchedulerSide:
         if self.endpoints or len(by_rank) != self.tp_size:
             return
         self.endpoints = tuple(by_rank[r] for r in range(self.tp_size))
+
+
+_NOTHING_SENT = Sent()
 
 
 def _release(request_id: str, remote: RemoteKv) -> Load:

@@ -12,6 +12,12 @@ and SEND_DONE events) is collected under a lock and handed to vLLM by ``take_res
 SEND_DONE -> finished sending; RECV_DONE / RECV_FAILED -> finished receiving, the latter also as
 a failed request and its invalid block ids.
 
+Holds and loads the scheduler sent to the sidecar itself (:mod:`.sends`) reach the worker in the
+step's metadata (``note_sent``): they are noted like its own (their events come on this
+worker's stream, possibly before the metadata: the book keeps those until the load is noted),
+refusals the scheduler saw settle them, and a call of the scheduler's whose outcome is unknown
+ends the stream and fences the sidecar, as a step of the worker's own would.
+
 Nothing is lost or leaked when the sidecar is slow or gone: a step that cannot be queued (too
 many unanswered), a HOLD the sidecar refuses and a load refused at acceptance fail at once (a
 failed hold reports its request finished sending, so vLLM frees the blocks); the loads and holds
@@ -34,7 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from kvsidecar.client import Event, RecvFailed, SidecarClient, StepDone
 from kvsidecar.client.fence import Fenced, SidecarFence
-from kvsidecar.errors import KvSidecarError
+from kvsidecar.errors import KvSidecarError, PeerUnavailableError
 from kvsidecar.memory import MemorySpec
 from kvsidecar.plan import View
 from kvsidecar.types import lane_path
@@ -42,7 +48,8 @@ from kvsidecar.types import lane_path
 from .book import COUNTERS, StepResults, WorkerBook
 from .channel import MAX_QUEUED_STEPS, STEP_TIMEOUT_S, StepChannel
 from .lane import LaneChannel
-from .scheduler import StepWork
+from .scheduler import Sent, StepWork
+from .sends import RankSidecar
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +105,7 @@ class WorkerSide:
         self._broken: KvSidecarError | None = None  # the stream ended (set by the I/O thread)
         self._overflowing = False  # the step queue was full (logged once until it drains)
         self.peer_endpoint = ""
+        self.sidecar: RankSidecar | None = None  # the registration (for the scheduler's sends)
 
     def register(
         self,
@@ -128,6 +136,12 @@ class WorkerSide:
                 trailing_holds=True,
             )
         self.peer_endpoint = registered.peer_endpoint
+        self.sidecar = RankSidecar(
+            rank=self._tp_rank,
+            socket=self._socket,
+            epoch=registered.epoch,
+            agent_name=registered.agent_name,
+        )
         self._fence.bind(registered.epoch, registered.agent_name)
         if self._fence.why_unkillable:
             log.warning(
@@ -187,6 +201,47 @@ class WorkerSide:
                 len(work.holds),
             )
         self._book.failed(work)
+
+    def note_sent(self, sent: Sent) -> None:
+        """What the scheduler sent to the sidecars itself (the step's metadata; call it before
+        ``start_step`` and ``take_results``): its holds and loads are noted as this worker's,
+        its answers for this rank settle them. Never waits for the sidecar."""
+        work = sent.work
+        if work.loads or work.holds:
+            if self._closed:  # the engine is going away: nothing more is reported to it
+                self._book.failed(work)
+            else:
+                self._book.note_sent(work)
+        for answer in sent.answers:
+            if answer.rank != self._tp_rank:
+                continue
+            if answer.unsettled:
+                self._abandon(answer.unsettled)
+            else:
+                self._book.settle(answer)
+
+    def _abandon(self, why: str) -> None:
+        """A call of the scheduler's to this sidecar failed as a whole after it may have reached
+        it: end the stream (a live sidecar then lets go of the engine) and fence the sidecar
+        before anything it may serve is given back (``on_broken``)."""
+        error = PeerUnavailableError(f"the scheduler's call to this sidecar failed: {why}")
+        channel = self._channel
+        if channel is None or self._broken is not None:
+            return
+        if isinstance(channel, LaneChannel):
+            with self._submitting:
+                channel.abandon(error)
+        else:
+            channel.abandon(error)
+
+    @property
+    def tp_rank(self) -> int:
+        return self._tp_rank
+
+    @property
+    def broken(self) -> bool:
+        """The stream has ended (the scheduler stops sending to this sidecar when told)."""
+        return self._broken is not None
 
     def take_results(self, finished_req_ids: Iterable[str]) -> StepResults:
         """Everything that finished since the last call. A SEND_DONE is reported once vLLM has
