@@ -4,6 +4,8 @@ own marker, and the rest asked over PeerService."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from kvsidecar.engine.backend.contract import (
@@ -16,6 +18,7 @@ from kvsidecar.engine.backend.contract import (
 from kvsidecar.engine.reads.confirm.checks import LandingSlots, attach, confirmed, plan_checks
 from kvsidecar.engine.reads.state import Xfer, started_read
 from kvsidecar.plan.board import BUCKET_WORDS, bucket_of, marker_of
+from kvsidecar.plan.canary import sampled
 from kvsidecar.types import FailReason, RecvDone, RecvFailed
 from kvsidecar.wire.peer import NotificationKind
 from kvsidecar.wire.trace import TraceState
@@ -203,3 +206,58 @@ async def test_reads_done_after_their_post_are_checked_together_one_board_read_p
         assert w.verify([2, 3, 4, 5], [0, 1, 0, 1]) > 0
         await w.reads.poll(w.local)
         w.handles_clean()
+
+
+def _ids(fraction: float, want: bool, n: int) -> list[str]:
+    """``n`` request ids that ``sampled`` picks (``want``) or leaves (not ``want``)."""
+    out = [f"rid{i}" for i in range(1000) if sampled(f"rid{i}", fraction) is want]
+    return out[:n]
+
+
+async def test_a_canary_read_in_a_batch_does_not_shift_its_siblings_landing_slots() -> None:
+    """Posted together, a canary read (it asks, with its CRCs) and a read confirmed by the
+    boards: the board READ of each rank carries a slot for each of them, and the second read
+    must look in its own slot, not in the canary read's."""
+    async with open_world() as w:
+        assert w.slots is not None
+        w.canaries()
+        w.reads.confirmation.canary.fraction = 0.5
+        (canary,), (plain,) = _ids(0.5, True, 1), _ids(0.5, False, 1)
+        w.hold(canary, [0, 1])
+        w.hold(plain, [0, 1])
+        await w.post(w.cmd(canary, [2, 3], [0, 1]), w.cmd(plain, [4, 5], [0, 1]))
+        events = one_event_each(await w.events_for(2), [canary, plain])
+        assert all(isinstance(e, RecvDone) for e in events.values())
+        entry = w.trace.get(plain)
+        assert entry is not None
+        by_board = [r for r in entry.records() if r.state is TraceState.RANK_CONFIRMED]
+        assert sorted(r.rank for r in by_board) == [0, 1]
+        assert {r.detail for r in by_board} == {"hold board"}
+        assert w.slots.counts() == {"confirmed": 2, "missed": 0, "no_slot": 0}
+
+
+async def test_a_read_ending_while_its_batchs_board_check_is_posted_does_not_shift_the_others() -> (
+    None
+):
+    """r1 and r2 complete together after their post and are checked by one board READ per rank;
+    r1's deadline passes while that post is on its way. r2 must look in its own slot."""
+    async with open_world() as w:
+        assert w.slots is not None
+        w.backend.delay_polls = 1
+        w.hold("r1", [0, 1])
+        w.hold("r2", [0, 1])
+        await w.post(w.cmd("r1", [2, 3], [0, 1], deadline_s=1.0), w.cmd("r2", [4, 5], [0, 1]))
+        await w.reads.poll(w.local)
+        w.posts_wait = asyncio.Event()
+        await w.reads.poll(w.local)  # both DONE: due for a check in this turn of the loop
+        await w.until(lambda: w.posts_waiting == 1)  # one board post for both, on its way
+        w.clock.advance(1.0)
+        await w.reads.poll(w.local)  # r1 is past its deadline while its check is posted
+        (failed,) = w.drain()
+        assert isinstance(failed, RecvFailed)
+        assert failed.request_id == "r1"
+        w.posts_wait.set()
+        (done,) = await w.events_for(1)
+        assert isinstance(done, RecvDone)
+        assert done.request_id == "r2"
+        assert w.slots.counts() == {"confirmed": 2, "missed": 0, "no_slot": 0}

@@ -254,6 +254,9 @@ class World:
     slots: LandingSlots | None
     #: (callback, why) of every invalidate / unreachable / corrupt the confirmer reported
     reported: list[tuple[str, str]] = field(default_factory=list)
+    #: board READs posted after the READs (under the peer guard) wait for it while it is set
+    posts_wait: asyncio.Event | None = None
+    posts_waiting: int = 0  #: board posts that waited for ``posts_wait``
     _ids: int = 0
 
     # --- commands -------------------------------------------------------------------------------
@@ -506,6 +509,9 @@ async def open_world(
         async def guarded(
             peer: Peer, what: str, op: Callable[[], Awaitable[tuple[XferHandle, ...]]]
         ) -> tuple[XferHandle, ...]:
+            if world.posts_wait is not None:  # on its way to the agent thread
+                world.posts_waiting += 1
+                await world.posts_wait.wait()
             return await op()
 
         reads = InFlightReads(
