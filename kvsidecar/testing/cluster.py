@@ -18,9 +18,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvsidecar.client import (
     AsyncSidecarClient,
@@ -39,10 +40,12 @@ DECODE = "decode"
 __all__ = [
     "DECODE",
     "PREFILL",
+    "ClusterFactory",
     "LocalCluster",
     "Rank",
     "SidecarFailedError",
     "TransferResult",
+    "cluster_factory",
     "request_ids",
     "transfer",
 ]
@@ -336,3 +339,32 @@ async def _exited(ranks: Sequence[Rank]) -> None:
     for rank in ranks:
         while rank.proc.poll() is None:  # noqa: ASYNC110 - a child process has no awaitable exit
             await asyncio.sleep(0.02)
+
+
+#: ``async with make(shape, prefill_tp, decode_tp, **kwargs) as cluster``: a started
+#: ``LocalCluster`` (``kwargs``: its other fields), closed on the way out.
+ClusterFactory = Callable[..., contextlib.AbstractAsyncContextManager[LocalCluster]]
+
+
+def cluster_factory(workdir: Path) -> ClusterFactory:
+    """Clusters under ``workdir``, one folder per TP pair (``p{prefill_tp}d{decode_tp}``): what a
+    test's ``local_cluster`` fixture hands out (``workdir``: its own temporary directory)."""
+
+    @contextlib.asynccontextmanager
+    async def make(
+        shape: toy.ModelShape, prefill_tp: int, decode_tp: int, **kwargs: Any
+    ) -> AsyncIterator[LocalCluster]:
+        cluster = LocalCluster(
+            shape=shape,
+            prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
+            workdir=workdir / f"p{prefill_tp}d{decode_tp}",
+            **kwargs,
+        )
+        try:
+            await cluster.start()
+            yield cluster
+        finally:
+            await cluster.aclose()
+
+    return make

@@ -22,10 +22,9 @@ import pytest
 from kvsidecar.client import FailReason, GrantIssued, RecvDone, RecvFailed, SendDone, SendFailed
 from kvsidecar.errors import DeadlineExceededError, FailedPreconditionError, KvSidecarError
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import LocalCluster, Rank, request_ids
+from kvsidecar.testing.cluster import ClusterFactory, LocalCluster, Rank, request_ids
 from kvsidecar.testing.push import DECODE, PREFILL, chunks_of, grant_all, push_chunk
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, kv_heads=8, num_blocks=32)
 PATTERN = 0xA5
