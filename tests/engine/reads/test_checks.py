@@ -122,7 +122,14 @@ async def test_confirmed_matches_only_the_reads_own_marker_on_a_done_board_read(
         slot = slots.take()
         assert slot is not None
         handle = XferHandle(id=99, remote_agent=w.ranks[1].agent, num_descs=1, num_bytes=64)
-        x = Xfer(rank=1, handle=handle, state=XferState.PROC, board=True, slots=(slot,))
+        x = Xfer(
+            rank=1,
+            handle=handle,
+            state=XferState.PROC,
+            board=True,
+            slots=(slot,),
+            slot_of={"r1": slot},
+        )
         attach(read, x)
         assert read.board_slots == {1: slot}
         mine = marker_of(TOKEN, EPOCH, "r1", cmd.remote_ids)

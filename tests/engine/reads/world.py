@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsidecar.client.export import SharedMemoryExport
+from kvsidecar.engine.backend.completions import Completions
 from kvsidecar.engine.backend.contract import (
     DlistHandle,
     MemType,
@@ -482,7 +483,7 @@ async def open_world(
             peer.links[pr.rank] = await _link(consumer, pr, plan, board)
         own = BoardMemory(consumer, buckets=1)
         stack.push_async_callback(own.aclose)
-        _, landing = await own.open(slots=landing_slots)
+        _, _, landing = await own.open(slots=landing_slots)
         assert landing is not None
         events = EventHub(max_buffered=4096)
         trace = TraceRing(size=1024, max_age_s=600.0)
@@ -514,14 +515,18 @@ async def open_world(
                 await world.posts_wait.wait()
             return await op()
 
+        completions = Completions(consumer)
         reads = InFlightReads(
             backend=consumer,
+            completions=completions,
             events=events,
             confirmer=confirmer,
             confirm=confirm,
             guarded=guarded,
             tracer=trace,
         )
+        completions.start(rest=reads.completed)
+        stack.callback(completions.stop)
         clock = Clock()
         reads.book.clock = clock
         slots = LandingSlots(*landing) if board else None
