@@ -29,9 +29,9 @@ from kvsidecar.limits import (
     check_count,
 )
 from kvsidecar.plan import EngineGeometry
-from kvsidecar.plan.canary import RANGE_BYTES
-from kvsidecar.plan.claims import ReadClaim
 from kvsidecar.plan.compat import CompatItems
+from kvsidecar.plan.hold.canary import RANGE_BYTES
+from kvsidecar.plan.hold.claims import ReadClaim
 from kvsidecar.v1 import peer_pb2
 from kvsidecar.wire.geometry import (
     compat_from_proto,
@@ -62,7 +62,7 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Staged:
-    """A producer rank's staging pool (``plan.staging``): ``slots`` slots, every view's address
+    """A producer rank's staging pool (``plan.hold.staging``): ``slots`` slots, every view's address
     in it (name -> (address, NIXL device id)), its NIXL memory kind, and the info board's
     address (the hold board's bucket layout)."""
 
@@ -90,7 +90,7 @@ class AgentInfo:
     compat: CompatItems
     mem_type: str
     board_address: int = 0  #: the hold board's address in the producer (0: no board)
-    board_buckets: int = 0  #: its buckets (``plan.board``)
+    board_buckets: int = 0  #: its buckets (``plan.hold.board``)
     staged: Staged | None = None  #: its staging pool, READ instead of the engine's memory
 
     @property
@@ -237,8 +237,8 @@ class PeerNotification:
     ranks that producer rank should hear from for ``remote_request_id``; ``token`` is the hold's
     (``heartbeat_tokens`` pair up with ``heartbeat_ids``). ``confirm``: the consumer reports its
     read only on an ACCEPTED outcome, so it must not be kept as an early notification.
-    ``claim``: for a READ_DONE, which of the hold's blocks the read covered (``plan.claims``).
-    ``canary``: for a canary READ_DONE, the producer's ranges read (``plan.canary`` wire form)
+    ``claim``: for a READ_DONE, which of the hold's blocks the read covered (``plan.hold.claims``).
+    ``canary``: for a canary READ_DONE, the producer's ranges read (``plan.hold.canary`` wire form)
     and the CRC-32 of the bytes received from them."""
 
     kind: NotificationKind
@@ -257,7 +257,7 @@ class PeerNotification:
 
 @dataclass(frozen=True, slots=True)
 class Canary:
-    """What a canary READ_DONE carries: ``ranges`` (``plan.canary.pack_ranges``: the producer's
+    """What a canary READ_DONE carries: ``ranges`` (``plan.hold.canary.pack_ranges``: the producer's
     (address, length) pairs read, at most ``MAX_CANARY_RANGES``) and ``crc32`` of the bytes
     received from them, in order."""
 

@@ -29,9 +29,9 @@ from kvsidecar.errors import (
     PeerUnavailableError,
 )
 from kvsidecar.plan import EngineGeometry, build_peer_plan
-from kvsidecar.plan.board import BUCKET_BYTES
 from kvsidecar.plan.compat import PROTOCOL_VERSION, compatibility_mismatches
-from kvsidecar.plan.staging import staged_geometry
+from kvsidecar.plan.hold.board import BUCKET_BYTES
+from kvsidecar.plan.hold.staging import staged_geometry
 from kvsidecar.plan.tp import needed_remote_ranks
 from kvsidecar.wire.peer import AgentInfo
 

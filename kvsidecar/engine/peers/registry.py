@@ -42,7 +42,7 @@ class RankLink:
     plan: RankPlan
     local_dlist: DlistHandle | None = None
     remote_dlist: DlistHandle | None = None
-    #: the rank's hold board, one descriptor per bucket (None: it has none; see plan.board)
+    #: the rank's hold board, one descriptor per bucket (None: it has none; see plan.hold.board)
     board_dlist: DlistHandle | None = None
     board_buckets: int = 0
     #: a staged rank's info board, one descriptor per bucket (None: the rank does not stage)

@@ -17,8 +17,8 @@ from kvsidecar.engine.backend.contract import (
 )
 from kvsidecar.engine.reads.confirm.checks import LandingSlots, attach, confirmed, plan_checks
 from kvsidecar.engine.reads.state import Xfer, started_read
-from kvsidecar.plan.board import BUCKET_WORDS, bucket_of, marker_of
-from kvsidecar.plan.canary import sampled
+from kvsidecar.plan.hold.board import BUCKET_WORDS, bucket_of, marker_of
+from kvsidecar.plan.hold.canary import sampled
 from kvsidecar.types import FailReason, RecvDone, RecvFailed
 from kvsidecar.wire.peer import NotificationKind
 from kvsidecar.wire.trace import TraceState

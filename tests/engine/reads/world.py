@@ -52,8 +52,8 @@ from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory.region import OwnedRegion, host_bytes
 from kvsidecar.memory.types import HostShmSpec
 from kvsidecar.plan import EngineGeometry, PeerPlan, View, build_peer_plan
-from kvsidecar.plan.board import BUCKET_BYTES
 from kvsidecar.plan.compat import CompatItems
+from kvsidecar.plan.hold.board import BUCKET_BYTES
 from kvsidecar.testing import toy
 from kvsidecar.types import Event, RecvDone, RecvFailed
 from kvsidecar.wire.peer import Outcome, PeerNotification
