@@ -40,9 +40,11 @@ from kvsidecar.engine.backend.nixl.support import (
     telemetry_from,
     translate_error,
 )
+from kvsidecar.engine.backend.nixl.ucxlog import PostWindows
 from kvsidecar.errors import BackendError, BackendInvalidParamError
 from kvsidecar.memory.cuda_ipc import make_current
 from kvsidecar.memory.types import MemoryRegion, MemType
+from kvsidecar.types import UcxOp
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,6 +74,9 @@ class NixlAgent:
         # Transfers still in progress after their post, checked between calls by the agent thread
         # (``check_watched``) so that a completion reaches the loop without waiting for its poll.
         self.watched = Watched()
+        # When each remote agent's first READ and first WRITE ran: UCX selects their protocols
+        # inside those posts, which ties its protocol tables to a peer (``ucxlog``).
+        self.windows = PostWindows()
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         """Call into NIXL, translating its exceptions into kvsidecar errors."""
@@ -216,6 +221,9 @@ class NixlAgent:
         b, book = self._b, self._book
         r = book.read_pair(local, local_ids, remote, remote_ids)
         nixl_op = b.NIXL_WRITE if op == "WRITE" else b.NIXL_READ
+        kind = UcxOp.WRITE if op == "WRITE" else UcxOp.READ
+        first = self.windows.wants(r.remote_agent, kind)
+        wall = time.time() if first else 0.0
         t0 = time.perf_counter()
         raw = self._run(
             "makeXferReq",
@@ -236,6 +244,8 @@ class NixlAgent:
             _guard(lambda: self.release_xfer(h))
             raise
         timed = ((PostPhase.MAKE, t1 - t0), (PostPhase.POST, time.perf_counter() - t1))
+        if first:
+            self.windows.record(r.remote_agent, kind, wall, time.time())
         # done_at_post: completed inside the post (same-host cma)
         h = dataclasses.replace(h, done_at_post=status == b.NIXL_SUCCESS, phases=timed)
         book.xfers[h.id] = (h, *book.xfers[h.id][1:])
