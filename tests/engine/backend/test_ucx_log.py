@@ -73,8 +73,8 @@ def test_the_post_window_names_the_peer(tmp_path: Path) -> None:
     windows = PostWindows()
     at = 1795761374.074938  # CMA_READ's time
     assert windows.wants("peer-a", UcxOp.READ)
-    windows.record("peer-a", UcxOp.READ, at - 0.01, at + 0.01)
-    windows.record("peer-b", UcxOp.WRITE, at - 0.01, at + 0.01)
+    windows.close(windows.open("peer-a", UcxOp.READ, at - 0.01), at + 0.01)
+    windows.close(windows.open("peer-b", UcxOp.WRITE, at - 0.01), at + 0.01)
     assert not windows.wants("peer-a", UcxOp.READ)
     assert windows.wants("peer-a", UcxOp.WRITE)
     assert windows.find(at, UcxOp.READ) == "peer-a"
@@ -84,10 +84,26 @@ def test_the_post_window_names_the_peer(tmp_path: Path) -> None:
     write(log_file(tmp_path), ours(CMA_READ))
     (p,) = tail.poll()
     assert p.peer_agent == "peer-a"
+    # A window stays open until its transfer is seen complete (UCX may select as the progress
+    # thread replays a READ posted before the connection was up).
+    late = windows.open("peer-c", UcxOp.READ, at + 5)
+    assert windows.find(at + 60, UcxOp.READ) == "peer-c"
+    windows.close(late, at + 6)
+    assert windows.find(at + 60, UcxOp.READ) == ""
+    # Two first READs in flight at once: the table may be either's, so it is nobody's.
+    windows.open("peer-d", UcxOp.READ, at + 10)
+    windows.open("peer-e", UcxOp.READ, at + 10.5)
+    assert windows.find(at + 11, UcxOp.READ) == ""
+    # A post that failed closes its window, and the next post to that agent is timed again.
+    windows = PostWindows()
+    failed = windows.open("peer-f", UcxOp.READ, at + 20)
+    windows.abandon(failed, at + 20.1)
+    assert windows.wants("peer-f", UcxOp.READ)
+    assert windows.find(at + 30, UcxOp.READ) == ""
     # bounded: the oldest windows go
     small = PostWindows(bound=2)
     for i in range(3):
-        small.record(f"p{i}", UcxOp.READ, float(i), i + 0.5)
+        small.close(small.open(f"p{i}", UcxOp.READ, float(i)), i + 0.5)
     assert small.find(0.2, UcxOp.READ) == ""
     assert small.find(2.2, UcxOp.READ) == "p2"
 

@@ -74,9 +74,11 @@ class NixlAgent:
         # Transfers still in progress after their post, checked between calls by the agent thread
         # (``check_watched``) so that a completion reaches the loop without waiting for its poll.
         self.watched = Watched()
-        # When each remote agent's first READ and first WRITE ran: UCX selects their protocols
-        # inside those posts, which ties its protocol tables to a peer (``ucxlog``).
+        # When each remote agent's first READ and first WRITE was in flight: UCX selects their
+        # protocols then, which ties its protocol tables to a peer (``ucxlog``). Open windows by
+        # transfer id, closed when the transfer is seen complete or released.
         self.windows = PostWindows()
+        self._open_windows: dict[int, int] = {}
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         """Call into NIXL, translating its exceptions into kvsidecar errors."""
@@ -222,15 +224,24 @@ class NixlAgent:
         r = book.read_pair(local, local_ids, remote, remote_ids)
         nixl_op = b.NIXL_WRITE if op == "WRITE" else b.NIXL_READ
         kind = UcxOp.WRITE if op == "WRITE" else UcxOp.READ
-        first = self.windows.wants(r.remote_agent, kind)
-        wall = time.time() if first else 0.0
-        t0 = time.perf_counter()
-        raw = self._run(
-            "makeXferReq",
-            lambda: self._agent.makeXferReq(
-                nixl_op, r.local, r.local_ids, r.remote, r.remote_ids, notification, [], False
-            ),
+        # Opened before the post: the tail may read UCX's table before the post returns.
+        window = (
+            self.windows.open(r.remote_agent, kind, time.time())
+            if self.windows.wants(r.remote_agent, kind)
+            else None
         )
+        t0 = time.perf_counter()
+        try:
+            raw = self._run(
+                "makeXferReq",
+                lambda: self._agent.makeXferReq(
+                    nixl_op, r.local, r.local_ids, r.remote, r.remote_ids, notification, [], False
+                ),
+            )
+        except BaseException:
+            if window is not None:
+                self.windows.abandon(window, time.time())
+            raise
         n, nbytes = r.local_ids.size, r.num_bytes
         h = XferHandle(id=book.new_id(), remote_agent=r.remote_agent, num_descs=n, num_bytes=nbytes)
         book.xfers[h.id] = (h, int(raw), local.id, remote.id)
@@ -241,14 +252,19 @@ class NixlAgent:
                 raise BackendError(f"postXferReq returned {status}")
         except BaseException:
             self._suspect.add(r.remote_agent)
+            if window is not None:
+                self.windows.abandon(window, time.time())
             _guard(lambda: self.release_xfer(h))
             raise
         timed = ((PostPhase.MAKE, t1 - t0), (PostPhase.POST, time.perf_counter() - t1))
-        if first:
-            self.windows.record(r.remote_agent, kind, wall, time.time())
         # done_at_post: completed inside the post (same-host cma)
         h = dataclasses.replace(h, done_at_post=status == b.NIXL_SUCCESS, phases=timed)
         book.xfers[h.id] = (h, *book.xfers[h.id][1:])
+        if window is not None:
+            if h.done_at_post:
+                self.windows.close(window, time.time())
+            else:
+                self._open_windows[h.id] = window
         if not h.done_at_post:
             self.watched.add(h)
         return h
@@ -274,17 +290,27 @@ class NixlAgent:
                 out.append(XferState.DONE)
             elif status == b.NIXL_IN_PROG:
                 out.append(XferState.PROC)
+                continue
             else:
                 book.errors[x.id] = BackendError(f"transfer {x.id} failed with {status}")
                 self._suspect.add(x.remote_agent)
                 out.append(XferState.ERR)
+            if self._open_windows:
+                self._close_window(x.id)
         return tuple(out)
+
+    def _close_window(self, xfer_id: int) -> None:
+        window = self._open_windows.pop(xfer_id, None)
+        if window is not None:
+            self.windows.close(window, time.time())
 
     def xfer_error(self, xfer: XferHandle) -> BackendError | None:
         return self._book.errors.get(xfer.id)
 
     def release_xfer(self, h: XferHandle) -> None:
         self.watched.discard(h)
+        if self._open_windows:
+            self._close_window(h.id)
         raw = self._book.xfer(h)
         self._run("releaseXferReq", lambda: self._agent.releaseXferReq(raw))
         del self._book.xfers[h.id]  # only once NIXL let go: close() retries otherwise

@@ -14,11 +14,13 @@ table printed at the first READ of a peer would wait for kilobytes more. ``poll`
 every stdio stream of the process (``fflush(NULL)``, thread-safe in glibc) so that what UCX
 printed is in the file.
 
-``PostWindows`` ties a table to a peer: UCX selects a READ or WRITE protocol synchronously inside
-the first post of that kind on an endpoint, on the agent thread; the agent records the wall-clock
-window of each remote agent's first READ and first WRITE, and a table printed inside a window
-was selected for that agent. A later peer that shares the endpoint configuration selects nothing
-new, so it is not named (UCX decides per configuration, not per peer).
+``PostWindows`` ties a table to a peer: UCX selects a READ or WRITE protocol while the first
+transfer of that kind on an endpoint configuration is in flight (inside its post on the agent
+thread, or on the progress thread when the connection was still being set up); the agent records
+the wall-clock window of each remote agent's first READ and first WRITE, post to completion, and
+a table printed inside exactly one window was selected for that agent (inside several: unknown).
+A later peer that shares the endpoint configuration selects nothing new, so it is not named (UCX
+decides per configuration, not per peer).
 
 ``UcxWatch`` runs ``poll`` every ``interval_s`` on a worker thread (never on the event loop),
 keeps the protocols seen, logs one INFO line per newly selected READ or WRITE protocol and a
@@ -28,7 +30,6 @@ WARNING when GPU memory goes over TCP.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -62,34 +63,67 @@ _WINDOW_SLACK_S = 2e-6  # UCX prints microseconds; Python's clock reads finer
 
 
 class PostWindows:
-    """The wall-clock windows of the first READ and first WRITE posted to each remote agent
-    (``record`` on the agent thread, ``find`` on the tail's; a deque's append and its copy are
-    atomic). At most ``bound`` windows are kept (the oldest go)."""
+    """The wall-clock windows of the first READ and the first WRITE to each remote agent, from
+    its post to its completion seen (``open`` and ``close`` on the agent thread, ``find`` on the
+    tail's). UCX selects the protocol inside the post, or, when the endpoint's connection was
+    still being set up, as the progress thread replays the request: either way inside the window.
+    At most ``bound`` windows are kept (the oldest go)."""
 
     def __init__(self, bound: int = 1024) -> None:
         self._bound = bound
         self._seen: set[tuple[str, UcxOp]] = set()  # agent thread only
-        self._windows: collections.deque[tuple[float, float, str, UcxOp]] = collections.deque(
-            maxlen=bound
-        )
+        self._lock = threading.Lock()
+        self._next = 0
+        #: id -> [start, end (None: still open), agent, op], oldest first
+        self._windows: dict[int, tuple[float, float | None, str, UcxOp]] = {}
 
     def wants(self, agent: str, op: UcxOp) -> bool:
         """Whether the next post of ``op`` to ``agent`` is its first (so worth timing)."""
         return (agent, op) not in self._seen
 
-    def record(self, agent: str, op: UcxOp, start: float, end: float) -> None:
-        """The first post of ``op`` to ``agent`` ran from ``start`` to ``end`` (Unix time)."""
+    def open(self, agent: str, op: UcxOp, start: float) -> int:
+        """The first ``op`` to ``agent`` was posted at ``start`` (Unix time); returns the
+        window's id for ``close``."""
         if len(self._seen) >= 4 * self._bound:
             self._seen.clear()  # forgotten agents are timed again: a window more, no harm
         self._seen.add((agent, op))
-        self._windows.append((start, end, agent, op))
+        with self._lock:
+            self._next += 1
+            self._windows[self._next] = (start, None, agent, op)
+            while len(self._windows) > self._bound:
+                del self._windows[next(iter(self._windows))]
+            return self._next
+
+    def close(self, window: int, end: float) -> None:
+        """That transfer was seen complete (or released) at ``end``."""
+        with self._lock:
+            w = self._windows.get(window)
+            if w is not None:
+                self._windows[window] = (w[0], end, w[2], w[3])
+
+    def abandon(self, window: int, end: float) -> None:
+        """That post failed at ``end``: its window closes, and the next post of its kind to its
+        agent is timed again (agent thread)."""
+        with self._lock:
+            w = self._windows.get(window)
+            if w is not None:
+                self._windows[window] = (w[0], end, w[2], w[3])
+        if w is not None:
+            self._seen.discard((w[2], w[3]))
 
     def find(self, at: float, op: UcxOp) -> str:
-        """The agent whose first ``op`` post ran at Unix time ``at`` ("" if none)."""
-        for start, end, agent, kind in tuple(self._windows):
-            if kind is op and start - _WINDOW_SLACK_S <= at <= end + _WINDOW_SLACK_S:
-                return agent
-        return ""
+        """The one agent whose first ``op`` was in flight at Unix time ``at`` ("" if none, or if
+        several were: the protocol is shared and its selector unknown)."""
+        with self._lock:
+            windows = tuple(self._windows.values())
+        agents = {
+            agent
+            for start, end, agent, kind in windows
+            if kind is op
+            and start - _WINDOW_SLACK_S <= at
+            and (end is None or at <= end + _WINDOW_SLACK_S)
+        }
+        return agents.pop() if len(agents) == 1 else ""
 
 
 @dataclass(slots=True)
