@@ -16,10 +16,12 @@ import pytest
 from kvsidecar.engine.backend.nixl.ucxlog import (
     MAX_FILES,
     MAX_PROTOCOLS,
+    PUNCH_BYTES,
     PostWindows,
     Relay,
     UcxLogTail,
     UcxWatch,
+    punch_hole,
 )
 from kvsidecar.engine.backend.nixl.ucxproto import parse_line
 from kvsidecar.types import TransportProtocol, TransportRange, UcxMemory, UcxOp, UcxScope
@@ -199,6 +201,29 @@ def test_files_and_backlog_are_bounded(tmp_path: Path, caplog: pytest.LogCapture
     for _ in range(100):
         tail.poll()
     assert all(len(f.partial) <= 65536 for f in tail._files.values())
+
+
+def test_read_blocks_go_back_to_the_disk(tmp_path: Path) -> None:
+    """UCX's log is read once: past PUNCH_BYTES read, the blocks read are freed (size kept)."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(bytes(8192))
+    fd = os.open(probe, os.O_RDWR)
+    try:
+        if not punch_hole(fd, 4096):
+            pytest.skip(f"the file system of {tmp_path} cannot punch holes")
+    finally:
+        os.close(fd)
+        probe.unlink()
+    tail = UcxLogTail(tmp_path, AGENT, max_read=8 << 20)
+    line = ours(WARNING).replace("UCX_FOO", "UCX_" + "X" * 100) + "\n"
+    write(log_file(tmp_path), line * (3 * PUNCH_BYTES // len(line)))
+    before = log_file(tmp_path).stat()
+    tail.poll()
+    after = log_file(tmp_path).stat()
+    assert after.st_size == before.st_size  # UCX goes on writing at its offset
+    assert after.st_blocks * 512 < PUNCH_BYTES // 4 < before.st_blocks * 512
+    write(log_file(tmp_path), ours(CMA_READ))
+    assert [p.op for p in tail.poll()] == [UcxOp.READ]  # and the rest still reads
 
 
 def _protocol(i: int, *, remote: UcxMemory = UcxMemory.HOST, tl: str = "cma") -> TransportProtocol:

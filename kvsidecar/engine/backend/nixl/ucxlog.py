@@ -4,7 +4,8 @@ UCX writes its log (``UCX_LOG_FILE``, set by ``ucxenv``) into a directory the si
 file per process (``ucx.<pid>.log``: the sidecar and its metadata checker). ``UcxLogTail.poll``
 reads what is new in each file: bounded (at most ``max_read`` bytes per file and poll; a backlog
 past ``max_backlog`` is skipped, and said so), with bounded memory (partial lines, tables under
-construction, files followed, protocols kept: each has a cap). It relays UCX's log lines to the
+construction, files followed, protocols kept: each has a cap) and bounded disk (the blocks
+already read are given back to the file system, ``punch_hole``). It relays UCX's log lines to the
 ``kvsidecar.ucx`` logger at their level, rate-limited per process and level (``Relay``), and
 returns the protocol tables of the sidecar's own agent (the UCX context named after it) as
 ``types.TransportProtocol`` values.
@@ -60,6 +61,7 @@ MAX_PROTOCOLS = 256
 MAX_FILES = 16
 MAX_LINE = 65536  # bytes of one line kept (the rest of a longer one is dropped)
 _WINDOW_SLACK_S = 2e-6  # UCX prints microseconds; Python's clock reads finer
+_READ = UcxOp.READ  # an enum member looked up on its class costs ~1 µs: not on every post
 
 
 class PostWindows:
@@ -71,7 +73,10 @@ class PostWindows:
 
     def __init__(self, bound: int = 1024) -> None:
         self._bound = bound
-        self._seen: set[tuple[str, UcxOp]] = set()  # agent thread only
+        # agents whose first READ / other op was timed (agent thread only; plain str sets: an
+        # enum in a key costs a Python-level hash on every post)
+        self._reads: set[str] = set()
+        self._others: set[str] = set()
         self._lock = threading.Lock()
         self._next = 0
         #: id -> [start, end (None: still open), agent, op], oldest first
@@ -79,14 +84,15 @@ class PostWindows:
 
     def wants(self, agent: str, op: UcxOp) -> bool:
         """Whether the next post of ``op`` to ``agent`` is its first (so worth timing)."""
-        return (agent, op) not in self._seen
+        return agent not in (self._reads if op is _READ else self._others)
 
     def open(self, agent: str, op: UcxOp, start: float) -> int:
         """The first ``op`` to ``agent`` was posted at ``start`` (Unix time); returns the
         window's id for ``close``."""
-        if len(self._seen) >= 4 * self._bound:
-            self._seen.clear()  # forgotten agents are timed again: a window more, no harm
-        self._seen.add((agent, op))
+        seen = self._reads if op is _READ else self._others
+        if len(seen) >= 4 * self._bound:
+            seen.clear()  # forgotten agents are timed again: a window more, no harm
+        seen.add(agent)
         with self._lock:
             self._next += 1
             self._windows[self._next] = (start, None, agent, op)
@@ -109,7 +115,7 @@ class PostWindows:
             if w is not None:
                 self._windows[window] = (w[0], end, w[2], w[3])
         if w is not None:
-            self._seen.discard((w[2], w[3]))
+            (self._reads if w[3] is UcxOp.READ else self._others).discard(w[2])
 
     def find(self, at: float, op: UcxOp) -> str:
         """The one agent whose first ``op`` was in flight at Unix time ``at`` ("" if none, or if
@@ -199,14 +205,28 @@ class Relay:
 
 
 _libc: ctypes.CDLL | None = None
+_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+PUNCH_BYTES = 1 << 20  # read this much more, and the blocks read are given back to the disk
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    return _libc
 
 
 def flush_stdio() -> None:
     """``fflush(NULL)``: every C stdio stream of this process writes out what it buffered."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None)
-    _libc.fflush(None)
+    _c().fflush(None)
+
+
+def punch_hole(fd: int, length: int) -> bool:
+    """Give back the disk blocks of the first ``length`` bytes of ``fd``'s file, its size kept
+    (``fallocate(FALLOC_FL_PUNCH_HOLE)``; UCX goes on writing at its offset). False where the
+    file system (or a read-only descriptor) cannot."""
+    return int(_c().fallocate(fd, _PUNCH_HOLE, 0, length)) == 0
 
 
 @dataclass(slots=True, eq=False)
@@ -220,6 +240,15 @@ class _Followed:
     inode: int
     offset: int = 0
     partial: bytearray = field(default_factory=bytearray)
+    punched: int | None = 0  #: bytes whose blocks were given back (None: the file system can't)
+
+
+def _open(path: str) -> int:
+    """Open a log file, writable where allowed (only to give read blocks back: ``punch_hole``)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
 def _alive(pid: int) -> bool:
@@ -304,7 +333,7 @@ class UcxLogTail:
             if len(self._files) >= MAX_FILES:
                 return
             try:
-                fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = _open(entry.path)
             except OSError:
                 continue  # removed since the listing
             self._files[entry.name] = _Followed(
@@ -353,6 +382,11 @@ class UcxLogTail:
             self._reader.reset()
         data = os.pread(f.fd, min(backlog, self._max_read), f.offset) if backlog > 0 else b""
         f.offset += len(data)
+        if f.punched is not None and f.offset - f.punched >= PUNCH_BYTES:
+            # UCX's log is read once: its disk use stays what is unread (a metadata checker
+            # prints its tables for every check, a long-lived sidecar its warnings for months).
+            done = f.offset & ~4095
+            f.punched = done if punch_hole(f.fd, done) else None
         found: list[TransportProtocol] = []
         *lines, rest = (bytes(f.partial) + data).split(b"\n")
         f.partial[:] = rest[:MAX_LINE]
