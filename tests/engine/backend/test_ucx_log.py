@@ -152,6 +152,10 @@ def test_the_relay_is_rate_limited_per_process_and_level(caplog: pytest.LogCaptu
     assert summary.__dict__["suppressed"] == 7
     assert "unused environment variable" in caplog.records[5].getMessage()
     assert relay.lines == 12
+    # processes come and go (replaced checkers): their budgets do not pile up
+    for pid in range(1000, 1000 + 10 * MAX_FILES):
+        relay.relay(parse_line(WARNING.replace("2906 ", f"{pid}")))
+    assert len(relay._budgets) <= 4 * MAX_FILES
 
 
 def test_rotation_and_a_dead_processs_file(tmp_path: Path) -> None:

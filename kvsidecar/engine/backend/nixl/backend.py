@@ -88,8 +88,8 @@ class NixlBackend:
     ``poll_delay_us`` is the progress thread's sleep between polls (µs); ``call_timeout_s`` bounds
     every wait for the agent thread; ``num_workers`` is UCX's worker count; ``variant`` forces a
     NIXL wheel variant (``nixl_cu12``/``nixl_cu13``); ``ucx``: the process's UCX set-up
-    (``ucxenv``; its log directory is read every ``ucx_poll_s`` seconds for ``transports``), or
-    ``None``. Call ``start()`` then ``aclose()``.
+    (``ucxenv``; its log directory is read every ``ucx_poll_s`` seconds for ``transports``, by
+    one backend of the process at a time), or ``None``. Call ``start()`` then ``aclose()``.
     """
 
     def __init__(
@@ -138,8 +138,9 @@ class NixlBackend:
         self._agent = await self._thread.call(self._create, what="start")
         if self._ucx is not None and self._ucx.log_dir is not None:
             tail = UcxLogTail(self._ucx.log_dir, self._name, windows=self._agent.windows)
-            self._watch = UcxWatch(tail, interval_s=self._ucx_poll_s)
-            self._watch.start()
+            watch = UcxWatch(tail, interval_s=self._ucx_poll_s)
+            watch.start()
+            self._watch = watch
 
     def _create(self) -> NixlAgent:
         b = load_bindings(self._variant)

@@ -51,6 +51,7 @@ from kvsidecar.engine.backend.nixl.ucxproto import (
     parse_line,
     protocol_of,
 )
+from kvsidecar.errors import ConfigError
 from kvsidecar.types import TransportProtocol, UcxOp
 
 log = logging.getLogger(__name__)
@@ -73,10 +74,10 @@ class PostWindows:
 
     def __init__(self, bound: int = 1024) -> None:
         self._bound = bound
-        # agents whose first READ / other op was timed (agent thread only; plain str sets: an
+        # agents whose first READ / WRITE was timed (agent thread only; plain str sets: an
         # enum in a key costs a Python-level hash on every post)
         self._reads: set[str] = set()
-        self._others: set[str] = set()
+        self._writes: set[str] = set()
         self._lock = threading.Lock()
         self._next = 0
         #: id -> [start, end (None: still open), agent, op], oldest first
@@ -84,12 +85,12 @@ class PostWindows:
 
     def wants(self, agent: str, op: UcxOp) -> bool:
         """Whether the next post of ``op`` to ``agent`` is its first (so worth timing)."""
-        return agent not in (self._reads if op is _READ else self._others)
+        return agent not in (self._reads if op is _READ else self._writes)
 
     def open(self, agent: str, op: UcxOp, start: float) -> int:
         """The first ``op`` to ``agent`` was posted at ``start`` (Unix time); returns the
         window's id for ``close``."""
-        seen = self._reads if op is _READ else self._others
+        seen = self._reads if op is _READ else self._writes
         if len(seen) >= 4 * self._bound:
             seen.clear()  # forgotten agents are timed again: a window more, no harm
         seen.add(agent)
@@ -115,7 +116,7 @@ class PostWindows:
             if w is not None:
                 self._windows[window] = (w[0], end, w[2], w[3])
         if w is not None:
-            (self._reads if w[3] is UcxOp.READ else self._others).discard(w[2])
+            (self._reads if w[3] is _READ else self._writes).discard(w[2])
 
     def find(self, at: float, op: UcxOp) -> str:
         """The one agent whose first ``op`` was in flight at Unix time ``at`` ("" if none, or if
@@ -173,6 +174,8 @@ class Relay:
             self._report(key)
             budget = None
         if budget is None:
+            while len(self._budgets) >= 4 * MAX_FILES:  # processes come and go (checkers)
+                self._report(next(iter(self._budgets)))
             budget = self._budgets[key] = _Budget(start=now)
         if level < logging.INFO or budget.logged < self._burst:  # debug: opt-in detail
             budget.logged += 1
@@ -288,6 +291,10 @@ class UcxLogTail:
         self._closed = False
         self.skipped_bytes = 0  #: bytes of UCX's log never read (a backlog past max_backlog)
         self.tables = 0  #: protocol tables of this agent seen
+
+    @property
+    def directory(self) -> Path:
+        return self._dir
 
     def poll(self) -> tuple[TransportProtocol, ...]:
         """Read what UCX wrote since the last poll: relay its log lines, return this agent's
@@ -425,6 +432,9 @@ def describe(p: TransportProtocol) -> str:
     return f"{p.op.value} {p.scope.value} cfg#{p.config_index} ({p.operation}{peer}): {rows}"
 
 
+_WATCHED: set[Path] = set()  # directories a started watch of this process reads
+
+
 class UcxWatch:
     """Polls a ``UcxLogTail`` every ``interval_s`` on a worker thread and keeps what it found:
     ``protocols()`` (at most ``MAX_PROTOCOLS`` distinct; ``dropped`` counts the rest). ``start``
@@ -438,7 +448,15 @@ class UcxWatch:
         self.dropped = 0
 
     def start(self) -> None:
+        """Start polling. Raises ``ConfigError`` when another watch of this process reads the
+        same directory (the tail gives the blocks it read back to the disk: one reader each)."""
         if self._task is None:
+            directory = self._tail.directory.resolve()
+            if directory in _WATCHED:
+                raise ConfigError(
+                    "ucx", f"UCX's log directory {directory} is read by another backend already"
+                )
+            _WATCHED.add(directory)
             self._task = asyncio.get_running_loop().create_task(self._run(), name="ucx-log")
 
     def protocols(self) -> tuple[TransportProtocol, ...]:
@@ -455,6 +473,8 @@ class UcxWatch:
         except TimeoutError:
             log.warning("the last read of UCX's log took over %.0fs; skipped", timeout_s)
         self._tail.close()
+        if task is not None:
+            _WATCHED.discard(self._tail.directory.resolve())
 
     async def poll(self) -> None:
         """One poll of the tail (on a worker thread), its findings kept and logged."""
