@@ -35,7 +35,7 @@ from kvsidecar import __version__
 from kvsidecar.discovery.base import DiscoveryStats
 from kvsidecar.engine.stats import POST_BUCKETS, EngineStats, HistogramSnapshot, ReadPhase
 from kvsidecar.ops.push_metrics import PushCollector
-from kvsidecar.types import DiscoveryState, UcxTransports
+from kvsidecar.types import DiscoveryState
 
 StatsSource = Callable[[], EngineStats]
 _le = cast(Callable[[float], str], floatToGoString)  # the client's own `le` label format
@@ -348,40 +348,6 @@ class DiscoveryCollector(Collector):
         )
 
 
-class UcxCollector(Collector):
-    """The transports UCX selected (``TransferBackend.transports``; none until attached)."""
-
-    def __init__(self) -> None:
-        self.source: Callable[[], UcxTransports] | None = None
-
-    def collect(self) -> Iterator[Metric]:
-        if self.source is None:
-            return
-        u = self.source()
-        labels = ["op", "scope", "local_memory", "remote_memory", "transport"]
-        info = GaugeMetricFamily(
-            "kvsidecar_ucx_protocol_info",
-            "1 per transport UCX selected for an operation (read, write, am, other), node scope "
-            "(self, intra-node, inter-node) and memory kinds (host, cuda, ...; none: no remote "
-            "memory), from its protocol tables (docs/operations.md, UCX transports).",
-            labels=labels,
-        )
-        series = {
-            (p.op.value, p.scope.value, p.local_memory.value, p.remote_memory.value, t)
-            for p in u.protocols
-            for t in p.transports
-        }
-        for key in sorted(series):
-            info.add_metric(list(key), 1)
-        yield info
-        yield _gauge(
-            "kvsidecar_ucx_gpu_over_tcp",
-            "Protocols UCX selected that move GPU memory (remote memory reads or writes) over "
-            "tcp: about 1,000x slower than cuda_ipc (alert when above 0).",
-            len(u.gpu_over_tcp),
-        )
-
-
 class Metrics:
     """Every metric the sidecar exports. Construct once per process (or per test) with a registry;
     the server attaches the engine's stats with ``attach`` once the core exists."""
@@ -416,16 +382,10 @@ class Metrics:
         r.register(self._discovery)
         self._push = PushCollector()
         r.register(self._push)
-        self._ucx = UcxCollector()
-        r.register(self._ucx)
 
     def attach_discovery(self, source: Callable[[], DiscoveryStats] | None) -> None:
         """Read discovery metrics from ``source`` from now on (``None``: export none)."""
         self._discovery.source = source
-
-    def attach_transports(self, source: Callable[[], UcxTransports] | None) -> None:
-        """Read UCX's transports from ``source`` from now on (``None``: export none)."""
-        self._ucx.source = source
 
     def attach(self, source: StatsSource | None) -> None:
         """Read engine metrics from ``source`` from now on (``None``: export none)."""

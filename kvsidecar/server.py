@@ -33,6 +33,7 @@ from kvsidecar.health import ENGINE_SERVICE, PEER_SERVICE, Condition, HttpEndpoi
 from kvsidecar.listen import BoundAddresses, bind_server, is_loopback, prepare_socket_path
 from kvsidecar.metrics import Metrics
 from kvsidecar.ops.tick import OpsTick
+from kvsidecar.ops.ucx_metrics import UcxCollector
 from kvsidecar.peer_tls import PeerTlsFiles
 from kvsidecar.rpc.engine_service import EngineServicer
 from kvsidecar.rpc.handlers import service_handler
@@ -126,6 +127,8 @@ class Sidecar:
         )
         self._notifier = SystemdNotifier(settings.notify_socket)
         self.ops = OpsTick(settings, self.metrics.registry)
+        self._ucx_metrics = UcxCollector()  # the backend's transports, once it exists
+        self.metrics.registry.register(self._ucx_metrics)
         self._engine_server: grpc.aio.Server | None = None
         self._peer_server: grpc.aio.Server | None = None
         self._lane: LaneServer | None = None  # the engine's lane (rpc/lane.py)
@@ -178,7 +181,7 @@ class Sidecar:
         if self._backend is None:
             self._backend = _transfer_backend(s, self._ucx)
         await self._backend.start()
-        self.metrics.attach_transports(self._backend.transports)
+        self._ucx_metrics.source = self._backend.transports
         config = CoreConfig(
             lease_s=s.lease_s,
             read_deadline_s=s.read_deadline_s,

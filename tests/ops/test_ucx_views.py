@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.cli.status_view import render, render_ucx, status_dict
 from kvsidecar.metrics import Metrics
+from kvsidecar.ops.ucx_metrics import UcxCollector
 from kvsidecar.types import SidecarStatus, UcxLog, UcxTransports
 from tests.wire.test_wire import UCX
 
@@ -75,8 +76,10 @@ def _families(metrics: Metrics) -> dict[str, list[tuple[dict[str, str], float]]]
 
 def test_metrics_show_each_transport_once_and_count_gpu_over_tcp() -> None:
     metrics = Metrics()
+    collector = UcxCollector()
+    metrics.registry.register(collector)
     assert "kvsidecar_ucx_gpu_over_tcp" not in _families(metrics)  # nothing attached
-    metrics.attach_transports(lambda: UCX)
+    collector.source = lambda: UCX
     families = _families(metrics)
     info = sorted(
         tuple(labels[k] for k in ("op", "scope", "local_memory", "remote_memory", "transport"))
@@ -92,11 +95,11 @@ def test_metrics_show_each_transport_once_and_count_gpu_over_tcp() -> None:
     # The same protocol on another configuration adds no series (labels stay bounded).
     twice = dataclasses.replace(UCX, protocols=(*UCX.protocols, dataclasses.replace(
         UCX.protocols[0], config_index=4)))  # fmt: skip
-    metrics.attach_transports(lambda: twice)
+    collector.source = lambda: twice
     families = _families(metrics)
     assert len(families["kvsidecar_ucx_protocol_info"]) == 3
     assert families["kvsidecar_ucx_gpu_over_tcp"] == [({}, 2.0)]
-    metrics.attach_transports(UcxTransports)
+    collector.source = UcxTransports
     families = _families(metrics)
     assert "kvsidecar_ucx_protocol_info" not in families
     assert families["kvsidecar_ucx_gpu_over_tcp"] == [({}, 0.0)]

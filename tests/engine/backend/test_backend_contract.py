@@ -117,6 +117,18 @@ async def test_read_scattered_blocks_delivers_bytes_and_notification(pair: Pair)
     assert isinstance(b.xfer_error(x), BackendNotFoundError)
 
 
+async def test_transports_is_a_snapshot_that_needs_no_ucx_set_up(pair: Pair) -> None:
+    """Without a UCX set-up of the process (``ucxenv``, made by ``kvsidecar serve``) a backend
+    reports nothing about transports, before and after a READ; the call never fails."""
+    b = pair.initiator
+    assert b.transports() == UcxTransports()
+    loc, rem, _ = await prepared(pair)
+    x = await b.post_read(loc, np.array([0]), rem, np.array([0]), b"")
+    assert await wait_state(b, x) is XferState.DONE
+    assert b.transports() == UcxTransports()
+    await b.release_xfer(x)
+
+
 async def test_contiguous_ids_read_whole_runs(pair: Pair) -> None:
     b = pair.initiator
     loc, rem, _ = await prepared(pair)
@@ -365,15 +377,3 @@ async def test_write_to_a_dead_target_is_a_typed_error_within_one_second(pair: P
         await asyncio.sleep(0.01)
     assert isinstance(seen, RemoteDisconnectedError), seen
     assert time.monotonic() - started < 1.0
-
-
-async def test_transports_is_a_snapshot_that_needs_no_ucx_set_up(pair: Pair) -> None:
-    """Without a UCX set-up of the process (``ucxenv``, made by ``kvsidecar serve``) a backend
-    reports nothing about transports, before and after a READ; the call never fails."""
-    b = pair.initiator
-    assert b.transports() == UcxTransports()
-    loc, rem, _ = await prepared(pair)
-    x = await b.post_read(loc, np.array([0]), rem, np.array([0]), b"")
-    assert await wait_state(b, x) is XferState.DONE
-    assert b.transports() == UcxTransports()
-    await b.release_xfer(x)
