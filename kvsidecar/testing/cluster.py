@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,7 +98,7 @@ class LocalCluster:
     session: bool = True  # engines use Session streams (else Watch and unary calls)
     trailing_holds: bool = False  # engines register with trailing_holds (docs/confirmation.md)
     #: variables added to every sidecar's environment (e.g. UCX's)
-    sidecar_env: Mapping[str, str] = field(default_factory=dict)
+    sidecar_env: dict[str, str] = field(default_factory=dict)
     # In every shm file's name: the creating process's pid first, so that a test can tell its own.
     tag: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
     certificates: PeerCertificates | None = None
