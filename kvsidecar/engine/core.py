@@ -336,6 +336,7 @@ class EngineCore:
             draining=self.draining,
             agent_name=self._backend.agent_name,
             peer_endpoint=self.peer_endpoint,
+            ucx=self._backend.transports(),
         )
 
 

@@ -33,6 +33,7 @@ from kvsidecar.client import (
 from kvsidecar.plan import View
 from kvsidecar.testing import toy
 from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
+from kvsidecar.testing.process import environment
 from kvsidecar.testing.transfers import PREFILL, TransferResult, request_ids, transfer
 
 DECODE = "decode"
@@ -99,6 +100,8 @@ class LocalCluster:
     decode_shape: toy.ModelShape | None = None  # the decode engine's, if its layout differs
     session: bool = True  # engines use Session streams (else Watch and unary calls)
     trailing_holds: bool = False  # engines register with trailing_holds (docs/confirmation.md)
+    #: variables added to every sidecar's environment (e.g. UCX's)
+    sidecar_env: dict[str, str] = field(default_factory=dict)
     # In every shm file's name: the creating process's pid first, so that a test can tell its own.
     tag: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
     certificates: PeerCertificates | None = None
@@ -142,7 +145,11 @@ class LocalCluster:
         ]
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=environment(self.sidecar_env),
             )
         return Rank(
             engine_id=role,

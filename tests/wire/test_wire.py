@@ -29,9 +29,18 @@ from kvsidecar.types import (
     Registered,
     SendDone,
     SidecarStatus,
+    TransportProtocol,
+    TransportRange,
+    UcxLog,
+    UcxMemory,
+    UcxOp,
+    UcxScope,
+    UcxTransports,
+    UcxVariable,
 )
 from kvsidecar.v1 import engine_pb2, geometry_pb2, peer_pb2
 from kvsidecar.wire import engine as wire_engine
+from kvsidecar.wire import ucx as wire_ucx
 from kvsidecar.wire.geometry import (
     block_ids_from_proto,
     block_ids_to_proto,
@@ -107,6 +116,69 @@ def test_every_fail_reason_has_the_same_number_on_the_wire() -> None:
         assert engine_pb2.RecvFailed.Reason.Value(name) == reason.value
 
 
+UCX = UcxTransports(
+    log=UcxLog.READ,
+    variables=(
+        UcxVariable(name="UCX_CUDA_IPC_ENABLE_GET_ZCOPY", value="n", by_sidecar=False),
+        UcxVariable(name="UCX_PROTO_INFO", value="y", by_sidecar=True),
+    ),
+    protocols=(
+        TransportProtocol(
+            op=UcxOp.READ,
+            scope=UcxScope.INTER_NODE,
+            config_index=3,
+            local_memory=UcxMemory.CUDA,
+            remote_memory=UcxMemory.CUDA,
+            operation="remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[0]",
+            ranges=(
+                TransportRange(
+                    min_bytes=0, max_bytes=8192, description="copy-out", config="tcp/eth0",
+                    transports=("tcp",),
+                ),
+                TransportRange(
+                    min_bytes=8193, max_bytes=None, description="software emulation",
+                    config="tcp/eth0, rc_mlx5/mlx5_0:1", transports=("tcp", "rc_mlx5"),
+                ),
+            ),
+            selected_at=1795800001.25,
+            peer_agent="kvsidecar-0123",
+            peer_engine="p",
+            peer_rank=1,
+        ),
+        TransportProtocol(
+            op=UcxOp.AM,
+            scope=UcxScope.SELF,
+            config_index=0,
+            local_memory=UcxMemory.HOST,
+            remote_memory=UcxMemory.NONE,
+            operation="active message by ucp_am_send* from host memory",
+            ranges=(
+                TransportRange(
+                    min_bytes=0, max_bytes=0, description="short", config="tcp/lo",
+                    transports=("tcp",),
+                ),
+            ),
+            selected_at=1.5,
+        ),
+    ),
+    dropped=2,
+)  # fmt: skip
+
+
+def test_ucx_values_a_newer_sidecar_may_send_decode() -> None:
+    pb = wire_ucx.ucx_to_proto(UCX)
+    pb.log = "sometime"
+    pb.protocols[0].op = "teleport"
+    pb.protocols[0].scope = "orbit"
+    pb.protocols[0].local_memory = "quantum"
+    back = wire_ucx.ucx_from_proto(pb)
+    assert back.log is UcxLog.NONE
+    p = back.protocols[0]
+    assert (p.op, p.scope, p.local_memory) == (UcxOp.OTHER, UcxScope.INTER_NODE, UcxMemory.OTHER)
+    assert back.gpu_over_tcp == ()  # an unknown operation is no READ or WRITE
+    assert wire_ucx.ucx_from_proto(wire_ucx.ucx_to_proto(UCX)).gpu_over_tcp == UCX.protocols[:1]
+
+
 def test_status_plan_and_results_round_trip() -> None:
     status = SidecarStatus(
         events=EVENTS,
@@ -145,6 +217,7 @@ def test_status_plan_and_results_round_trip() -> None:
                 control_age_s=0.125,
             ),
         ),
+        ucx=UCX,
     )
     pb = _bytes_round_trip(wire_engine.status_to_proto(status))
     back = wire_engine.status_from_proto(pb)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from kvsidecar.errors import BackendError
 from kvsidecar.memory.types import MemoryRegion, MemType
+from kvsidecar.types import UcxTransports
 
 __all__ = [
     "DlistHandle",
@@ -32,6 +33,7 @@ __all__ = [
     "PostPhase",
     "RemoteAgent",
     "TransferBackend",
+    "UcxTransports",
     "XferHandle",
     "XferState",
     "XferTelemetry",
@@ -259,4 +261,10 @@ class TransferBackend(Protocol):
 
     async def telemetry(self, xfer: XferHandle) -> XferTelemetry | None:
         """Telemetry of a completed transfer, or ``None`` when the backend has none."""
+        ...
+
+    def transports(self) -> UcxTransports:
+        """What the transport library chose so far (UCX's protocols per operation, memory kind
+        and endpoint configuration, and the UCX variables in effect): a snapshot, cheap, no
+        agent call. A backend without UCX returns an empty ``UcxTransports()``."""
         ...

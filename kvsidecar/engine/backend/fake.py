@@ -27,6 +27,7 @@ from kvsidecar.engine.backend.contract import (
     Notification,
     ReadPair,
     RemoteAgent,
+    UcxTransports,
     XferHandle,
     XferState,
     XferTelemetry,
@@ -373,6 +374,10 @@ class FakeBackend:
 
     async def telemetry(self, xfer: XferHandle) -> XferTelemetry | None:
         return self._book.xfer(xfer).telemetry
+
+    def transports(self) -> UcxTransports:
+        """No UCX: nothing to report."""
+        return UcxTransports()
 
     async def send_notification(self, agent: RemoteAgent, payload: bytes) -> None:
         self._check_open("send_notification")

@@ -305,6 +305,14 @@ class PeerRegistry:
 
     # --- introspection --------------------------------------------------------------------------
 
+    def agent_ranks(self) -> dict[str, tuple[str, int]]:
+        """Remote agent name -> (engine id, rank) of every rank linked now."""
+        return {
+            link.agent.name: (p.engine_id, rank)
+            for p in self._peers.values()
+            for rank, link in p.links.items()
+        }
+
     def summaries(self) -> tuple[PeerInfo, ...]:
         out = [
             PeerInfo(

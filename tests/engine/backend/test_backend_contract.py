@@ -17,6 +17,7 @@ from kvsidecar.engine.backend import (
     MemType,
     RemoteAgent,
     TransferBackend,
+    UcxTransports,
     XferHandle,
     XferState,
 )
@@ -114,6 +115,18 @@ async def test_read_scattered_blocks_delivers_bytes_and_notification(pair: Pair)
     (state,) = await b.poll([x])  # a poller racing the release sees ERR, never an exception
     assert state is XferState.ERR
     assert isinstance(b.xfer_error(x), BackendNotFoundError)
+
+
+async def test_transports_is_a_snapshot_that_needs_no_ucx_set_up(pair: Pair) -> None:
+    """Without a UCX set-up of the process (``ucxenv``, made by ``kvsidecar serve``) a backend
+    reports nothing about transports, before and after a READ; the call never fails."""
+    b = pair.initiator
+    assert b.transports() == UcxTransports()
+    loc, rem, _ = await prepared(pair)
+    x = await b.post_read(loc, np.array([0]), rem, np.array([0]), b"")
+    assert await wait_state(b, x) is XferState.DONE
+    assert b.transports() == UcxTransports()
+    await b.release_xfer(x)
 
 
 async def test_contiguous_ids_read_whole_runs(pair: Pair) -> None:

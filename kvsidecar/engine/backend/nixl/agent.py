@@ -40,15 +40,18 @@ from kvsidecar.engine.backend.nixl.support import (
     telemetry_from,
     translate_error,
 )
+from kvsidecar.engine.backend.nixl.ucxlog import PostWindows
 from kvsidecar.errors import BackendError, BackendInvalidParamError
 from kvsidecar.memory.cuda_ipc import make_current
 from kvsidecar.memory.types import MemoryRegion, MemType
+from kvsidecar.types import UcxOp
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _WATCH_MIN_S, _WATCH_MAX_S = 50e-6, 1e-3  # checking transfers in progress: 50 µs doubling to 1 ms
 PARKED_AGENTS = 64  # remote agents kept loaded without a handle (bounds their sockets)
+_READ, _WRITE = UcxOp.READ, UcxOp.WRITE  # an enum member looked up on its class costs ~1 µs
 
 
 class NixlAgent:
@@ -72,6 +75,11 @@ class NixlAgent:
         # Transfers still in progress after their post, checked between calls by the agent thread
         # (``check_watched``) so that a completion reaches the loop without waiting for its poll.
         self.watched = Watched()
+        # When each remote agent's first READ and first WRITE was in flight: UCX selects their
+        # protocols then, which ties its protocol tables to a peer (``ucxlog``). Open windows by
+        # transfer id, closed when the transfer is seen complete or released.
+        self.windows = PostWindows()
+        self._open_windows: dict[int, int] = {}
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         """Call into NIXL, translating its exceptions into kvsidecar errors."""
@@ -216,13 +224,25 @@ class NixlAgent:
         b, book = self._b, self._book
         r = book.read_pair(local, local_ids, remote, remote_ids)
         nixl_op = b.NIXL_WRITE if op == "WRITE" else b.NIXL_READ
-        t0 = time.perf_counter()
-        raw = self._run(
-            "makeXferReq",
-            lambda: self._agent.makeXferReq(
-                nixl_op, r.local, r.local_ids, r.remote, r.remote_ids, notification, [], False
-            ),
+        kind = _WRITE if op == "WRITE" else _READ
+        # Opened before the post: the tail may read UCX's table before the post returns.
+        window = (
+            self.windows.open(r.remote_agent, kind, time.time())
+            if self.windows.wants(r.remote_agent, kind)
+            else None
         )
+        t0 = time.perf_counter()
+        try:
+            raw = self._run(
+                "makeXferReq",
+                lambda: self._agent.makeXferReq(
+                    nixl_op, r.local, r.local_ids, r.remote, r.remote_ids, notification, [], False
+                ),
+            )
+        except BaseException:
+            if window is not None:
+                self.windows.abandon(window, time.time())
+            raise
         n, nbytes = r.local_ids.size, r.num_bytes
         h = XferHandle(id=book.new_id(), remote_agent=r.remote_agent, num_descs=n, num_bytes=nbytes)
         book.xfers[h.id] = (h, int(raw), local.id, remote.id)
@@ -233,12 +253,19 @@ class NixlAgent:
                 raise BackendError(f"postXferReq returned {status}")
         except BaseException:
             self._suspect.add(r.remote_agent)
+            if window is not None:
+                self.windows.abandon(window, time.time())
             _guard(lambda: self.release_xfer(h))
             raise
         timed = ((PostPhase.MAKE, t1 - t0), (PostPhase.POST, time.perf_counter() - t1))
         # done_at_post: completed inside the post (same-host cma)
         h = dataclasses.replace(h, done_at_post=status == b.NIXL_SUCCESS, phases=timed)
         book.xfers[h.id] = (h, *book.xfers[h.id][1:])
+        if window is not None:
+            if h.done_at_post:
+                self.windows.close(window, time.time())
+            else:
+                self._open_windows[h.id] = window
         if not h.done_at_post:
             self.watched.add(h)
         return h
@@ -264,11 +291,19 @@ class NixlAgent:
                 out.append(XferState.DONE)
             elif status == b.NIXL_IN_PROG:
                 out.append(XferState.PROC)
+                continue
             else:
                 book.errors[x.id] = BackendError(f"transfer {x.id} failed with {status}")
                 self._suspect.add(x.remote_agent)
                 out.append(XferState.ERR)
+            if self._open_windows:
+                self._close_window(x.id)
         return tuple(out)
+
+    def _close_window(self, xfer_id: int) -> None:
+        window = self._open_windows.pop(xfer_id, None)
+        if window is not None:
+            self.windows.close(window, time.time())
 
     def xfer_error(self, xfer: XferHandle) -> BackendError | None:
         return self._book.errors.get(xfer.id)
@@ -278,6 +313,8 @@ class NixlAgent:
         RMA in flight): its remote agent becomes suspect, so that removing it tears its
         connection down (invalidated, never parked) and nothing of it lands afterwards."""
         self.watched.discard(h)
+        if self._open_windows:
+            self._close_window(h.id)
         raw = self._book.xfer(h)
         try:
             in_flight = self._agent.getXferStatus(raw) == self._b.NIXL_IN_PROG

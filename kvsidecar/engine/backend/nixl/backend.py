@@ -43,12 +43,15 @@ from kvsidecar.engine.backend.nixl.support import (
     variant_candidates,
 )
 from kvsidecar.engine.backend.nixl.thread import AgentThread, CallTiming
+from kvsidecar.engine.backend.nixl.ucxenv import UcxSetup
+from kvsidecar.engine.backend.nixl.ucxlog import UcxLogTail, UcxWatch
 from kvsidecar.errors import (
     BackendError,
     ConfigError,
     MetadataRefusedError,
 )
 from kvsidecar.memory.types import MemoryRegion, MemType
+from kvsidecar.types import UcxTransports
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,7 +87,9 @@ class NixlBackend:
 
     ``poll_delay_us`` is the progress thread's sleep between polls (µs); ``call_timeout_s`` bounds
     every wait for the agent thread; ``num_workers`` is UCX's worker count; ``variant`` forces a
-    NIXL wheel variant (``nixl_cu12``/``nixl_cu13``). Call ``start()`` then ``aclose()``.
+    NIXL wheel variant (``nixl_cu12``/``nixl_cu13``); ``ucx``: the process's UCX set-up
+    (``ucxenv``; its log directory is read every ``ucx_poll_s`` seconds for ``transports``, by
+    one backend of the process at a time), or ``None``. Call ``start()`` then ``aclose()``.
     """
 
     def __init__(
@@ -95,6 +100,8 @@ class NixlBackend:
         call_timeout_s: float = 30.0,
         num_workers: int = 1,
         variant: str | None = None,
+        ucx: UcxSetup | None = None,
+        ucx_poll_s: float = 1.0,
     ) -> None:
         if poll_delay_us < 0:
             raise ConfigError("nixl_poll_delay_us", f"{poll_delay_us} must be >= 0")
@@ -110,6 +117,9 @@ class NixlBackend:
         self._agent: NixlAgent | None = None
         self._closed = False
         self._sandbox: MetadataSandbox | None = None
+        self._ucx = ucx
+        self._ucx_poll_s = ucx_poll_s
+        self._watch: UcxWatch | None = None
         # BLAKE2b of metadata that loaded in the checker -> the agent name it names (LRU).
         self._checked: collections.OrderedDict[bytes, str] = collections.OrderedDict()
 
@@ -131,6 +141,11 @@ class NixlBackend:
         await self._sandbox.start()
         self._thread.start()
         self._agent = await self._thread.call(self._create, what="start")
+        if self._ucx is not None and self._ucx.log_dir is not None:
+            tail = UcxLogTail(self._ucx.log_dir, self._name, windows=self._agent.windows)
+            watch = UcxWatch(tail, interval_s=self._ucx_poll_s)
+            watch.start()
+            self._watch = watch
 
     def _create(self) -> NixlAgent:
         b = load_bindings(self._variant)
@@ -152,6 +167,21 @@ class NixlBackend:
         if self._sandbox is not None:
             sandbox, self._sandbox = self._sandbox, None
             await sandbox.release()
+        if self._watch is not None:  # last: what UCX logged while the agent closed is read
+            await self._watch.aclose()
+
+    def transports(self) -> UcxTransports:
+        """The UCX variables of ``ucx`` and the protocols UCX selected for this agent so far
+        (read from UCX's log; none when ``ucx`` has no log directory)."""
+        if self._ucx is None:
+            return UcxTransports()
+        watch = self._watch
+        return UcxTransports(
+            log=self._ucx.log,
+            variables=self._ucx.variables,
+            protocols=watch.protocols() if watch is not None else (),
+            dropped=watch.dropped if watch is not None else 0,
+        )
 
     def _require_agent(self, what: str) -> NixlAgent:
         agent = self._agent
