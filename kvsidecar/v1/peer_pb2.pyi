@@ -445,7 +445,7 @@ class GetAgentResponse(_message.Message):
     board_address: _builtins.int
     """The hold board (protocol 3): board_buckets buckets of 8 little-endian 64-bit words (64 bytes)
     at board_address, DRAM registered with the NIXL agent above. While a hold is live one word of
-    its bucket holds its marker (kvsidecar/plan/board.py); a consumer READs the bucket after its
+    its bucket holds its marker (kvsidecar/plan/hold/board.py); a consumer READs the bucket after its
     READs of the request to confirm them without a Notify round trip. board_buckets 0: no board
     (every READ_DONE is confirmed over Notify). At most 2^24 buckets.
     """
@@ -491,12 +491,12 @@ Global___GetAgentResponse: _TypeAlias = GetAgentResponse  # noqa: Y015
 
 @_typing.final
 class Staged(_message.Message):
-    """A producer rank's staging pool (kvsidecar/plan/staging.py): `slots` slots; the pool mirrors the
+    """A producer rank's staging pool (kvsidecar/plan/hold/staging.py): `slots` slots; the pool mirrors the
     engine's views with their spans packed back to back (each view `slots * blocks_per_id` blocks),
     every view at the address given here. A staged hold's slots are published on the info board:
     the 64-bit word at the same index as its marker's word on the hold board, at
     info_board_address (same bucket layout as the hold board), holds base slot + 1; the marker is
-    then computed over that word too (plan/board.py marker_of). A consumer READs both buckets,
+    then computed over that word too (plan/hold/board.py marker_of). A consumer READs both buckets,
     then the hold's slots.
     """
 

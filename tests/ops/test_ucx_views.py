@@ -12,7 +12,7 @@ from kvsidecar.cli.status_view import render, render_ucx, status_dict
 from kvsidecar.metrics import Metrics
 from kvsidecar.ops.ucx_metrics import UcxCollector
 from kvsidecar.types import SidecarStatus, UcxLog, UcxTransports
-from tests.wire.test_wire import UCX
+from tests.wire.ucx_sample import UCX
 
 STATUS = SidecarStatus(
     events=(),

@@ -29,14 +29,10 @@ from kvsidecar.types import (
     Registered,
     SendDone,
     SidecarStatus,
-    TransportProtocol,
-    TransportRange,
     UcxLog,
     UcxMemory,
     UcxOp,
     UcxScope,
-    UcxTransports,
-    UcxVariable,
 )
 from kvsidecar.v1 import engine_pb2, geometry_pb2, peer_pb2
 from kvsidecar.wire import engine as wire_engine
@@ -66,6 +62,7 @@ from kvsidecar.wire.peer import (
     notify_response_from_proto,
     notify_response_to_proto,
 )
+from tests.wire.ucx_sample import UCX
 
 EVENTS = (
     RecvDone(request_id="a", bytes=4096, duration_s=0.25, seq=1, timestamp=1.5),
@@ -114,55 +111,6 @@ def test_every_fail_reason_has_the_same_number_on_the_wire() -> None:
     for reason in FailReason:
         name = "REASON_UNSPECIFIED" if reason is FailReason.UNSPECIFIED else reason.name
         assert engine_pb2.RecvFailed.Reason.Value(name) == reason.value
-
-
-UCX = UcxTransports(
-    log=UcxLog.READ,
-    variables=(
-        UcxVariable(name="UCX_CUDA_IPC_ENABLE_GET_ZCOPY", value="n", by_sidecar=False),
-        UcxVariable(name="UCX_PROTO_INFO", value="y", by_sidecar=True),
-    ),
-    protocols=(
-        TransportProtocol(
-            op=UcxOp.READ,
-            scope=UcxScope.INTER_NODE,
-            config_index=3,
-            local_memory=UcxMemory.CUDA,
-            remote_memory=UcxMemory.CUDA,
-            operation="remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[0]",
-            ranges=(
-                TransportRange(
-                    min_bytes=0, max_bytes=8192, description="copy-out", config="tcp/eth0",
-                    transports=("tcp",),
-                ),
-                TransportRange(
-                    min_bytes=8193, max_bytes=None, description="software emulation",
-                    config="tcp/eth0, rc_mlx5/mlx5_0:1", transports=("tcp", "rc_mlx5"),
-                ),
-            ),
-            selected_at=1795800001.25,
-            peer_agent="kvsidecar-0123",
-            peer_engine="p",
-            peer_rank=1,
-        ),
-        TransportProtocol(
-            op=UcxOp.AM,
-            scope=UcxScope.SELF,
-            config_index=0,
-            local_memory=UcxMemory.HOST,
-            remote_memory=UcxMemory.NONE,
-            operation="active message by ucp_am_send* from host memory",
-            ranges=(
-                TransportRange(
-                    min_bytes=0, max_bytes=0, description="short", config="tcp/lo",
-                    transports=("tcp",),
-                ),
-            ),
-            selected_at=1.5,
-        ),
-    ),
-    dropped=2,
-)  # fmt: skip
 
 
 def test_ucx_values_a_newer_sidecar_may_send_decode() -> None:

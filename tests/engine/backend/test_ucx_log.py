@@ -25,7 +25,7 @@ from kvsidecar.engine.backend.nixl.ucxlog import (
 )
 from kvsidecar.engine.backend.nixl.ucxproto import parse_line
 from kvsidecar.types import TransportProtocol, TransportRange, UcxMemory, UcxOp, UcxScope
-from tests.engine.backend.test_ucx_proto import (
+from tests.engine.backend.ucx_samples import (
     ACTIVE_MESSAGE,
     AGENT,
     CMA_READ,
