@@ -79,6 +79,18 @@ def _intact(node: Node) -> None:
     assert changed == 0, f"{changed} bytes written after the grant's pages were safe to reuse"
 
 
+async def _safe_once_landed(pair: Pair, landing: asyncio.Task[int], reason: FailReason) -> None:
+    """The grant's RECV_FAILED (``reason``) says the pages are safe at once; reused from then on,
+    they keep the pattern although the stalled WRITE lands (``landing``)."""
+    failed = await next_event(pair.decode.client, 10)
+    assert isinstance(failed, RecvFailed), failed
+    assert failed.reason is reason, failed
+    assert failed.exposed_until_unix_ns == 0  # its writer confirmed the WRITE ended
+    await _reuse_when_safe(pair.decode, failed)
+    assert await landing == 1
+    _intact(pair.decode)
+
+
 async def test_an_aborted_push_is_reported_once_its_write_ended(tmp_path: Path) -> None:
     """AbortPush while a WRITE is in flight: the producer tells the consumer ABORTED at once,
     but the consumer reports RECV_FAILED only once the writer confirmed (RevokeGrant) that the
@@ -89,14 +101,8 @@ async def test_an_aborted_push_is_reported_once_its_write_ended(tmp_path: Path) 
         await _push(pair, "abort", grant, [1, 2], 0, last=False)
         landing = asyncio.create_task(_land_at(pair.prefill.backend, time.time_ns() + 500_000_000))
         abort = asyncio.create_task(pair.prefill.client.abort_push("abort", "prefill failed"))
-        failed = await next_event(pair.decode.client, 10)
-        assert isinstance(failed, RecvFailed), failed
-        assert failed.reason is FailReason.ABORTED, failed
-        assert failed.exposed_until_unix_ns == 0
-        await _reuse_when_safe(pair.decode, failed)
-        assert await landing == 1
+        await _safe_once_landed(pair, landing, FailReason.ABORTED)
         await abort
-        _intact(pair.decode)
         sent = await next_event(pair.prefill.client)
         assert isinstance(sent, SendFailed)
         assert sent.reason is FailReason.ABORTED
@@ -113,13 +119,7 @@ async def test_a_grant_that_expires_during_a_write_is_reported_once_the_write_en
         await _push(pair, "expire", grant, [1, 2], 0, last=False)
         at = grant.deadline_unix_ns + 500_000_000  # half a second after the deadline
         landing = asyncio.create_task(_land_at(pair.prefill.backend, at))
-        failed = await next_event(pair.decode.client, 10)
-        assert isinstance(failed, RecvFailed), failed
-        assert failed.reason is FailReason.DEADLINE_EXCEEDED, failed
-        assert failed.exposed_until_unix_ns == 0
-        await _reuse_when_safe(pair.decode, failed)
-        assert await landing == 1
-        _intact(pair.decode)
+        await _safe_once_landed(pair, landing, FailReason.DEADLINE_EXCEEDED)
 
 
 async def test_a_write_past_its_timeout_is_not_reported_stopped(tmp_path: Path) -> None:
@@ -163,14 +163,8 @@ async def test_a_producer_engine_that_re_registers_waits_for_its_writes(tmp_path
         await _push(pair, "gone", grant, [1, 2], 0, last=False)
         landing = asyncio.create_task(_land_at(pair.prefill.backend, time.time_ns() + 500_000_000))
         again = asyncio.create_task(pair.prefill.register(memory=pair.prefill.new_memory(3)))
-        failed = await next_event(pair.decode.client, 10)
-        assert isinstance(failed, RecvFailed), failed
-        assert failed.reason is FailReason.ABORTED, failed
-        assert failed.exposed_until_unix_ns == 0
-        await _reuse_when_safe(pair.decode, failed)
-        assert await landing == 1
+        await _safe_once_landed(pair, landing, FailReason.ABORTED)
         await again
-        _intact(pair.decode)
 
 
 async def test_no_chunk_is_posted_into_a_consumer_that_re_registered(
