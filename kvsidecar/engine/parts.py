@@ -7,6 +7,7 @@ through the guard, the consumer wakes the poller. ``EngineCore`` is the face in 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
@@ -170,8 +171,8 @@ class Parts:
         )
 
         async def drop_writes(reason: FailReason, why: str) -> None:
-            granter.drop_all(reason, why)
-            await pusher.drop_all(reason, why)
+            # Both wait for WRITEs to end (remote ones into this engine, this engine's own).
+            await asyncio.gather(granter.drop_all(reason, why), pusher.drop_all(reason, why))
 
         registrar = Registrar(
             backend=backend,

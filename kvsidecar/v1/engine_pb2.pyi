@@ -165,15 +165,19 @@ class RevokeResponse(_message.Message):
     UNCONFIRMED_RANKS_FIELD_NUMBER: _builtins.int
     EXPOSED_UNTIL_UNIX_NS_FIELD_NUMBER: _builtins.int
     quiet: _builtins.bool
-    """Every writer rank confirmed: no WRITE of the grant lands after this answer."""
+    """Every writer rank confirmed: no WRITE of the grant lands after this answer; the granted pages
+    may be reused now.
+    """
     exposed_until_unix_ns: _builtins.int
-    """0 when quiet."""
+    """Unix time in nanoseconds (this sidecar's clock) from which the granted pages may be reused;
+    0 when quiet. The grant's RECV_FAILED carries the same value.
+    """
     @_builtins.property
     def unconfirmed_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Writer ranks that did not confirm in time (unreachable, hung): they may still write until
-        exposed_until_unix_ns (the grant's deadline plus the producer's write timeout plus
-        push_clock_skew_s), never after: a producer sidecar posts no WRITE past a grant's deadline
-        and aborts its WRITEs that outlive their timeout.
+        """Writer ranks that did not confirm in time (lost, hung, or a WRITE of theirs still in flight):
+        they may still write until exposed_until_unix_ns (the grant's deadline plus
+        push_write_timeout_s plus push_clock_skew_s), never after: a producer sidecar posts no WRITE
+        past a grant's deadline, and the transport ends every WRITE within the write timeout.
         """
 
     def __init__(
@@ -1573,9 +1577,11 @@ class RecvFailed(_message.Message):
     message: _builtins.str
     exposed_until_unix_ns: _builtins.int
     """When the blocks of invalid_block_ids may be reused: 0 means now (no transfer into them can
-    still land); otherwise not before this Unix time in nanoseconds (a WRITE or READ that NIXL
-    could not stop may land until then). An engine frees or rewrites those blocks only then
-    (docs/confirmation.md, docs/push.md).
+    still land); otherwise not before this Unix time in nanoseconds, this sidecar's clock (a
+    WRITE or READ that NIXL could not stop may land until then). An engine frees or rewrites
+    those blocks only then (docs/confirmation.md, docs/push.md). Push mode: 0 once every writer
+    rank that had not finished confirmed none of its WRITEs is in flight, else the grant's
+    deadline plus push_write_timeout_s plus push_clock_skew_s.
     """
     @_builtins.property
     def invalid_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.BlockIds]:

@@ -5,7 +5,10 @@ this process (e.g. ``host_shm`` imports, numpy buffers); a READ (or WRITE) copie
 with ``ctypes.memmove`` after checking that both ends lie inside memory that is registered *now*
 (so a stale descriptor fails instead of touching unmapped memory). Notifications are delivered to
 the remote agent's inbox when the READ completes (a WRITE sends none). Faults are injected per
-agent with ``FakeFaults`` or ``FakeFabric.disconnect``.
+agent with ``FakeFaults`` or ``FakeFabric.disconnect``; a stalled transfer lands when the test says
+so (``FakeBackend.land_stalled``), and with ``outlive_release`` even after it was released, as a
+WRITE a transport already carries does (UCX over TCP keeps sending a released WRITE, and unloading
+its remote agent does not stop it either).
 """
 
 from __future__ import annotations
@@ -52,7 +55,11 @@ class FakeFaults:
 
     fail_post: bool = False  #: ``post_read`` (``post_write``) raises ``BackendError``
     err_after_polls: int | None = None  #: the transfer turns ``ERR`` on poll number N (1-based)
-    stall: bool = False  #: it stays ``PROC`` forever (until released or its peer dies)
+    #: it stays ``PROC`` until ``land_stalled()`` copies it, it is released, or its peer dies
+    stall: bool = False
+    #: with ``stall``: releasing it (or removing its remote agent) does not stop it: it still
+    #: lands at ``land_stalled()`` (as a WRITE the transport already carries)
+    outlive_release: bool = False
 
 
 _PROCESS_FABRIC: FakeFabric | None = None
@@ -105,6 +112,7 @@ class _Xfer:
 
     remote: str
     faults: FakeFaults
+    write: bool  # a WRITE (copies into the remote agent's memory), else a READ
     copies: Copies
     notification: bytes
     state: XferState = XferState.PROC
@@ -144,6 +152,7 @@ class FakeBackend:
             HandleBook()
         )
         self._inbox: list[Notification] = []
+        self._outliving: list[_Xfer] = []  # released while stalled, still to land
         self._started = False
         self._closed = False
 
@@ -174,6 +183,7 @@ class FakeBackend:
             await self.remove_remote_agent(a)
         for r, _ in list(book.regs.values()):
             await self.deregister_memory(r)
+        self._outliving.clear()  # this agent's process is gone: nothing of it lands any more
         if self._started:
             self._fabric.detach(self._name)
 
@@ -312,7 +322,13 @@ class FakeBackend:
             raise BackendError(f"{what}: injected failure")
         peer = self._fabric.reach(r.remote_agent)
         copies = _copies(what, r, self, peer)
-        x = _Xfer(remote=peer.agent_name, faults=faults, copies=copies, notification=notification)
+        x = _Xfer(
+            remote=peer.agent_name,
+            faults=faults,
+            write=what == "post_write",
+            copies=copies,
+            notification=notification,
+        )
         synchronous = not (faults.stall or faults.err_after_polls is not None)
         h = XferHandle(
             id=self._book.new_id(),
@@ -368,9 +384,33 @@ class FakeBackend:
         return self._book.errors.get(xfer.id)
 
     async def release_xfer(self, xfer: XferHandle) -> None:
-        self._book.xfer(xfer)
+        x = self._book.xfer(xfer)
         del self._book.xfers[xfer.id]
         self._book.errors.pop(xfer.id, None)
+        if x.state is XferState.PROC and x.faults.stall and x.faults.outlive_release:
+            self._outliving.append(x)
+
+    def land_stalled(self) -> int:
+        """Land every stalled transfer now (held, or released with ``outlive_release``): copy its
+        bytes, mark it ``DONE`` (the next ``poll`` says so). One whose memory is no longer
+        registered at either end turns ``ERR`` (a held one) or is dropped, uncopied. How many
+        landed."""
+        landed = 0
+        held = [(h, x) for h, x, _, _ in self._book.xfers.values() if x.faults.stall]
+        released, self._outliving = self._outliving, []
+        for h, x in [*held, *((None, x) for x in released)]:
+            if x.state is not XferState.PROC:
+                continue
+            try:
+                peer = self._fabric.reach(x.remote)
+                _check_landing(x, self, peer)
+            except BackendError as exc:
+                if h is not None:
+                    self._fail(h, x, exc)
+                continue
+            _complete(x, peer, self._name)
+            landed += 1
+        return landed
 
     async def telemetry(self, xfer: XferHandle) -> XferTelemetry | None:
         return self._book.xfer(xfer).telemetry
@@ -387,6 +427,17 @@ class FakeBackend:
     async def drain_notifications(self) -> tuple[Notification, ...]:
         got, self._inbox = tuple(self._inbox), []
         return got
+
+
+def _check_landing(x: _Xfer, here: FakeBackend, peer: FakeBackend) -> None:
+    """BackendNotFoundError unless both ends of every copy of ``x`` still lie in memory their
+    agents register now (a WRITE's destination is at ``peer``, a READ's here)."""
+    dst, src = (peer, here) if x.write else (here, peer)
+    if (
+        _covered(dst.regions(), [(d, d + n) for d, _, n in x.copies]) is not None
+        or _covered(src.regions(), [(s, s + n) for _, s, n in x.copies]) is not None
+    ):
+        raise BackendNotFoundError("a stalled transfer's memory was deregistered before it landed")
 
 
 def _complete(x: _Xfer, peer: FakeBackend, name: str) -> None:
