@@ -342,8 +342,10 @@ async def test_a_stream_dropped_mid_step_leaves_nothing_behind(tmp_path: Path) -
             assert scraped["kvsidecar_session_commands_in_flight"] == 0
 
         watch = await register()
+        # The same request held again: a new hold instance, so a new token (the dropped
+        # instance's token is refused: a consumer still holding it must not read this one).
         again = await client.step(
-            StepSpec(holds=[HoldSpec(request_id="held", block_ids=[[2]], token=TOKEN)])
+            StepSpec(holds=[HoldSpec(request_id="held", block_ids=[[2]], token=TOKEN + "-2")])
         )
         assert kinds(again.holds) == ["NotifyDone"]
         watch.cancel()

@@ -7,6 +7,7 @@ and injects the faults; the transfer clock is the test's."""
 
 from __future__ import annotations
 
+from kvsidecar.engine.backend.contract import XferState
 from kvsidecar.engine.backend.fake import FakeFaults
 from kvsidecar.types import FailReason, RecvDone, RecvFailed
 from tests.engine.reads.world import PREFILL, TOKEN, World, one_event_each, open_world
@@ -211,3 +212,26 @@ async def test_every_read_of_a_batch_ends_once_when_all_its_reads_fail() -> None
         # the producer never hears of a failed read: its holds stay, for their lease to end
         assert w.link.notes() == []
         assert all(pr.producer.holds_active == 3 for pr in w.ranks)
+
+
+async def test_a_failed_read_waits_for_its_read_and_ends_once_the_watcher_saw_it_end() -> None:
+    """A backend that cannot stop a released READ (NIXL): the failed read's event waits for its
+    READs, and comes at the next tick once they ended, also when the agent's watcher saw them end
+    between polls (``completed``), not the tick's own poll. Before the fix such a READ was never
+    released and the read was reported only at the teardown bound, with its blocks exposed."""
+    async with open_world() as w:
+        w.backend.aborts = False
+        await _stalled(w, "r1")
+        await w.reads.book.fail_peer(w.peer, FailReason.PEER_DISCONNECTED, "peer gone")
+        await w.reads.poll(w.local)
+        assert w.drain() == []  # its READs are in flight: bytes may still land
+        assert w.reads.book.abandoned(frozenset(r.agent for r in w.ranks))
+        assert w.backend.land_stalled() == len(w.backend.posted) > 0
+        w.reads.completed([(h, XferState.DONE) for h in w.backend.posted])
+        await w.reads.poll(w.local)
+        (failed,) = w.drain()
+        assert isinstance(failed, RecvFailed)
+        assert failed.reason is FailReason.PEER_DISCONNECTED
+        assert failed.exposed_until_unix_ns == 0  # nothing more can land
+        assert not w.reads.book.abandoned(frozenset(r.agent for r in w.ranks))
+        w.handles_clean()

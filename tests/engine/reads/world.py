@@ -94,7 +94,12 @@ class Ledgered(FakeBackend):
         self.posted: list[XferHandle] = []
         self.releases: collections.Counter[int] = collections.Counter()
         self.delay_polls = 0
+        self.aborts = True  # False: a released READ may still land, as over NIXL (UCX)
         self._late: dict[int, tuple[XferHandle, int]] = {}  # id -> (its own handle, polls left)
+
+    @property
+    def aborts_in_flight(self) -> bool:
+        return self.aborts
 
     async def post_read(
         self,
