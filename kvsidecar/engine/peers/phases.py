@@ -139,6 +139,7 @@ async def load_agent(registry: PeerRegistry, info: AgentInfo, engine_id: str) ->
     """Load rank ``info.tp_rank``'s agent metadata into the backend; any refusal is a clean
     UNAVAILABLE (counted by cause). The caller owns the agent (``remove_remote_agent``)."""
     try:
+        await registry.settled(info.agent_name)  # a stale peer of the same agent goes first
         return await registry.backend.add_remote_agent(info.nixl_agent_metadata, info.agent_name)
     except BackendError as exc:  # any refusal of the load: a clean UNAVAILABLE
         registry.metadata_refused(getattr(exc, "cause", "invalid"))

@@ -96,6 +96,10 @@ class PeerRegistry:
         self._known: dict[str, _Known] = {}
         self._pending: dict[str, asyncio.Task[Peer]] = {}
         self._orphans: set[asyncio.Task[Peer]] = set()  # backend phases of abandoned handshakes
+        # Agent names whose peer is being released: set once its agents are removed. A handshake
+        # that starts once the old peer left the table must not load the same agent before then
+        # (the backend refuses an agent that is still loaded: "already loaded").
+        self._releasing: dict[str, asyncio.Event] = {}
         self._handshakes = {"ok": 0, "error": 0}
         self._metadata_refused: dict[str, int] = {}
         self._quarantines: dict[str, int] = {}
@@ -265,11 +269,30 @@ class PeerRegistry:
         for peer in peers:
             await self.release(peer)
 
+    async def settled(self, agent_name: str) -> None:
+        """Wait until no release of a peer holding agent ``agent_name`` is under way (bounded by
+        that release's backend calls)."""
+        while (gone := self._releasing.get(agent_name)) is not None:
+            await gone.wait()
+
     async def release(self, peer: Peer) -> None:
         """Release the peer's lists and agents, once (errors are logged: release goes on)."""
         if peer.released:
             return
         peer.released = True
+        names = [link.agent.name for link in peer.links.values()]
+        gone = asyncio.Event()
+        for name in names:
+            self._releasing[name] = gone
+        try:
+            await self._release(peer)
+        finally:
+            for name in names:
+                if self._releasing.get(name) is gone:
+                    del self._releasing[name]
+            gone.set()
+
+    async def _release(self, peer: Peer) -> None:
         for link in peer.links.values():
             for handle in (link.local_dlist, link.remote_dlist, link.board_dlist, link.info_dlist):
                 if handle is not None:
