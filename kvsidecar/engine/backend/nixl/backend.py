@@ -188,7 +188,7 @@ class NixlBackend:
             raise MetadataRefusedError(
                 "invalid", f"remote agent metadata names agent {named!r}, its sidecar said {name!r}"
             )
-        return await self._call("add_remote_agent", lambda a: a.add_agent(metadata, name))
+        return await self._call("add_remote_agent", lambda a: a.add_agent(metadata, named))
 
     async def remove_remote_agent(self, agent: RemoteAgent) -> None:
         await self._call("remove_remote_agent", lambda a: a.remove_agent(agent))
