@@ -203,6 +203,15 @@ class PeerRegistry:
         """A remote agent's metadata was refused before it reached the agent (counted)."""
         self._metadata_refused[cause] = self._metadata_refused.get(cause, 0) + 1
 
+    def impostor(self, engine_id: str, cause: str, reason: str) -> None:
+        """``engine_id`` answered with an agent its sidecar cannot prove it runs (nothing of it
+        was loaded): its metadata is counted refused (``cause``: ``impostor``, or ``duplicate``
+        when a live peer holds that agent) and the engine quarantined (backoff, counted as
+        quarantine cause ``impostor``)."""
+        self.metadata_refused(cause)
+        self._quarantines["impostor"] = self._quarantines.get("impostor", 0) + 1
+        self._back_off(engine_id, reason)
+
     def _back_off(self, engine_id: str, reason: str) -> None:
         known = self._known.setdefault(engine_id, _Known())
         known.failures += 1

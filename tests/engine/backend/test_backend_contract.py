@@ -25,6 +25,7 @@ from kvsidecar.errors import (
     BackendError,
     BackendInvalidParamError,
     BackendNotFoundError,
+    MetadataRefusedError,
     RemoteDisconnectedError,
 )
 from kvsidecar.testing.daemon.target_process import pattern, read_region
@@ -241,6 +242,18 @@ async def test_metadata_naming_another_agent_is_refused(pair: Pair) -> None:
     assert agent.name == pair.target_name
 
 
+async def test_check_remote_metadata_names_the_agent_and_loads_nothing(pair: Pair) -> None:
+    b = pair.initiator
+    assert b.agent_name == b.identity.agent_name
+    assert await b.check_remote_metadata(pair.target_metadata) == pair.target_name
+    for bad in (b"", pair.target_metadata[: len(pair.target_metadata) // 2]):
+        with pytest.raises(MetadataRefusedError) as refused:
+            await b.check_remote_metadata(bad)
+        assert refused.value.cause == "invalid"
+    agent = await b.add_remote_agent(pair.target_metadata, pair.target_name)  # nothing loaded
+    assert agent.name == pair.target_name
+
+
 def changed_copy(pair: Pair) -> bytes:
     """The target's metadata with one memory descriptor's key changed (NIXL: a bit of the last
     descriptor's remote key; fake: its region cut short): it still loads, under the same name."""
@@ -261,6 +274,7 @@ async def test_a_changed_copy_of_an_agent_does_not_block_its_real_metadata(pair:
     b = pair.initiator
     await b.register_memory(pair.local)
     copy = changed_copy(pair)
+    assert await b.check_remote_metadata(copy) == pair.target_name
     for _ in range(2):
         agent = await b.add_remote_agent(copy, pair.target_name)
         await b.remove_remote_agent(agent)
