@@ -4,8 +4,8 @@
 identity and compatibility); it may be cancelled at any await. ``attach`` is the backend phase (load
 the remote agents, each only once its metadata loaded in the checker and its answer proved the
 agent, see ``proof``; prepare both descriptor lists of every read rank) and builds a ``Peer`` that
-its caller then owns; on failure it releases what it built. The consumer runs them in order and tells
-the ``PeerRegistry`` the outcome.
+its caller then owns; on failure it releases what it built. The consumer runs them in order and
+tells the ``PeerRegistry`` the outcome.
 """
 
 from __future__ import annotations
