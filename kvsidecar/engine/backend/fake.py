@@ -14,7 +14,6 @@ its remote agent does not stop it either).
 from __future__ import annotations
 
 import ctypes
-import itertools
 import json
 import uuid
 from collections.abc import Sequence
@@ -37,15 +36,16 @@ from kvsidecar.engine.backend.contract import (
 )
 from kvsidecar.engine.backend.handles import HandleBook, StridedRows
 from kvsidecar.engine.backend.handles import ReadPair as CheckedPair
+from kvsidecar.engine.backend.identity import AgentIdentity
 from kvsidecar.errors import (
     BackendError,
     BackendInvalidParamError,
     BackendNotFoundError,
+    MetadataRefusedError,
     RemoteDisconnectedError,
 )
 from kvsidecar.memory.types import MemoryRegion, MemType
 
-_names = itertools.count(1)
 Copies = tuple[tuple[int, int, int], ...]  # (dst, src, length) of each descriptor
 
 
@@ -140,13 +140,22 @@ def _copies(what: str, r: CheckedPair[None], here: FakeBackend, peer: FakeBacken
 
 
 class FakeBackend:
-    """``TransferBackend`` whose agent lives on a ``FakeFabric``. Runs on the event loop."""
+    """``TransferBackend`` whose agent lives on a ``FakeFabric``. Runs on the event loop.
+
+    Its name is its ``identity``'s (a fresh ``fake-…`` one by default), unless ``name`` is given:
+    such an agent cannot prove its name to peers (for backend-level tests only)."""
 
     def __init__(
-        self, fabric: FakeFabric, *, name: str | None = None, faults: FakeFaults | None = None
+        self,
+        fabric: FakeFabric,
+        *,
+        name: str | None = None,
+        identity: AgentIdentity | None = None,
+        faults: FakeFaults | None = None,
     ) -> None:
         self._fabric = fabric
-        self._name = name or f"fake-{next(_names)}"
+        self._identity = identity or AgentIdentity.generate("fake")
+        self._name = name or self._identity.agent_name
         self.faults = faults or FakeFaults()
         self._book: HandleBook[tuple[int, int], tuple[tuple[int, int], ...], None, _Xfer] = (
             HandleBook()
@@ -164,6 +173,10 @@ class FakeBackend:
     def aborts_in_flight(self) -> bool:
         """A released transfer is never copied: nothing of it lands afterwards."""
         return True
+
+    @property
+    def identity(self) -> AgentIdentity:
+        return self._identity
 
     async def start(self) -> None:
         if not self._started:
@@ -228,19 +241,32 @@ class FakeBackend:
         self._book.reg(registration)
         del self._book.regs[registration.id]
 
-    async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
-        self._check_open("add_remote_agent")
+    def _parse(self, metadata: bytes) -> tuple[str, tuple[tuple[int, int], ...]]:
+        """(the agent a fake metadata blob names, its regions); ``MetadataRefusedError`` for a
+        blob that is not one, or is another fabric's."""
         try:
             doc = json.loads(metadata)
             loaded, token = str(doc["agent"]), str(doc["fabric"])
             regions = tuple((int(a), int(b)) for a, b in doc["regions"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise BackendInvalidParamError(f"remote agent metadata is malformed: {exc}") from None
+            raise MetadataRefusedError(
+                "invalid", f"remote agent metadata is malformed: {exc}"
+            ) from None
         if token != self._fabric.token:
-            raise BackendInvalidParamError(f"remote agent {loaded!r} is on another fabric")
+            raise MetadataRefusedError("invalid", f"remote agent {loaded!r} is on another fabric")
+        return loaded, regions
+
+    async def check_remote_metadata(self, metadata: bytes) -> str:
+        self._check_open("check_remote_metadata")
+        return self._parse(metadata)[0]
+
+    async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
+        self._check_open("add_remote_agent")
+        loaded, regions = self._parse(metadata)
         if name and loaded != name:
-            raise BackendInvalidParamError(
-                f"remote agent metadata names agent {loaded!r}, its sidecar said {name!r}"
+            raise MetadataRefusedError(
+                "invalid",
+                f"remote agent metadata names agent {loaded!r}, its sidecar said {name!r}",
             )
         name = loaded
         if self._book.agent_named(name) is not None:

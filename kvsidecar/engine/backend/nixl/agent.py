@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -67,6 +68,13 @@ class NixlAgent:
         # UCX endpoint (and a socket) behind (ai-dynamo/nixl#2025), so a re-handshake with the
         # same agent reloads its metadata instead. The oldest beyond the bound are invalidated.
         self._parked: OrderedDict[str, None] = OrderedDict()
+        # The BLAKE2b of the metadata NIXL holds for each remote agent it has loaded (in use or
+        # parked). NIXL merges a reload into what it holds; a reload that conflicts with it (a
+        # memory descriptor whose key changed) fails *and* leaves the name unloadable for good
+        # (NIXL 1.5 drops its own record of the connection but not UCX's: every later load of
+        # that name fails INVALID_PARAM, invalidated or not; measured). So other metadata for a
+        # parked name is loaded only after the old is invalidated (a socket, see above).
+        self._loaded: dict[str, bytes] = {}
         # Remote agents a transfer or notification failed with: their endpoint may be broken (UCX
         # marks it failed: a reload is refused), so they are invalidated rather than parked. In
         # NIXL 1.5 that leaves the endpoint's connection open on both sides (a forced close that
@@ -134,11 +142,16 @@ class NixlAgent:
         self._run("deregisterMem", lambda: self._agent.deregisterMem(dlist, []))
 
     def add_agent(self, metadata: bytes, expected: str) -> RemoteAgent:
-        """Load a remote agent (``expected``: the name its sidecar advertised, "" if unknown). A
-        load that fails part-way leaves NIXL holding a broken entry for that name, which would
-        refuse every later load of the real agent: it is invalidated."""
+        """Load a remote agent (``expected``: the name its metadata names, as the checker found
+        it; "" if unknown). Never leaves NIXL holding a name a later load of the real agent
+        would be refused for: metadata other than what NIXL holds for a parked agent replaces
+        it (invalidated first), and a load that fails part-way is invalidated."""
         if expected and self._book.agent_named(expected) is not None:
             raise BackendInvalidParamError(f"remote agent {expected!r} is already loaded")
+        digest = hashlib.blake2b(metadata, digest_size=16).digest()
+        if expected and self._loaded.get(expected, digest) != digest:
+            self._parked.pop(expected, None)
+            _guard(functools.partial(self._invalidate, expected))
         try:
             raw = self._run("loadRemoteMD", lambda: self._agent.loadRemoteMD(metadata))
         except BackendError:
@@ -159,6 +172,7 @@ class NixlAgent:
         if self._book.agent_named(name) is not None:
             raise BackendInvalidParamError(f"remote agent {name!r} is already loaded")
         self._parked.pop(name, None)
+        self._loaded[name] = digest
         h = RemoteAgent(id=self._book.new_id(), name=name)
         self._book.agents[h.id] = (h, name)
         return h
@@ -181,6 +195,7 @@ class NixlAgent:
             self._invalidate(self._parked.popitem(last=False)[0])
 
     def _invalidate(self, name: str) -> None:
+        self._loaded.pop(name, None)  # first: NIXL forgets the name even when it complains
         self._run("invalidateRemoteMD", lambda: self._agent.invalidateRemoteMD(name))
 
     # --- descriptor lists ---------------------------------------------------------------------
@@ -353,7 +368,7 @@ def _guard(fn: Callable[[], None]) -> None:
     try:
         fn()
     except BackendError as exc:
-        log.error("NIXL release during close failed: %s", exc)
+        log.error("NIXL release failed: %s", exc)
 
 
 class Watched:
