@@ -19,7 +19,7 @@ import numpy as np
 from kvsidecar.engine.holds.canary import check_canary, held_views
 from kvsidecar.memory.region import host_bytes
 from kvsidecar.plan import EngineGeometry, build_peer_plan, packed_kv_view
-from kvsidecar.plan.canary import checksum, desc_ranges, merge_ranges, pack_ranges
+from kvsidecar.plan.hold.canary import checksum, desc_ranges, merge_ranges, pack_ranges
 from kvsidecar.plan.request import request_descriptor_ids
 from kvsidecar.wire.peer import Canary, Outcome
 

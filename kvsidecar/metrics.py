@@ -155,15 +155,15 @@ class EngineCollector(Collector):
         yield _labelled(
             "kvsidecar_peer_metadata_refused",
             "Remote agent metadata refused before it reached this sidecar's agent, by cause "
-            "(invalid, crashed: it killed the metadata checker, timeout, duplicate: another "
-            "engine's agent).",
+            "(invalid, crashed: it killed the metadata checker, timeout, impostor: no valid "
+            "agent proof, duplicate: an unproven claim to an agent a live peer holds).",
             "cause",
             peers.metadata_refused,
         )
         yield _labelled(
             "kvsidecar_peer_quarantines",
             "Remote engines taken out of service until a new handshake, by cause (read_failed, "
-            "undelivered, request).",
+            "undelivered, replaced, corrupt, impostor).",
             "cause",
             peers.quarantines,
         )

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from kvsidecar.discovery import Discovery, StaticDiscovery, describe, record_of
 from kvsidecar.drain import DrainControl
 from kvsidecar.engine.backend import TransferBackend
+from kvsidecar.engine.backend.nixl import UcxSetup
 from kvsidecar.engine.core import EngineCore
 from kvsidecar.engine.model import CoreConfig, PushConfig, StagingMode
 from kvsidecar.errors import ConfigError, ListenError
@@ -32,6 +33,7 @@ from kvsidecar.health import ENGINE_SERVICE, PEER_SERVICE, Condition, HttpEndpoi
 from kvsidecar.listen import BoundAddresses, bind_server, is_loopback, prepare_socket_path
 from kvsidecar.metrics import Metrics
 from kvsidecar.ops.tick import OpsTick
+from kvsidecar.ops.ucx_metrics import UcxCollector
 from kvsidecar.peer_tls import PeerTlsFiles
 from kvsidecar.rpc.engine_service import EngineServicer
 from kvsidecar.rpc.handlers import service_handler
@@ -111,9 +113,12 @@ class Sidecar:
         *,
         metrics: Metrics | None = None,
         backend: TransferBackend | None = None,
+        ucx: UcxSetup | None = None,
     ) -> None:
+        """``ucx``: the process's UCX set-up (``run`` makes it), for the NIXL backend."""
         self._settings = settings
         self._backend = backend
+        self._ucx = ucx
         self.core: EngineCore | None = None
         self.discovery: Discovery = StaticDiscovery()
         self.metrics = metrics if metrics is not None else Metrics()
@@ -122,6 +127,8 @@ class Sidecar:
         )
         self._notifier = SystemdNotifier(settings.notify_socket)
         self.ops = OpsTick(settings, self.metrics.registry)
+        self._ucx_metrics = UcxCollector()  # the backend's transports, once it exists
+        self.metrics.registry.register(self._ucx_metrics)
         self._engine_server: grpc.aio.Server | None = None
         self._peer_server: grpc.aio.Server | None = None
         self._lane: LaneServer | None = None  # the engine's lane (rpc/lane.py)
@@ -172,8 +179,9 @@ class Sidecar:
             )
         self.metrics.peer_tls.set(0 if self._tls is None else 1)
         if self._backend is None:
-            self._backend = _transfer_backend(s)
+            self._backend = _transfer_backend(s, self._ucx)
         await self._backend.start()
+        self._ucx_metrics.source = self._backend.transports
         config = CoreConfig(
             lease_s=s.lease_s,
             read_deadline_s=s.read_deadline_s,
@@ -355,7 +363,6 @@ class Sidecar:
 
 async def run(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT; drain with the grace period; a second signal forces. Exit code."""
-    sidecar = Sidecar(settings)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     force = asyncio.Event()
@@ -371,6 +378,13 @@ async def run(settings: Settings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     reloads: set[asyncio.Task[bool]] = set()
+    # Before the NIXL agent exists: UCX reads its variables when it loads and creates a context.
+    ucx = (
+        UcxSetup.apply(os.environ, proto_info=settings.ucx_proto_info)
+        if settings.transfer_backend is TransferBackendKind.NIXL
+        else None
+    )
+    sidecar = Sidecar(settings, ucx=ucx)
 
     def on_hup() -> None:
         task = loop.create_task(sidecar.reload_tls())
@@ -399,9 +413,11 @@ async def run(settings: Settings) -> int:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+        if ucx is not None:
+            ucx.release(os.environ)  # its log directory goes with the sidecar
 
 
-def _transfer_backend(s: Settings) -> TransferBackend:
+def _transfer_backend(s: Settings, ucx: UcxSetup | None) -> TransferBackend:
     """The backend the ``transfer_backend`` setting names (NIXL's is imported only when chosen)."""
     if s.transfer_backend is TransferBackendKind.FAKE:
         from kvsidecar.engine.backend.fake import FakeFabric
@@ -409,7 +425,7 @@ def _transfer_backend(s: Settings) -> TransferBackend:
         return FakeFabric.process().backend()
     from kvsidecar.engine.backend.nixl import NixlBackend
 
-    return NixlBackend(poll_delay_us=s.nixl_poll_delay_us)
+    return NixlBackend(poll_delay_us=s.nixl_poll_delay_us, ucx=ucx)
 
 
 def _push_config(s: Settings) -> PushConfig:

@@ -214,6 +214,12 @@ class Settings(BaseSettings):
     nixl_poll_delay_us: int = Field(
         default=1000, ge=0, le=1_000_000, description="NIXL progress-thread poll delay (µs)."
     )
+    ucx_proto_info: bool = Field(
+        default=True,
+        description="Have UCX report the protocols and transports it selects (UCX_PROTO_INFO, "
+        "UCX_LOG_FILE in a directory the sidecar owns; each unless already set) and show them "
+        "in Status and /metrics.",
+    )
     notify_socket: str | None = Field(
         default=None,
         validation_alias=AliasChoices("NOTIFY_SOCKET", "notify_socket"),

@@ -31,6 +31,14 @@ __all__ = [
     "SendFailed",
     "SidecarStatus",
     "StepDone",
+    "TransportProtocol",
+    "TransportRange",
+    "UcxLog",
+    "UcxMemory",
+    "UcxOp",
+    "UcxScope",
+    "UcxTransports",
+    "UcxVariable",
     "lane_path",
 ]
 
@@ -317,6 +325,7 @@ class SidecarStatus:
     reads_handshaking: int = 0  #: reads waiting for a handshake (part of reads_in_flight)
     peer_endpoint: str = ""  #: this sidecar's advertised PeerService address
     costs: tuple[PeerCost, ...] = ()  #: the cost matrix: one entry per live remote engine rank
+    ucx: UcxTransports = field(default_factory=lambda: UcxTransports())  #: UCX's choices
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -368,3 +377,139 @@ class DiscoveryInfo:
     invalidations: int
     last_error: str
     engines: tuple[DiscoveredEngine, ...]
+
+
+# --- UCX: the transports it chose (docs/operations.md, "UCX transports") ----------------------
+
+
+class UcxOp(str, enum.Enum):
+    """The kind of operation a UCX protocol table is for."""
+
+    READ = "read"  #: remote memory read (``ucp_get*``): a NIXL READ
+    WRITE = "write"  #: remote memory write (``ucp_put*``): a NIXL WRITE
+    AM = "am"  #: active message (``ucp_am_send*``): notifications, control, emulated READs
+    OTHER = "other"  #: tagged messages, rendezvous data, atomics
+
+
+class UcxScope(str, enum.Enum):
+    """Where the peers of an endpoint configuration are, as UCX classified them."""
+
+    SELF = "self"  #: this process (the agent's connection to itself)
+    INTRA_NODE = "intra-node"  #: another process on this host
+    INTER_NODE = "inter-node"  #: another host
+
+
+class UcxMemory(str, enum.Enum):
+    """A memory kind as UCX names it (``NONE``: the operation has no such side)."""
+
+    NONE = "none"
+    HOST = "host"
+    CUDA = "cuda"
+    CUDA_MANAGED = "cuda-managed"
+    ROCM = "rocm"
+    ROCM_MANAGED = "rocm-managed"
+    OTHER = "other"
+
+    @property
+    def gpu(self) -> bool:
+        return self in (
+            UcxMemory.CUDA,
+            UcxMemory.CUDA_MANAGED,
+            UcxMemory.ROCM,
+            UcxMemory.ROCM_MANAGED,
+        )
+
+
+class UcxLog(str, enum.Enum):
+    """Whether the sidecar reads UCX's own log (where the protocol tables are)."""
+
+    NONE = "none"  #: no UCX set-up: the fake backend, or a sidecar not started by ``serve``
+    READ = "read"  #: UCX logs into a directory the sidecar owns and reads
+    OPERATOR = "operator"  #: the operator set ``UCX_LOG_FILE``: theirs, not read
+    OFF = "off"  #: ``--no-ucx-proto-info``: UCX logs where it always does (stdout)
+
+
+#: A protocol range is bulk (it carries KV blocks) when it reaches this many bytes.
+BULK_BYTES = 65536
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransportRange:
+    """One row of a protocol table: messages of ``min_bytes``..``max_bytes`` (``None``: no upper
+    bound) go by UCX's protocol ``description`` (``zero-copy``, ``software emulation``, ...) over
+    ``config`` (UCX's text, e.g. ``cuda_ipc/cuda``, ``tcp/eth0``), whose transports are
+    ``transports`` (``cuda_ipc``, ``tcp``, ``cma``, ``rc_mlx5``, ...)."""
+
+    min_bytes: int
+    max_bytes: int | None
+    description: str
+    config: str
+    transports: tuple[str, ...]
+
+    @property
+    def bulk(self) -> bool:
+        return self.max_bytes is None or self.max_bytes >= BULK_BYTES
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransportProtocol:
+    """A protocol UCX selected, from its table (``UCX_PROTO_INFO``): for ``op`` on endpoint
+    configuration ``config_index`` (``cfg#N``, shared by every endpoint of one kind: peers on the
+    same kind of path share it), from ``local_memory`` to/from ``remote_memory``; ``operation`` is
+    UCX's own description line. ``peer_agent``: the remote agent whose first transfer of this
+    kind made UCX select it ("" when unknown: another peer may share the configuration),
+    ``peer_engine``/``peer_rank`` that agent's engine and rank when this sidecar knows them.
+    ``selected_at``: Unix time."""
+
+    op: UcxOp
+    scope: UcxScope
+    config_index: int
+    local_memory: UcxMemory
+    remote_memory: UcxMemory
+    operation: str
+    ranges: tuple[TransportRange, ...]
+    selected_at: float
+    peer_agent: str = ""
+    peer_engine: str = ""
+    peer_rank: int = 0
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """Every transport of every range, in order of first use."""
+        return tuple(dict.fromkeys(t for r in self.ranges for t in r.transports))
+
+    @property
+    def gpu_over_tcp(self) -> bool:
+        """A remote memory read or write of GPU memory whose bulk sizes go over TCP (UCX's
+        fallback when cuda_ipc GET is off or no fast transport reaches the peer: ~0.5 GB/s)."""
+        gpu = self.local_memory.gpu or self.remote_memory.gpu
+        return (
+            self.op in (UcxOp.READ, UcxOp.WRITE)
+            and gpu
+            and any(r.bulk and "tcp" in r.transports for r in self.ranges)
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UcxVariable:
+    """A UCX environment variable that bears on transports: its value and who set it
+    (``by_sidecar``: the sidecar's default; else the operator's, left alone)."""
+
+    name: str
+    value: str
+    by_sidecar: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UcxTransports:
+    """What UCX chose (the ``Status`` RPC's ``ucx``): the variables, whether the sidecar reads
+    UCX's log, and the protocols UCX selected so far (at most 256; ``dropped`` beyond)."""
+
+    log: UcxLog = UcxLog.NONE
+    variables: tuple[UcxVariable, ...] = ()
+    protocols: tuple[TransportProtocol, ...] = ()
+    dropped: int = 0
+
+    @property
+    def gpu_over_tcp(self) -> tuple[TransportProtocol, ...]:
+        return tuple(p for p in self.protocols if p.gpu_over_tcp)

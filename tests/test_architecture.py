@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "kvsidecar"
+from tests.scan import PACKAGE, REPO, imports, sources
+
 HEAVY = (
     "grpc",
     "nixl",
@@ -32,42 +33,13 @@ def _modules_loaded_by(statement: str) -> set[str]:
     return set(json.loads(out.stdout))
 
 
-def _imports(path: Path) -> set[str]:
-    """Absolute module names a source file imports (relative imports resolved against the package)."""
-    tree = ast.parse(path.read_text(), str(path))
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = parts[: len(parts) - node.level + (1 if path.name == "__init__.py" else 0)]
-                mod = ".".join([*base, node.module] if node.module else base)
-            else:
-                mod = node.module or ""
-            found.add(mod)
-            found.update(f"{mod}.{alias.name}" for alias in node.names)
-    return found
-
-
-GENERATED = PACKAGE / "v1"
-
-
-def _sources() -> list[Path]:
-    return [p for p in PACKAGE.rglob("*.py") if GENERATED not in p.parents]
-
-
 def _kvsidecar_imports(folder: str, skip: str = "") -> list[tuple[Path, str]]:
     """(file, imported kvsidecar module) for every source file under ``kvsidecar/<folder>``
     (leaving out its sub-folder ``skip``)."""
     root = PACKAGE / folder
     files = [root.with_suffix(".py")] if root.with_suffix(".py").exists() else root.rglob("*.py")
     files = [p for p in files if not skip or root / skip not in p.parents]
-    return [(p, m) for p in files for m in sorted(_imports(p)) if m.startswith("kvsidecar")]
+    return [(p, m) for p in files for m in sorted(imports(p)) if m.startswith("kvsidecar")]
 
 
 def _layer(module: str) -> str:
@@ -93,7 +65,7 @@ def test_plan_imports_nothing_heavy() -> None:
 
 def test_plan_imports_only_stdlib_numpy_and_errors() -> None:
     for path in (PACKAGE / "plan").rglob("*.py"):
-        for mod in _imports(path):
+        for mod in imports(path):
             if mod.startswith("kvsidecar"):
                 assert mod.startswith(("kvsidecar.plan", "kvsidecar.errors")), f"{path}: {mod}"
             else:
@@ -104,9 +76,9 @@ def test_only_nixl_backend_imports_nixl() -> None:
     allowed = PACKAGE / "engine" / "backend" / "nixl" / "backend.py"
     offenders = [
         f"{p.relative_to(PACKAGE.parent)}: {m}"
-        for p in _sources()
+        for p in sources()
         if p != allowed
-        for m in _imports(p)
+        for m in imports(p)
         if m.split(".")[0] in ("nixl", "nixl_cu12", "nixl_cu13")
     ]
     assert offenders == []
@@ -114,7 +86,7 @@ def test_only_nixl_backend_imports_nixl() -> None:
 
 def test_client_never_imports_server_or_engine() -> None:
     for path in (PACKAGE / "client").rglob("*.py"):
-        for mod in _imports(path):
+        for mod in imports(path):
             assert not mod.startswith(("kvsidecar.server", "kvsidecar.engine")), f"{path}: {mod}"
 
 
@@ -146,7 +118,7 @@ def test_integrations_use_only_the_client_side() -> None:
     importers = sorted(
         str(p.relative_to(PACKAGE.parent))
         for p in PACKAGE.rglob("*.py")
-        if any(m == "vllm" or m.startswith("vllm.") for m in _imports(p))
+        if any(m == "vllm" or m.startswith("vllm.") for m in imports(p))
     )
     assert importers == ["kvsidecar/integrations/vllm/connector.py"], importers
 
@@ -177,11 +149,11 @@ def test_rpc_and_testing_stay_in_their_lanes() -> None:
 def test_tools_and_testing_are_not_imported_by_the_daemon() -> None:
     """Statically: nothing but the CLI, tools/ and testing/ import them; at run time: serving a
     sidecar (cli -> server) loads none of them, and neither does importing the client."""
-    outside = [p for p in _sources() if not {"tools", "testing", "cli"} & set(p.parts)]
+    outside = [p for p in sources() if not {"tools", "testing", "cli"} & set(p.parts)]
     offenders = [
         f"{p.relative_to(PACKAGE.parent)}: {m}"
         for p in outside
-        for m in _imports(p)
+        for m in imports(p)
         if m.startswith(("kvsidecar.tools", "kvsidecar.testing"))
     ]
     assert offenders == []
@@ -211,7 +183,7 @@ def long_modules(paths: list[Path]) -> list[str]:
 
 
 def test_no_module_is_an_outlier() -> None:
-    assert long_modules(_sources()) == []
+    assert long_modules(sources()) == []
 
 
 def split_classes(paths: list[Path]) -> list[str]:
@@ -245,7 +217,7 @@ def split_classes(paths: list[Path]) -> list[str]:
 
 
 def test_no_class_is_split_by_inheritance() -> None:
-    assert split_classes(_sources()) == []
+    assert split_classes(sources()) == []
 
 
 def test_the_size_and_split_rules_bite(tmp_path: Path) -> None:
@@ -257,7 +229,7 @@ def test_the_size_and_split_rules_bite(tmp_path: Path) -> None:
         "class Half:\n    def a(self) -> int:\n        return 1\n\n\n"
         "class Whole(Half):\n    pass\n\n\nw = Whole()\n"
     )
-    planted = [*_sources(), big, split]
+    planted = [*sources(), big, split]
     assert [p for p in long_modules(planted) if "big.py" in p] == [
         f"{big}: {MAX_MODULE_LINES + 1} lines"
     ]
@@ -281,10 +253,10 @@ def test_settings_read_only_at_the_edge() -> None:
         PACKAGE / "settings.py",
         PACKAGE / "testing" / "daemon" / "engines.py",
     }
-    for path in _sources():
+    for path in sources():
         if path in edge:
             continue
-        assert not any(m.startswith("kvsidecar.settings") for m in _imports(path)), path
+        assert not any(m.startswith("kvsidecar.settings") for m in imports(path)), path
         assert "os.environ" not in path.read_text(), f"{path} reads os.environ"
 
 
@@ -342,12 +314,12 @@ def test_the_tests_import_scanner_sees_every_form(tmp_path: Path) -> None:
 
 
 def test_the_scanner_sees_imports() -> None:
-    assert "kvsidecar.rpc.status" in _imports(PACKAGE / "rpc" / "engine_service.py")
+    assert "kvsidecar.rpc.status" in imports(PACKAGE / "rpc" / "engine_service.py")
     assert any(m.startswith("kvsidecar.engine") for _, m in _kvsidecar_imports("rpc"))
     # Guard against a scanner that silently finds nothing (which would make the tests above vacuous).
     nixl = PACKAGE / "engine" / "backend" / "nixl" / "backend.py"
-    assert {"nixl_cu12", "nixl_cu13"} <= {m.split(".")[0] for m in _imports(nixl)}
-    assert "kvsidecar.errors" in _imports(PACKAGE / "settings.py")
+    assert {"nixl_cu12", "nixl_cu13"} <= {m.split(".")[0] for m in imports(nixl)}
+    assert "kvsidecar.errors" in imports(PACKAGE / "settings.py")
 
 
 def unlisted_in_layout(readme: str) -> list[str]:
@@ -364,3 +336,51 @@ def test_readme_layout_lists_every_top_level_package() -> None:
     assert unlisted_in_layout(readme) == []
     # the rule bites: a layout without integrations/ is found
     assert unlisted_in_layout(readme.replace("  integrations/", "  plugins/")) == ["integrations/"]
+
+
+def imported_test_modules(paths: list[Path], root: Path = REPO) -> list[str]:
+    """``file imports module`` for every ``test_*`` module (of ``tests/``) that one of ``paths``
+    (under ``root``) imports: a test module is pytest's to collect, never another's library;
+    helpers several tests share live in a helper module (``tests/**/helpers.py``,
+    ``kvsidecar.testing``)."""
+    out = set()
+    for path in paths:
+        for module in imports(path, root):
+            parts = module.split(".")
+            if parts[0] != "tests":
+                continue
+            for i, part in enumerate(parts[1:], start=1):
+                if part.startswith("test_"):
+                    out.add(f"{path.relative_to(root)} imports {'.'.join(parts[: i + 1])}")
+                    break
+    return sorted(out)
+
+
+def test_no_test_module_is_imported() -> None:
+    assert imported_test_modules(sorted((REPO / "tests").rglob("*.py"))) == []
+
+
+def test_the_test_module_rule_bites(tmp_path: Path) -> None:
+    """Guard against a vacuous rule: planted imports of test modules, absolute and relative, of a
+    module or of a name in it, are all found; a helper module's are not."""
+    folder = tmp_path / "tests" / "e2e"
+    folder.mkdir(parents=True)
+    (tmp_path / "tests" / "__init__.py").write_text("")
+    (folder / "__init__.py").write_text("")
+    planted = folder / "helpers_planted.py"
+    planted.write_text(
+        "from tests.e2e.test_e2e_links import metric\n"
+        "from .test_e2e_boards import counters\n"
+        "from tests.e2e import test_e2e_security\n"
+        "import tests.test_architecture\n"
+        "from tests.e2e.helpers import credentials\n"
+        "from . import helpers\n"
+        "import pytest\n"
+    )
+    shown = "tests/e2e/helpers_planted.py imports "
+    assert imported_test_modules([planted], tmp_path) == [
+        f"{shown}tests.e2e.test_e2e_boards",
+        f"{shown}tests.e2e.test_e2e_links",
+        f"{shown}tests.e2e.test_e2e_security",
+        f"{shown}tests.test_architecture",
+    ]

@@ -1,6 +1,6 @@
 """The engine's rooms (DESIGN §3): which folder may import which, what the rest of the package may
 import of the engine, how many modules a folder holds, and no reach-through chains past the
-engine's face. Checked by scanning imports (``tests.test_architecture``'s scanner)."""
+engine's face. Checked by scanning imports (``tests.scan``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_architecture import PACKAGE, _imports, _sources
+from tests.scan import PACKAGE, imports, sources
 
 ENGINE = PACKAGE / "engine"
 WINGS = ("backend", "owned", "peers", "reads", "holds", "writes")
@@ -52,7 +52,7 @@ def _engine_modules() -> dict[str, Path]:
 def _engine_imports(path: Path, modules: dict[str, Path]) -> set[str]:
     """The engine modules ``path`` imports (``from pkg import name`` counts as ``pkg.name`` when
     that is a module, else as ``pkg``)."""
-    found = _imports(path)
+    found = imports(path)
     out = {m for m in found if m in modules}
     for m in list(out):  # "from kvsidecar.engine.peers import phases": the module, not the package
         if modules[m].name == "__init__.py" and any(o.startswith(m + ".") for o in out):
@@ -113,12 +113,12 @@ def outside_offenders() -> list[str]:
     """Imports of the engine from outside ``engine/`` that pass its face. The backend package
     (to pick a backend) only from the composition root, tools and the test harness."""
     out = []
-    for path in _sources():
+    for path in sources():
         if ENGINE in path.parents:
             continue
         picks_backend = path == PACKAGE / "server.py" or {"tools", "testing"} & set(path.parts)
         allowed = FACE | BACKEND_FACE if picks_backend else FACE
-        for m in sorted(_imports(path)):
+        for m in sorted(imports(path)):
             if m.startswith("kvsidecar.engine") and not (
                 m in allowed or m.rsplit(".", 1)[0] in allowed  # "from <allowed> import name"
             ):
@@ -146,7 +146,7 @@ def test_outside_the_engine_only_its_face_and_leaves_are_imported() -> None:
 
 
 def test_no_folder_holds_more_than_a_dozen_modules() -> None:
-    folders = {p.parent for p in _sources()}
+    folders = {p.parent for p in sources()}
     crowded = []
     for folder in sorted(folders):
         modules = [p for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
@@ -204,13 +204,13 @@ def test_the_rules_see_a_wrong_import(tmp_path: Path, monkeypatch: pytest.Monkey
         modules["kvsidecar.engine.reads.guard"], modules
     )
     ledger = modules["kvsidecar.engine.holds.ledger"]
-    real = _imports
+    real = imports
 
     def with_a_wrong_import(path: Path) -> set[str]:
         found = real(path)
         return found | {"kvsidecar.engine.reads.inflight"} if path == ledger else found
 
-    monkeypatch.setattr(sys.modules[__name__], "_imports", with_a_wrong_import)
+    monkeypatch.setattr(sys.modules[__name__], "imports", with_a_wrong_import)
     assert engine_rule_violations() == [
         "kvsidecar/engine/holds/ledger.py imports kvsidecar.engine.reads.inflight"
     ]

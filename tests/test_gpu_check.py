@@ -328,7 +328,10 @@ def test_the_transport_a_status_reports_is_found_whatever_its_field() -> None:
         peer_tls=True,
         confirm_reads=True,
     )
-    assert status_transports(plain) == {}  # this checkout's Status: no transport field
+    found = status_transports(plain)  # a Status left at its defaults: UCX's field, nothing read
+    assert list(found) == ["ucx"]
+    assert found["ucx"]["log"] == "none"
+    assert found["ucx"]["protocols"] == []
 
 
 def test_what_a_killed_process_left_is_removed_and_nothing_else(tmp_path: Path) -> None:

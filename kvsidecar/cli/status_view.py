@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from kvsidecar.types import DiscoveryInfo, PeerCost, SidecarStatus
+from kvsidecar.types import DiscoveryInfo, PeerCost, SidecarStatus, UcxLog, UcxOp, UcxTransports
 
 
 def status_dict(status: SidecarStatus) -> dict[str, Any]:
@@ -136,8 +136,54 @@ def render(status: SidecarStatus) -> str:
         lines += _table(header, rows)
     else:
         lines.append("  (none)")
+    lines += render_ucx(status.ucx)
     lines.append("counters")
     width = max((len(k) for k in status.counters), default=0)
     for key, value in sorted(status.counters.items()):
         lines.append(f"  {key.ljust(width)}  {value}")
     return "\n".join(lines)
+
+
+def render_ucx(u: UcxTransports) -> list[str]:
+    """UCX's variables and the READ/WRITE protocols it selected (a table), active messages and
+    other operations summarized by transport; a warning line per GPU transfer over TCP."""
+    settings = "  ".join(
+        f"{v.name}={v.value} ({'kvsidecar' if v.by_sidecar else 'operator'})" for v in u.variables
+    )
+    lines = [f"ucx       log {u.log.value}" + (f"  {settings}" if settings else "")]
+    rma = [p for p in u.protocols if p.op in (UcxOp.READ, UcxOp.WRITE)]
+    if rma:
+        arrows = {UcxOp.READ: "<-", UcxOp.WRITE: "->"}
+        header = ("OP", "SCOPE", "CFG", "MEMORY", "PEER", "RANGES")
+        rows = [
+            (
+                p.op.value,
+                p.scope.value,
+                str(p.config_index),
+                f"{p.local_memory.value}{arrows[p.op]}{p.remote_memory.value}",
+                f"{p.peer_engine}/{p.peer_rank}" if p.peer_engine else p.peer_agent or "-",
+                ", ".join(
+                    f"{r.min_bytes}..{'inf' if r.max_bytes is None else r.max_bytes} "
+                    f"{r.description} {r.config}"
+                    for r in p.ranges
+                ),
+            )
+            for p in rma
+        ]
+        lines += _table(header, rows)
+    elif u.log is UcxLog.READ:
+        lines.append("  (no READ or WRITE yet)")
+    others = [p for p in u.protocols if p.op not in (UcxOp.READ, UcxOp.WRITE)]
+    if others:
+        transports = ", ".join(dict.fromkeys(t for p in others for t in p.transports))
+        lines.append(
+            f"  active messages and other operations: {len(others)} protocols over {transports}"
+        )
+    for p in u.gpu_over_tcp:
+        lines.append(
+            f"  WARNING {p.op.value} of GPU memory over tcp ({p.scope.value} cfg#{p.config_index}): "
+            "1,000x slower than cuda_ipc: set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y / check UCX_TLS"
+        )
+    if u.dropped:
+        lines.append(f"  ({u.dropped} more protocols not kept)")
+    return lines

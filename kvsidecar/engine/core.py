@@ -38,6 +38,7 @@ from kvsidecar.engine.model import (
 )
 from kvsidecar.engine.owned.boards import BoardMemory
 from kvsidecar.engine.parts import Parts
+from kvsidecar.engine.peers import proof
 from kvsidecar.engine.peers.registry import PeerRegistry
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.batch import ReadBatch, ReadOutcome
@@ -270,18 +271,20 @@ class EngineCore:
             )
         return local.epoch, self._producer.on_peer(notes, local.epoch)
 
-    async def agent_info(self, engine_id: str, tp_rank: int) -> AgentInfo:
-        """What a remote sidecar needs to read from this engine (GetAgent)."""
+    async def agent_info(self, engine_id: str, tp_rank: int, challenge: bytes = b"") -> AgentInfo:
+        """What a remote sidecar needs to read from this engine (GetAgent), with the proof that
+        this sidecar runs the agent it names, for the asker's ``challenge`` (``peers.proof``)."""
         local = self.require_local()
         local.check_serves(engine_id, tp_rank)
         async with self._p.serving.slot():
             metadata = await self._backend.local_metadata()
-        return local.agent_info(
+        info = local.agent_info(
             metadata=metadata,
             agent_name=self._backend.agent_name,
             board=(self._p.boards.address, self._p.boards.buckets),
             staged=self._staged(),
         )
+        return proof.prove(self._backend.identity, info, challenge)
 
     def _staged(self) -> Staged | None:
         """What GetAgent says of the staging pool (``None``: this registration is not staged,
@@ -336,6 +339,7 @@ class EngineCore:
             draining=self.draining,
             agent_name=self._backend.agent_name,
             peer_endpoint=self.peer_endpoint,
+            ucx=self._backend.transports(),
         )
 
 

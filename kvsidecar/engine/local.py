@@ -30,8 +30,8 @@ from kvsidecar.memory.host_shm import HostShmMemory
 from kvsidecar.memory.region import host_bytes
 from kvsidecar.memory.types import MemType
 from kvsidecar.plan import EngineGeometry
-from kvsidecar.plan.canary import Reader
 from kvsidecar.plan.compat import PROTOCOL_VERSION, CompatItems, span_signature
+from kvsidecar.plan.hold.canary import Reader
 from kvsidecar.wire.peer import AgentInfo, EngineDirectory, Staged
 
 log = logging.getLogger(__name__)

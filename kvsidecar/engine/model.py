@@ -50,7 +50,7 @@ class StagingMode(enum.Enum):
 class Stager(Protocol):
     """What the producer asks of the staging pool (``owned.staging.StagingPool``): ``active``
     for the registration bound now; ``check`` refuses a hold that can never fit; ``stage`` copies
-    a hold's blocks and calls ``staged(info)`` once done (``plan.staging.info_of``); ``unstage``
+    a hold's blocks and calls ``staged(info)`` once done (``plan.hold.staging.info_of``); ``unstage``
     gives its slots back when the hold ended; ``clear`` every hold at once."""
 
     @property
@@ -135,7 +135,7 @@ class CoreConfig:
     """``lease_s``: default hold lease; ``read_deadline_s``: default Read deadline;
     ``handshake_timeout_s``: bound on one call to a remote sidecar (all seconds).
     ``confirm_reads``: RECV_DONE only after the producer confirmed (``hold_board``: by READing
-    its hold board where it can, see ``plan.board``). ``tls``: ``None`` only when
+    its hold board where it can, see ``plan.hold.board``). ``tls``: ``None`` only when
     PeerService is explicitly configured insecure. ``max_queued_events``: events kept per queue
     for an engine that does not read them (oldest dropped past it). ``handshake_concurrency``
     and ``serve_handshake_concurrency``: admission control, per sidecar and per target."""
@@ -145,7 +145,7 @@ class CoreConfig:
     handshake_timeout_s: float
     shm_roots: tuple[Path, ...]
     confirm_reads: bool = True
-    canary_fraction: float = 0.0  # reads checked by the integrity canary (plan.canary), 0..1
+    canary_fraction: float = 0.0  # reads checked by the integrity canary (plan.hold.canary), 0..1
     hold_board: bool = True  # publish holds on a board; confirm reads by reading boards
     tls: PeerTls | None = None
     max_queued_events: int = 65536  # per event queue (Watch stream, Status buffer)

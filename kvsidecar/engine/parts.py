@@ -7,6 +7,8 @@ through the guard, the consumer wakes the poller. ``EngineCore`` is the face in 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ from kvsidecar.engine.trace.ring import TraceRing
 from kvsidecar.engine.writes.face import push_stats
 from kvsidecar.engine.writes.granter import Granter
 from kvsidecar.engine.writes.pusher import Pusher
-from kvsidecar.types import FailReason, SidecarStatus
+from kvsidecar.types import FailReason, SidecarStatus, UcxTransports
 from kvsidecar.wire.peer import Outcome
 from kvsidecar.wire.trace import TraceState
 
@@ -169,8 +171,8 @@ class Parts:
         )
 
         async def drop_writes(reason: FailReason, why: str) -> None:
-            granter.drop_all(reason, why)
-            await pusher.drop_all(reason, why)
+            # Both wait for WRITEs to end (remote ones into this engine, this engine's own).
+            await asyncio.gather(granter.drop_all(reason, why), pusher.drop_all(reason, why))
 
         registrar = Registrar(
             backend=backend,
@@ -272,6 +274,7 @@ class Parts:
         draining: bool,
         agent_name: str,
         peer_endpoint: str,
+        ucx: UcxTransports,
     ) -> SidecarStatus:
         """State and counters; with ``drain``, also the queued events (up to ``max_events``)."""
         local = self.registrar.local
@@ -297,4 +300,16 @@ class Parts:
             reads_handshaking=stats.transfers.reads_handshaking,
             peer_endpoint=peer_endpoint,
             costs=stats.costs,
+            ucx=_name_peers(ucx, self.peers.agent_ranks()),
         )
+
+
+def _name_peers(ucx: UcxTransports, ranks: dict[str, tuple[str, int]]) -> UcxTransports:
+    """``ucx`` with each protocol's first peer named by engine and rank, where it is linked."""
+    protocols = tuple(
+        dataclasses.replace(p, peer_engine=ranks[p.peer_agent][0], peer_rank=ranks[p.peer_agent][1])
+        if p.peer_agent in ranks
+        else p
+        for p in ucx.protocols
+    )
+    return dataclasses.replace(ucx, protocols=protocols)

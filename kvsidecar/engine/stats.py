@@ -193,10 +193,12 @@ class PeerStats:
     handshakes: Mapping[str, int]
     handshake_duration: HistogramSnapshot
     #: remote agent metadata refused before it reached the agent, by cause (invalid, crashed,
-    #: timeout, duplicate: another engine's agent)
+    #: timeout, checker; impostor: no valid agent proof; duplicate: an unproven claim to an
+    #: agent a live peer of another engine holds)
     metadata_refused: Mapping[str, int]
     #: peers taken out of service, by cause (read_failed: a READ failed or hung; undelivered: a
-    #: notification could not be delivered; request: asked for)
+    #: notification could not be delivered; replaced: its sidecar proved it serves another
+    #: engine; corrupt: a canary failed; impostor: an answer that did not prove its agent)
     quarantines: Mapping[str, int]
 
 

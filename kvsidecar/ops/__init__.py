@@ -7,4 +7,7 @@ watchdog, the window, republishing the discovery record with its costs).
 May import: the engine's face and leaves (``engine.core``, ``engine.stats``, ``ratelog``),
 ``discovery``, ``health``, ``types``, ``prometheus_client``; never the rpc, the server or the
 settings (the server passes itself and its settings in, typed as protocols).
+
+The families of UCX's transport choices (``ucx_metrics``) read the transfer backend's
+``transports()`` instead, which the server hands them.
 """

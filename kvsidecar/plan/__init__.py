@@ -3,7 +3,9 @@
 Imports only the standard library, numpy and :mod:`kvsidecar.errors` (no asyncio, grpc, nixl, torch).
 See DESIGN §4. Units: bytes for sizes/offsets/addresses, view blocks for counts, TP ranks for ranks.
 The names below are the public surface; the submodules (``geometry``, ``compat``, ``layouts``,
-``strided``, ``state_layouts``, ``tp``, ``tokens``, ``peer_plan``, ``request``) hold the building blocks the daemon and the tests use.
+``strided``, ``state_layouts``, ``tp``, ``tokens``, ``peer_plan``, ``request``) hold the building
+blocks the daemon and the tests use; ``hold/`` what both sides compute about a held request (board
+markers, claims, canaries, the staging pool's layout).
 """
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ __all__ = [
 ]
 
 #: Version of the sidecar-to-sidecar protocol; part of every compatibility digest.
-PROTOCOL_VERSION = 3  # 2: a READ_DONE carries the claim of the blocks it read (plan.claims); 3: hold boards, PENDING
+# 2: a READ_DONE carries the claim of the blocks it read (plan.hold.claims); 3: hold boards,
+# PENDING; 4: agent proofs (peers.proof)
+PROTOCOL_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,10 +10,11 @@ import grpc
 from kvsidecar.engine.core import EngineCore
 from kvsidecar.engine.writes.face import PushFace
 from kvsidecar.errors import KvSidecarError
-from kvsidecar.limits import MAX_ID_CHARS, check_chars, check_duration
+from kvsidecar.limits import MAX_ID_CHARS, check_chars, check_count, check_duration
 from kvsidecar.rpc.status import errors_to_status, status_for, status_message
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc, trace_pb2
 from kvsidecar.wire.peer import (
+    MAX_CHALLENGE_BYTES,
     agent_info_to_proto,
     directory_to_proto,
     notify_request_from_proto,
@@ -29,8 +30,9 @@ from kvsidecar.wire.trace import side_to_proto
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
-    """GetAgent (the metadata to read from this rank), Notify and NotifyStream (consumers'
-    notifications, each answered with an outcome) and GetEngine (the engine's directory)."""
+    """GetAgent (the metadata to read from this rank, signed for the asker's challenge), Notify
+    and NotifyStream (consumers' notifications, each answered with an outcome) and GetEngine (the
+    engine's directory)."""
 
     def __init__(self, core: EngineCore, push: PushFace) -> None:
         self._core = core
@@ -41,7 +43,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self, request: peer_pb2.GetAgentRequest, context: Any
     ) -> peer_pb2.GetAgentResponse:
         check_chars("engine_id", request.engine_id, MAX_ID_CHARS)
-        return agent_info_to_proto(await self._core.agent_info(request.engine_id, request.tp_rank))
+        check_count("challenge", request.challenge, MAX_CHALLENGE_BYTES)
+        info = await self._core.agent_info(request.engine_id, request.tp_rank, request.challenge)
+        return agent_info_to_proto(info)
 
     @errors_to_status
     async def Notify(

@@ -18,9 +18,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvsidecar.client import (
     AsyncSidecarClient,
@@ -32,6 +33,7 @@ from kvsidecar.client import (
 from kvsidecar.plan import View
 from kvsidecar.testing import toy
 from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
+from kvsidecar.testing.process import environment
 from kvsidecar.testing.transfers import PREFILL, TransferResult, request_ids, transfer
 
 DECODE = "decode"
@@ -39,10 +41,12 @@ DECODE = "decode"
 __all__ = [
     "DECODE",
     "PREFILL",
+    "ClusterFactory",
     "LocalCluster",
     "Rank",
     "SidecarFailedError",
     "TransferResult",
+    "cluster_factory",
     "request_ids",
     "transfer",
 ]
@@ -96,6 +100,8 @@ class LocalCluster:
     decode_shape: toy.ModelShape | None = None  # the decode engine's, if its layout differs
     session: bool = True  # engines use Session streams (else Watch and unary calls)
     trailing_holds: bool = False  # engines register with trailing_holds (docs/confirmation.md)
+    #: variables added to every sidecar's environment (e.g. UCX's)
+    sidecar_env: dict[str, str] = field(default_factory=dict)
     # In every shm file's name: the creating process's pid first, so that a test can tell its own.
     tag: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
     certificates: PeerCertificates | None = None
@@ -139,7 +145,11 @@ class LocalCluster:
         ]
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=environment(self.sidecar_env),
             )
         return Rank(
             engine_id=role,
@@ -336,3 +346,32 @@ async def _exited(ranks: Sequence[Rank]) -> None:
     for rank in ranks:
         while rank.proc.poll() is None:  # noqa: ASYNC110 - a child process has no awaitable exit
             await asyncio.sleep(0.02)
+
+
+#: ``async with make(shape, prefill_tp, decode_tp, **kwargs) as cluster``: a started
+#: ``LocalCluster`` (``kwargs``: its other fields), closed on the way out.
+ClusterFactory = Callable[..., contextlib.AbstractAsyncContextManager[LocalCluster]]
+
+
+def cluster_factory(workdir: Path) -> ClusterFactory:
+    """Clusters under ``workdir``, one folder per TP pair (``p{prefill_tp}d{decode_tp}``): what a
+    test's ``local_cluster`` fixture hands out (``workdir``: its own temporary directory)."""
+
+    @contextlib.asynccontextmanager
+    async def make(
+        shape: toy.ModelShape, prefill_tp: int, decode_tp: int, **kwargs: Any
+    ) -> AsyncIterator[LocalCluster]:
+        cluster = LocalCluster(
+            shape=shape,
+            prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
+            workdir=workdir / f"p{prefill_tp}d{decode_tp}",
+            **kwargs,
+        )
+        try:
+            await cluster.start()
+            yield cluster
+        finally:
+            await cluster.aclose()
+
+    return make

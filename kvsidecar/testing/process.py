@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,11 @@ class SidecarProcess:
                 self.proc.wait(5)
                 raise
         return int(self.proc.returncode)
+
+
+def environment(extra: Mapping[str, str]) -> dict[str, str] | None:
+    """This process's environment plus ``extra`` for a child (``None``: inherit it unchanged)."""
+    return {**os.environ, **extra} if extra else None
 
 
 def spawn(

@@ -165,15 +165,19 @@ class RevokeResponse(_message.Message):
     UNCONFIRMED_RANKS_FIELD_NUMBER: _builtins.int
     EXPOSED_UNTIL_UNIX_NS_FIELD_NUMBER: _builtins.int
     quiet: _builtins.bool
-    """Every writer rank confirmed: no WRITE of the grant lands after this answer."""
+    """Every writer rank confirmed: no WRITE of the grant lands after this answer; the granted pages
+    may be reused now.
+    """
     exposed_until_unix_ns: _builtins.int
-    """0 when quiet."""
+    """Unix time in nanoseconds (this sidecar's clock) from which the granted pages may be reused;
+    0 when quiet. The grant's RECV_FAILED carries the same value.
+    """
     @_builtins.property
     def unconfirmed_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Writer ranks that did not confirm in time (unreachable, hung): they may still write until
-        exposed_until_unix_ns (the grant's deadline plus the producer's write timeout plus
-        push_clock_skew_s), never after: a producer sidecar posts no WRITE past a grant's deadline
-        and aborts its WRITEs that outlive their timeout.
+        """Writer ranks that did not confirm in time (lost, hung, or a WRITE of theirs still in flight):
+        they may still write until exposed_until_unix_ns (the grant's deadline plus
+        push_write_timeout_s plus push_clock_skew_s), never after: a producer sidecar posts no WRITE
+        past a grant's deadline, and the transport ends every WRITE within the write timeout.
         """
 
     def __init__(
@@ -1573,9 +1577,11 @@ class RecvFailed(_message.Message):
     message: _builtins.str
     exposed_until_unix_ns: _builtins.int
     """When the blocks of invalid_block_ids may be reused: 0 means now (no transfer into them can
-    still land); otherwise not before this Unix time in nanoseconds (a WRITE or READ that NIXL
-    could not stop may land until then). An engine frees or rewrites those blocks only then
-    (docs/confirmation.md, docs/push.md).
+    still land); otherwise not before this Unix time in nanoseconds, this sidecar's clock (a
+    WRITE or READ that NIXL could not stop may land until then). An engine frees or rewrites
+    those blocks only then (docs/confirmation.md, docs/push.md). Push mode: 0 once every writer
+    rank that had not finished confirmed none of its WRITEs is in flight, else the grant's
+    deadline plus push_write_timeout_s plus push_clock_skew_s.
     """
     @_builtins.property
     def invalid_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[_geometry_pb2.BlockIds]:
@@ -1822,6 +1828,7 @@ class StatusResponse(_message.Message):
     READS_HANDSHAKING_FIELD_NUMBER: _builtins.int
     PEER_ENDPOINT_FIELD_NUMBER: _builtins.int
     COSTS_FIELD_NUMBER: _builtins.int
+    UCX_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Empty when no engine is registered."""
     tp_rank: _builtins.int
@@ -1860,6 +1867,12 @@ class StatusResponse(_message.Message):
         (at most 4096; a quarantined engine's entries are dropped).
         """
 
+    @_builtins.property
+    def ucx(self) -> Global___UcxStatus:
+        """Which transports UCX chose (NIXL backend; empty with the fake one): docs/operations.md,
+        "UCX transports".
+        """
+
     def __init__(
         self,
         *,
@@ -1882,14 +1895,186 @@ class StatusResponse(_message.Message):
         reads_handshaking: _builtins.int = ...,
         peer_endpoint: _builtins.str = ...,
         costs: _abc.Iterable[Global___PeerCost] | None = ...,
+        ucx: Global___UcxStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ucx", b"ucx"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "confirm_reads", b"confirm_reads", "costs", b"costs", "counters", b"counters", "draining", b"draining", "engine_id", b"engine_id", "epoch", b"epoch", "events", b"events", "events_queued", b"events_queued", "holds_active", b"holds_active", "peer_endpoint", b"peer_endpoint", "peer_tls", b"peer_tls", "peers", b"peers", "reads_handshaking", b"reads_handshaking", "reads_in_flight", b"reads_in_flight", "ready", b"ready", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "watch_connected", b"watch_connected"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "confirm_reads", b"confirm_reads", "costs", b"costs", "counters", b"counters", "draining", b"draining", "engine_id", b"engine_id", "epoch", b"epoch", "events", b"events", "events_queued", b"events_queued", "holds_active", b"holds_active", "peer_endpoint", b"peer_endpoint", "peer_tls", b"peer_tls", "peers", b"peers", "reads_handshaking", b"reads_handshaking", "reads_in_flight", b"reads_in_flight", "ready", b"ready", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "ucx", b"ucx", "watch_connected", b"watch_connected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class UcxStatus(_message.Message):
+    """What UCX chose, read from its own log (UCX_PROTO_INFO tables), and the UCX variables in effect."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOG_FIELD_NUMBER: _builtins.int
+    VARIABLES_FIELD_NUMBER: _builtins.int
+    PROTOCOLS_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    log: _builtins.str
+    """Whether the sidecar reads UCX's log: "read" (into a directory it owns), "operator" (the
+    operator set UCX_LOG_FILE: the tables are in their file, not read), "off"
+    (--no-ucx-proto-info), "none" (no UCX set-up: the fake backend).
+    """
+    dropped: _builtins.int
+    @_builtins.property
+    def variables(self) -> _containers.RepeatedCompositeFieldContainer[Global___UcxVariable]:
+        """UCX_CUDA_IPC_ENABLE_GET_ZCOPY, UCX_PROTO_INFO, UCX_LOG_FILE: each value and who set it."""
+
+    @_builtins.property
+    def protocols(self) -> _containers.RepeatedCompositeFieldContainer[Global___UcxProtocol]:
+        """The protocols UCX selected so far for this sidecar's agent, in the order selected (at most
+        256 distinct; dropped counts the rest).
+        """
+
+    def __init__(
+        self,
+        *,
+        log: _builtins.str = ...,
+        variables: _abc.Iterable[Global___UcxVariable] | None = ...,
+        protocols: _abc.Iterable[Global___UcxProtocol] | None = ...,
+        dropped: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "log", b"log", "protocols", b"protocols", "variables", b"variables"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UcxStatus: _TypeAlias = UcxStatus  # noqa: Y015
+
+@_typing.final
+class UcxVariable(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    BY_SIDECAR_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    value: _builtins.str
+    by_sidecar: _builtins.bool
+    """The sidecar's default (false: the operator's value, left alone)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        value: _builtins.str = ...,
+        by_sidecar: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["by_sidecar", b"by_sidecar", "name", b"name", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UcxVariable: _TypeAlias = UcxVariable  # noqa: Y015
+
+@_typing.final
+class UcxProtocol(_message.Message):
+    """One protocol table of UCX: an operation on one endpoint configuration. UCX decides per
+    configuration ("cfg#N"), which every peer of the same kind shares; per-peer speed is in costs.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OP_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
+    CONFIG_INDEX_FIELD_NUMBER: _builtins.int
+    LOCAL_MEMORY_FIELD_NUMBER: _builtins.int
+    REMOTE_MEMORY_FIELD_NUMBER: _builtins.int
+    OPERATION_FIELD_NUMBER: _builtins.int
+    RANGES_FIELD_NUMBER: _builtins.int
+    SELECTED_AT_FIELD_NUMBER: _builtins.int
+    PEER_AGENT_FIELD_NUMBER: _builtins.int
+    PEER_ENGINE_FIELD_NUMBER: _builtins.int
+    PEER_RANK_FIELD_NUMBER: _builtins.int
+    op: _builtins.str
+    """"read" (remote memory read: a NIXL READ), "write" (a NIXL WRITE), "am" (active messages:
+    notifications, emulated reads), "other".
+    """
+    scope: _builtins.str
+    """"self", "intra-node", "inter-node"."""
+    config_index: _builtins.int
+    local_memory: _builtins.str
+    """Memory kinds as UCX names them: "host", "cuda", "cuda-managed", "rocm", "rocm-managed",
+    "other"; "none" for a side the operation does not have (an active message's remote side).
+    """
+    remote_memory: _builtins.str
+    operation: _builtins.str
+    """UCX's own line, e.g. "remote memory read by ucp_get*(multi) into host memory from host"."""
+    selected_at: _builtins.float
+    """Unix time UCX printed the table."""
+    peer_agent: _builtins.str
+    """The remote agent whose first READ (WRITE) made UCX select it ("" when not known), and its
+    engine and rank when that agent is linked now (peer_engine "" otherwise).
+    """
+    peer_engine: _builtins.str
+    peer_rank: _builtins.int
+    @_builtins.property
+    def ranges(self) -> _containers.RepeatedCompositeFieldContainer[Global___UcxRange]: ...
+    def __init__(
+        self,
+        *,
+        op: _builtins.str = ...,
+        scope: _builtins.str = ...,
+        config_index: _builtins.int = ...,
+        local_memory: _builtins.str = ...,
+        remote_memory: _builtins.str = ...,
+        operation: _builtins.str = ...,
+        ranges: _abc.Iterable[Global___UcxRange] | None = ...,
+        selected_at: _builtins.float = ...,
+        peer_agent: _builtins.str = ...,
+        peer_engine: _builtins.str = ...,
+        peer_rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_index", b"config_index", "local_memory", b"local_memory", "op", b"op", "operation", b"operation", "peer_agent", b"peer_agent", "peer_engine", b"peer_engine", "peer_rank", b"peer_rank", "ranges", b"ranges", "remote_memory", b"remote_memory", "scope", b"scope", "selected_at", b"selected_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UcxProtocol: _TypeAlias = UcxProtocol  # noqa: Y015
+
+@_typing.final
+class UcxRange(_message.Message):
+    """Messages of min_bytes..max_bytes (max_bytes -1: no upper bound) use `description`
+    ("zero-copy", "software emulation", ...) over `config` (e.g. "cuda_ipc/cuda", "tcp/eth0"),
+    whose transports are `transports` ("cuda_ipc", "tcp", "cma", "rc_mlx5", ...).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIN_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    TRANSPORTS_FIELD_NUMBER: _builtins.int
+    min_bytes: _builtins.int
+    max_bytes: _builtins.int
+    description: _builtins.str
+    config: _builtins.str
+    @_builtins.property
+    def transports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        min_bytes: _builtins.int = ...,
+        max_bytes: _builtins.int = ...,
+        description: _builtins.str = ...,
+        config: _builtins.str = ...,
+        transports: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "description", b"description", "max_bytes", b"max_bytes", "min_bytes", b"min_bytes", "transports", b"transports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UcxRange: _TypeAlias = UcxRange  # noqa: Y015
 
 @_typing.final
 class PeerCost(_message.Message):

@@ -117,16 +117,23 @@ class EngineServiceStub:
     built) and returns the grant's token, which the consumer engine hands to the producer engine
     with the block ids (the token is the grant's secret). Exactly one Event ends the grant, under
     GrantRequest.request_id: RECV_DONE once every writer rank confirmed writes covering every
-    granted block (over PeerService, after its WRITEs completed), or RECV_FAILED (DEADLINE_EXCEEDED
-    when the grant expires, PEER_DISCONNECTED when a writer's sidecar is lost, ABORTED when the
-    producer gave up, REVOKED after Revoke, ENGINE_GONE, SHUTDOWN) with every granted block id.
+    granted block (over PeerService, after its WRITEs completed; the pages may be used at once),
+    or RECV_FAILED (DEADLINE_EXCEEDED when the grant expires, PEER_DISCONNECTED when a writer's
+    sidecar is lost, ABORTED when the producer gave up, REVOKED after Revoke, TRANSFER_ERROR,
+    ENGINE_GONE, SHUTDOWN) with every granted block id and RecvFailed.exposed_until_unix_ns: the
+    grant ends at the fault (writes are refused from then on), but its RECV_FAILED is emitted once
+    every writer rank that had not finished was asked to stop and confirmed it, or could not (at
+    most push_revoke_timeout_s and a call's bound later). The engine reuses a failed grant's pages
+    only from exposed_until_unix_ns on (docs/push.md).
     """
     Revoke: _grpc.UnaryUnaryMultiCallable[_engine_pb2.RevokeRequest, _engine_pb2.RevokeResponse]
     """Consumer: end a grant now (decode aborted). Asks every writer rank to stop; returns once each
     confirmed that no WRITE of the grant is in flight and none will be posted, or after
     revoke_timeout_s with the ranks that did not confirm and until when they still might write
-    (RevokeResponse). A grant still open ends with RECV_FAILED (REVOKED). NOT_FOUND for a
-    request id that has no grant (never granted, or ended more than a minute ago).
+    (RevokeResponse). A grant still open ends with RECV_FAILED (REVOKED) carrying the same
+    exposure; revoking a grant that had failed answers the exposure its RECV_FAILED carried, one
+    that completed is quiet. NOT_FOUND for a request id that has no grant (never granted, or
+    ended more than a minute ago).
     """
     Push: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PushRequest, _engine_pb2.PushResponse]
     """Producer: WRITE one chunk of a request into the grants of the consumer ranks it names.
@@ -134,12 +141,14 @@ class EngineServiceStub:
     (PeerService.WriteNotify) by this sidecar. Exactly one Event ends the push, under
     PushRequest.request_id: SEND_DONE once the chunk marked last and every earlier chunk were
     written and accepted by every consumer rank, or SEND_FAILED (the first failure; the consumer
-    sidecars are told at once).
+    sidecars are told at once). A WRITE outliving push_write_timeout_s fails the push but is
+    still awaited (a release would not stop it): its consumers learn it may still land.
     """
     AbortPush: _grpc.UnaryUnaryMultiCallable[_engine_pb2.AbortPushRequest, _engine_pb2.AbortPushResponse]
-    """Producer: give up a push (prefill failed or aborted): the consumer sidecars of its grants are
-    told at once (their grants end RECV_FAILED ABORTED); the push ends SEND_FAILED (ABORTED) once
-    its WRITEs in flight ended. NOT_FOUND for an unknown or ended push.
+    """Producer: give up a push (prefill failed or aborted): the push ends SEND_FAILED (ABORTED) and
+    the consumer sidecars of its grants are told at once (their grants end RECV_FAILED ABORTED,
+    emitted once this sidecar confirmed the WRITEs ended); returns once its WRITEs in flight
+    ended. NOT_FOUND for an unknown or ended push.
     """
 
 @_typing.type_check_only
@@ -230,16 +239,23 @@ class EngineServiceAsyncStub(EngineServiceStub):
     built) and returns the grant's token, which the consumer engine hands to the producer engine
     with the block ids (the token is the grant's secret). Exactly one Event ends the grant, under
     GrantRequest.request_id: RECV_DONE once every writer rank confirmed writes covering every
-    granted block (over PeerService, after its WRITEs completed), or RECV_FAILED (DEADLINE_EXCEEDED
-    when the grant expires, PEER_DISCONNECTED when a writer's sidecar is lost, ABORTED when the
-    producer gave up, REVOKED after Revoke, ENGINE_GONE, SHUTDOWN) with every granted block id.
+    granted block (over PeerService, after its WRITEs completed; the pages may be used at once),
+    or RECV_FAILED (DEADLINE_EXCEEDED when the grant expires, PEER_DISCONNECTED when a writer's
+    sidecar is lost, ABORTED when the producer gave up, REVOKED after Revoke, TRANSFER_ERROR,
+    ENGINE_GONE, SHUTDOWN) with every granted block id and RecvFailed.exposed_until_unix_ns: the
+    grant ends at the fault (writes are refused from then on), but its RECV_FAILED is emitted once
+    every writer rank that had not finished was asked to stop and confirmed it, or could not (at
+    most push_revoke_timeout_s and a call's bound later). The engine reuses a failed grant's pages
+    only from exposed_until_unix_ns on (docs/push.md).
     """
     Revoke: _aio.UnaryUnaryMultiCallable[_engine_pb2.RevokeRequest, _engine_pb2.RevokeResponse]  # type: ignore[assignment]
     """Consumer: end a grant now (decode aborted). Asks every writer rank to stop; returns once each
     confirmed that no WRITE of the grant is in flight and none will be posted, or after
     revoke_timeout_s with the ranks that did not confirm and until when they still might write
-    (RevokeResponse). A grant still open ends with RECV_FAILED (REVOKED). NOT_FOUND for a
-    request id that has no grant (never granted, or ended more than a minute ago).
+    (RevokeResponse). A grant still open ends with RECV_FAILED (REVOKED) carrying the same
+    exposure; revoking a grant that had failed answers the exposure its RECV_FAILED carried, one
+    that completed is quiet. NOT_FOUND for a request id that has no grant (never granted, or
+    ended more than a minute ago).
     """
     Push: _aio.UnaryUnaryMultiCallable[_engine_pb2.PushRequest, _engine_pb2.PushResponse]  # type: ignore[assignment]
     """Producer: WRITE one chunk of a request into the grants of the consumer ranks it names.
@@ -247,12 +263,14 @@ class EngineServiceAsyncStub(EngineServiceStub):
     (PeerService.WriteNotify) by this sidecar. Exactly one Event ends the push, under
     PushRequest.request_id: SEND_DONE once the chunk marked last and every earlier chunk were
     written and accepted by every consumer rank, or SEND_FAILED (the first failure; the consumer
-    sidecars are told at once).
+    sidecars are told at once). A WRITE outliving push_write_timeout_s fails the push but is
+    still awaited (a release would not stop it): its consumers learn it may still land.
     """
     AbortPush: _aio.UnaryUnaryMultiCallable[_engine_pb2.AbortPushRequest, _engine_pb2.AbortPushResponse]  # type: ignore[assignment]
-    """Producer: give up a push (prefill failed or aborted): the consumer sidecars of its grants are
-    told at once (their grants end RECV_FAILED ABORTED); the push ends SEND_FAILED (ABORTED) once
-    its WRITEs in flight ended. NOT_FOUND for an unknown or ended push.
+    """Producer: give up a push (prefill failed or aborted): the push ends SEND_FAILED (ABORTED) and
+    the consumer sidecars of its grants are told at once (their grants end RECV_FAILED ABORTED,
+    emitted once this sidecar confirmed the WRITEs ended); returns once its WRITEs in flight
+    ended. NOT_FOUND for an unknown or ended push.
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -424,9 +442,14 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         built) and returns the grant's token, which the consumer engine hands to the producer engine
         with the block ids (the token is the grant's secret). Exactly one Event ends the grant, under
         GrantRequest.request_id: RECV_DONE once every writer rank confirmed writes covering every
-        granted block (over PeerService, after its WRITEs completed), or RECV_FAILED (DEADLINE_EXCEEDED
-        when the grant expires, PEER_DISCONNECTED when a writer's sidecar is lost, ABORTED when the
-        producer gave up, REVOKED after Revoke, ENGINE_GONE, SHUTDOWN) with every granted block id.
+        granted block (over PeerService, after its WRITEs completed; the pages may be used at once),
+        or RECV_FAILED (DEADLINE_EXCEEDED when the grant expires, PEER_DISCONNECTED when a writer's
+        sidecar is lost, ABORTED when the producer gave up, REVOKED after Revoke, TRANSFER_ERROR,
+        ENGINE_GONE, SHUTDOWN) with every granted block id and RecvFailed.exposed_until_unix_ns: the
+        grant ends at the fault (writes are refused from then on), but its RECV_FAILED is emitted once
+        every writer rank that had not finished was asked to stop and confirmed it, or could not (at
+        most push_revoke_timeout_s and a call's bound later). The engine reuses a failed grant's pages
+        only from exposed_until_unix_ns on (docs/push.md).
         """
 
     @_abc_1.abstractmethod
@@ -438,8 +461,10 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         """Consumer: end a grant now (decode aborted). Asks every writer rank to stop; returns once each
         confirmed that no WRITE of the grant is in flight and none will be posted, or after
         revoke_timeout_s with the ranks that did not confirm and until when they still might write
-        (RevokeResponse). A grant still open ends with RECV_FAILED (REVOKED). NOT_FOUND for a
-        request id that has no grant (never granted, or ended more than a minute ago).
+        (RevokeResponse). A grant still open ends with RECV_FAILED (REVOKED) carrying the same
+        exposure; revoking a grant that had failed answers the exposure its RECV_FAILED carried, one
+        that completed is quiet. NOT_FOUND for a request id that has no grant (never granted, or
+        ended more than a minute ago).
         """
 
     @_abc_1.abstractmethod
@@ -453,7 +478,8 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         (PeerService.WriteNotify) by this sidecar. Exactly one Event ends the push, under
         PushRequest.request_id: SEND_DONE once the chunk marked last and every earlier chunk were
         written and accepted by every consumer rank, or SEND_FAILED (the first failure; the consumer
-        sidecars are told at once).
+        sidecars are told at once). A WRITE outliving push_write_timeout_s fails the push but is
+        still awaited (a release would not stop it): its consumers learn it may still land.
         """
 
     @_abc_1.abstractmethod
@@ -462,9 +488,10 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.AbortPushRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.AbortPushResponse, _abc.Awaitable[_engine_pb2.AbortPushResponse]]:
-        """Producer: give up a push (prefill failed or aborted): the consumer sidecars of its grants are
-        told at once (their grants end RECV_FAILED ABORTED); the push ends SEND_FAILED (ABORTED) once
-        its WRITEs in flight ended. NOT_FOUND for an unknown or ended push.
+        """Producer: give up a push (prefill failed or aborted): the push ends SEND_FAILED (ABORTED) and
+        the consumer sidecars of its grants are told at once (their grants end RECV_FAILED ABORTED,
+        emitted once this sidecar confirmed the WRITEs ended); returns once its WRITEs in flight
+        ended. NOT_FOUND for an unknown or ended push.
         """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -357,18 +357,24 @@ class GetAgentRequest(_message.Message):
 
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     TP_RANK_FIELD_NUMBER: _builtins.int
+    CHALLENGE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """At most 1024 characters."""
     tp_rank: _builtins.int
+    challenge: _builtins.bytes
+    """A fresh random nonce (protocol 4; at most 64 bytes) that the answer's proof signs, so that an
+    answer cannot be replayed. A consumer sends 32 bytes with every GetAgent.
+    """
     def __init__(
         self,
         *,
         engine_id: _builtins.str = ...,
         tp_rank: _builtins.int = ...,
+        challenge: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "tp_rank", b"tp_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["challenge", b"challenge", "engine_id", b"engine_id", "tp_rank", b"tp_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -423,6 +429,7 @@ class GetAgentResponse(_message.Message):
     BOARD_ADDRESS_FIELD_NUMBER: _builtins.int
     BOARD_BUCKETS_FIELD_NUMBER: _builtins.int
     STAGED_FIELD_NUMBER: _builtins.int
+    PROOF_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """Version of the sidecar-to-sidecar protocol; a mismatch is reported as incompatible."""
     compat_digest: _builtins.str
@@ -445,7 +452,7 @@ class GetAgentResponse(_message.Message):
     board_address: _builtins.int
     """The hold board (protocol 3): board_buckets buckets of 8 little-endian 64-bit words (64 bytes)
     at board_address, DRAM registered with the NIXL agent above. While a hold is live one word of
-    its bucket holds its marker (kvsidecar/plan/board.py); a consumer READs the bucket after its
+    its bucket holds its marker (kvsidecar/plan/hold/board.py); a consumer READs the bucket after its
     READs of the request to confirm them without a Notify round trip. board_buckets 0: no board
     (every READ_DONE is confirmed over Notify). At most 2^24 buckets.
     """
@@ -460,6 +467,12 @@ class GetAgentResponse(_message.Message):
     def staged(self) -> Global___Staged:
         """Set when this rank serves its holds from its staging pool (docs/gpu.md) instead of the
         engine's memory: consumers READ the pool, never the views' base_address above.
+        """
+
+    @_builtins.property
+    def proof(self) -> Global___AgentProof:
+        """Protocol 4: that the sidecar answering runs the NIXL agent agent_name names (docs/operations.md,
+        "Agent proofs"). A consumer loads no metadata without a proof that verifies.
         """
 
     def __init__(
@@ -480,23 +493,54 @@ class GetAgentResponse(_message.Message):
         board_address: _builtins.int = ...,
         board_buckets: _builtins.int = ...,
         staged: Global___Staged | None = ...,
+        proof: Global___AgentProof | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "staged", b"staged"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "proof", b"proof", "staged", b"staged"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "board_address", b"board_address", "board_buckets", b"board_buckets", "compat", b"compat", "compat_digest", b"compat_digest", "engine_id", b"engine_id", "epoch", b"epoch", "mem_type", b"mem_type", "nixl_agent_metadata", b"nixl_agent_metadata", "num_groups", b"num_groups", "protocol_version", b"protocol_version", "staged", b"staged", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "board_address", b"board_address", "board_buckets", b"board_buckets", "compat", b"compat", "compat_digest", b"compat_digest", "engine_id", b"engine_id", "epoch", b"epoch", "mem_type", b"mem_type", "nixl_agent_metadata", b"nixl_agent_metadata", "num_groups", b"num_groups", "proof", b"proof", "protocol_version", b"protocol_version", "staged", b"staged", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "views", b"views"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetAgentResponse: _TypeAlias = GetAgentResponse  # noqa: Y015
 
 @_typing.final
+class AgentProof(_message.Message):
+    """An agent's name is "<label>-<h>", h the hex of the 8-byte BLAKE2b of an Ed25519 public key only
+    the sidecar running the agent holds (made at its start, never stored). The proof is that key and
+    its signature of the statement kvsidecar/engine/peers/proof.py builds: the request's challenge,
+    agent_name, engine_id, tp_rank, tp_size, epoch and the BLAKE2b-256 of nixl_agent_metadata.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    public_key: _builtins.bytes
+    """Raw Ed25519 public key, 32 bytes."""
+    signature: _builtins.bytes
+    """Ed25519 signature, 64 bytes."""
+    def __init__(
+        self,
+        *,
+        public_key: _builtins.bytes = ...,
+        signature: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["public_key", b"public_key", "signature", b"signature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentProof: _TypeAlias = AgentProof  # noqa: Y015
+
+@_typing.final
 class Staged(_message.Message):
-    """A producer rank's staging pool (kvsidecar/plan/staging.py): `slots` slots; the pool mirrors the
+    """A producer rank's staging pool (kvsidecar/plan/hold/staging.py): `slots` slots; the pool mirrors the
     engine's views with their spans packed back to back (each view `slots * blocks_per_id` blocks),
     every view at the address given here. A staged hold's slots are published on the info board:
     the 64-bit word at the same index as its marker's word on the hold board, at
     info_board_address (same bucket layout as the hold board), holds base slot + 1; the marker is
-    then computed over that word too (plan/board.py marker_of). A consumer READs both buckets,
+    then computed over that word too (plan/hold/board.py marker_of). A consumer READs both buckets,
     then the hold's slots.
     """
 

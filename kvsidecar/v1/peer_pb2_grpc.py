@@ -150,7 +150,11 @@ class PeerServiceServicer:
 
     def RevokeGrant(self, request, context):
         """Consumer -> producer: stop writing a grant. Answers once no WRITE of it is in flight at this
-        producer rank and none will be posted (the token is refused from then on).
+        producer rank and none will be posted (the token is refused from then on). A WRITE counts in
+        flight until NIXL reported it ended (a release does not stop one), whatever became of its push
+        or of this rank's engine registration: NOT_FOUND (this sidecar serves no such rank now) is
+        answered only after that wait too. DEADLINE_EXCEEDED when one is still in flight after
+        timeout_s, or was given up on in flight.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

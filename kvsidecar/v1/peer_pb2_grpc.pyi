@@ -67,7 +67,11 @@ class PeerServiceStub:
     """
     RevokeGrant: _grpc.UnaryUnaryMultiCallable[_peer_pb2.RevokeGrantRequest, _peer_pb2.RevokeGrantResponse]
     """Consumer -> producer: stop writing a grant. Answers once no WRITE of it is in flight at this
-    producer rank and none will be posted (the token is refused from then on).
+    producer rank and none will be posted (the token is refused from then on). A WRITE counts in
+    flight until NIXL reported it ended (a release does not stop one), whatever became of its push
+    or of this rank's engine registration: NOT_FOUND (this sidecar serves no such rank now) is
+    answered only after that wait too. DEADLINE_EXCEEDED when one is still in flight after
+    timeout_s, or was given up on in flight.
     """
     WatchWriter: _grpc.UnaryStreamMultiCallable[_peer_pb2.WatchWriterRequest, _peer_pb2.WriterBeat]
     """Consumer -> producer: a stream of beats (every push_beat_s) while the consumer waits for a
@@ -112,7 +116,11 @@ class PeerServiceAsyncStub(PeerServiceStub):
     """
     RevokeGrant: _aio.UnaryUnaryMultiCallable[_peer_pb2.RevokeGrantRequest, _peer_pb2.RevokeGrantResponse]  # type: ignore[assignment]
     """Consumer -> producer: stop writing a grant. Answers once no WRITE of it is in flight at this
-    producer rank and none will be posted (the token is refused from then on).
+    producer rank and none will be posted (the token is refused from then on). A WRITE counts in
+    flight until NIXL reported it ended (a release does not stop one), whatever became of its push
+    or of this rank's engine registration: NOT_FOUND (this sidecar serves no such rank now) is
+    answered only after that wait too. DEADLINE_EXCEEDED when one is still in flight after
+    timeout_s, or was given up on in flight.
     """
     WatchWriter: _aio.UnaryStreamMultiCallable[_peer_pb2.WatchWriterRequest, _peer_pb2.WriterBeat]  # type: ignore[assignment]
     """Consumer -> producer: a stream of beats (every push_beat_s) while the consumer waits for a
@@ -202,7 +210,11 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.RevokeGrantResponse, _abc.Awaitable[_peer_pb2.RevokeGrantResponse]]:
         """Consumer -> producer: stop writing a grant. Answers once no WRITE of it is in flight at this
-        producer rank and none will be posted (the token is refused from then on).
+        producer rank and none will be posted (the token is refused from then on). A WRITE counts in
+        flight until NIXL reported it ended (a release does not stop one), whatever became of its push
+        or of this rank's engine registration: NOT_FOUND (this sidecar serves no such rank now) is
+        answered only after that wait too. DEADLINE_EXCEEDED when one is still in flight after
+        timeout_s, or was given up on in flight.
         """
 
     @_abc_1.abstractmethod

@@ -33,6 +33,7 @@ from kvsidecar.types import (
 from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.costs import costs_from_proto, costs_to_proto
 from kvsidecar.wire.geometry import block_ids_to_proto
+from kvsidecar.wire.ucx import ucx_from_proto, ucx_to_proto
 
 #: the length before every frame on the engine's lane (little-endian uint32, ``rpc/lane.py``)
 LANE_FRAME = struct.Struct("<I")
@@ -258,6 +259,7 @@ def status_to_proto(status: SidecarStatus) -> engine_pb2.StatusResponse:
         reads_handshaking=status.reads_handshaking,
         peer_endpoint=status.peer_endpoint,
         costs=costs_to_proto(status.costs),
+        ucx=ucx_to_proto(status.ucx),
     )
 
 
@@ -292,6 +294,7 @@ def status_from_proto(pb: engine_pb2.StatusResponse) -> SidecarStatus:
         reads_handshaking=pb.reads_handshaking,
         peer_endpoint=pb.peer_endpoint,
         costs=costs_from_proto(pb.costs),
+        ucx=ucx_from_proto(pb.ucx),
     )
 
 

@@ -1,10 +1,10 @@
 """Sidecar-to-sidecar messages: the PeerService agent record, directory and notifications.
 
-``AgentInfo`` is what one producer rank advertises (``GetAgent``); ``PeerNotification`` is what a
-consumer tells a producer rank (``Notify``) when it has read (or will not read) a request's blocks,
-or to extend leases, and ``Outcome`` what the producer did with it. Decoding never trusts the peer:
-a malformed geometry raises ``GeometryError`` naming every problem; unknown enum values decode as
-``UNSPECIFIED``.
+``AgentInfo`` is what one producer rank advertises (``GetAgent``), with the ``AgentProof`` that its
+sidecar runs the agent it names; ``PeerNotification`` is what a consumer tells a producer rank
+(``Notify``) when it has read (or will not read) a request's blocks, or to extend leases, and
+``Outcome`` what the producer did with it. Decoding never trusts the peer: a malformed geometry
+raises ``GeometryError`` naming every problem; unknown enum values decode as ``UNSPECIFIED``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from kvsidecar.limits import (
     check_count,
 )
 from kvsidecar.plan import EngineGeometry
-from kvsidecar.plan.canary import RANGE_BYTES
-from kvsidecar.plan.claims import ReadClaim
 from kvsidecar.plan.compat import CompatItems
+from kvsidecar.plan.hold.canary import RANGE_BYTES
+from kvsidecar.plan.hold.claims import ReadClaim
 from kvsidecar.v1 import peer_pb2
 from kvsidecar.wire.geometry import (
     compat_from_proto,
@@ -41,7 +41,9 @@ from kvsidecar.wire.geometry import (
 )
 
 __all__ = [
+    "MAX_CHALLENGE_BYTES",
     "AgentInfo",
+    "AgentProof",
     "Canary",
     "EngineDirectory",
     "NotificationKind",
@@ -62,7 +64,7 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Staged:
-    """A producer rank's staging pool (``plan.staging``): ``slots`` slots, every view's address
+    """A producer rank's staging pool (``plan.hold.staging``): ``slots`` slots, every view's address
     in it (name -> (address, NIXL device id)), its NIXL memory kind, and the info board's
     address (the hold board's bucket layout)."""
 
@@ -70,6 +72,19 @@ class Staged:
     view_bases: Mapping[str, tuple[int, int]]
     mem_type: str
     info_board_address: int
+
+
+MAX_CHALLENGE_BYTES = 64  #: GetAgentRequest.challenge
+_MAX_PROOF_FIELD_BYTES = 256  # AgentProof.public_key and .signature (their exact sizes are checked)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentProof:
+    """That the answering sidecar runs the agent it names: the Ed25519 public key its agent name
+    is derived from, and its signature of the answer's statement (``peers.proof``)."""
+
+    public_key: bytes
+    signature: bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,8 +105,11 @@ class AgentInfo:
     compat: CompatItems
     mem_type: str
     board_address: int = 0  #: the hold board's address in the producer (0: no board)
-    board_buckets: int = 0  #: its buckets (``plan.board``)
+    board_buckets: int = 0  #: its buckets (``plan.hold.board``)
     staged: Staged | None = None  #: its staging pool, READ instead of the engine's memory
+    proof: AgentProof | None = None  #: None: the answer proves nothing (an older sidecar?)
+    #: the challenge the asker sent with GetAgent (set by the asker; no answer carries it)
+    challenge: bytes = field(default=b"", repr=False)
 
     @property
     def engine_id(self) -> str:
@@ -131,6 +149,11 @@ def agent_info_to_proto(info: AgentInfo) -> peer_pb2.GetAgentResponse:
         board_address=info.board_address,
         board_buckets=info.board_buckets,
         staged=_staged_to_proto(info.staged) if info.staged is not None else None,
+        proof=(
+            peer_pb2.AgentProof(public_key=info.proof.public_key, signature=info.proof.signature)
+            if info.proof is not None
+            else None
+        ),
     )
 
 
@@ -203,7 +226,16 @@ def agent_info_from_proto(pb: peer_pb2.GetAgentResponse) -> AgentInfo:
         board_address=pb.board_address if pb.board_buckets else 0,
         board_buckets=pb.board_buckets,
         staged=_staged_from_proto(pb, [rv.view.name for rv in pb.views]),
+        proof=_proof_from_proto(pb),
     )
+
+
+def _proof_from_proto(pb: peer_pb2.GetAgentResponse) -> AgentProof | None:
+    if not pb.HasField("proof"):
+        return None
+    check_count("proof.public_key", pb.proof.public_key, _MAX_PROOF_FIELD_BYTES)
+    check_count("proof.signature", pb.proof.signature, _MAX_PROOF_FIELD_BYTES)
+    return AgentProof(public_key=pb.proof.public_key, signature=pb.proof.signature)
 
 
 class NotificationKind(enum.Enum):
@@ -237,8 +269,8 @@ class PeerNotification:
     ranks that producer rank should hear from for ``remote_request_id``; ``token`` is the hold's
     (``heartbeat_tokens`` pair up with ``heartbeat_ids``). ``confirm``: the consumer reports its
     read only on an ACCEPTED outcome, so it must not be kept as an early notification.
-    ``claim``: for a READ_DONE, which of the hold's blocks the read covered (``plan.claims``).
-    ``canary``: for a canary READ_DONE, the producer's ranges read (``plan.canary`` wire form)
+    ``claim``: for a READ_DONE, which of the hold's blocks the read covered (``plan.hold.claims``).
+    ``canary``: for a canary READ_DONE, the producer's ranges read (``plan.hold.canary`` wire form)
     and the CRC-32 of the bytes received from them."""
 
     kind: NotificationKind
@@ -257,7 +289,7 @@ class PeerNotification:
 
 @dataclass(frozen=True, slots=True)
 class Canary:
-    """What a canary READ_DONE carries: ``ranges`` (``plan.canary.pack_ranges``: the producer's
+    """What a canary READ_DONE carries: ``ranges`` (``plan.hold.canary.pack_ranges``: the producer's
     (address, length) pairs read, at most ``MAX_CANARY_RANGES``) and ``crc32`` of the bytes
     received from them, in order."""
 

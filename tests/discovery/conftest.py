@@ -5,10 +5,14 @@ from pathlib import Path
 
 import pytest
 
+from kvsidecar.testing.cluster import ClusterFactory, cluster_factory
 from tests.discovery.etcd_server import EtcdServer
-from tests.e2e.conftest import local_cluster
 
-__all__ = ["etcd", "local_cluster"]
+
+@pytest.fixture
+def local_cluster(tmp_path: Path) -> ClusterFactory:
+    """Started clusters in this test's own directory (as tests/e2e's fixture)."""
+    return cluster_factory(tmp_path)
 
 
 @pytest.fixture

@@ -8,10 +8,9 @@ import asyncio
 from kvsidecar.discovery.etcd_client import EtcdClient
 from kvsidecar.discovery.records import EngineRecord, record_key
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import DECODE, PREFILL, request_ids, transfer
+from kvsidecar.testing.cluster import DECODE, PREFILL, ClusterFactory, request_ids, transfer
 from tests.discovery.etcd_server import EtcdServer
-from tests.discovery.test_e2e_discovery import _args, _knows, _peers_until
-from tests.e2e.conftest import ClusterFactory
+from tests.discovery.helpers import etcd_args, knows, peers_until
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 
@@ -24,9 +23,9 @@ async def _record(client: EtcdClient, engine_id: str) -> EngineRecord | None:
 async def test_the_consumers_record_carries_its_costs_of_each_producer(
     local_cluster: ClusterFactory, etcd: EtcdServer
 ) -> None:
-    args = (*_args(etcd), "--cost-publish-s", "0.5")
+    args = (*etcd_args(etcd), "--cost-publish-s", "0.5")
     async with local_cluster(SHAPE, 1, 1, sidecar_args=args) as cluster:
-        await _peers_until(cluster.decode[0], _knows(PREFILL))
+        await peers_until(cluster.decode[0], knows(PREFILL))
         client = EtcdClient([etcd.endpoint], tls=None)
         await client.connect()
         try:

@@ -40,9 +40,8 @@ from kvsidecar.memory import CudaIpcSpec, HostShmSpec, MemorySpec
 from kvsidecar.plan import Span, View
 from kvsidecar.testing import process as sidecar_proc
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, LocalCluster, request_ids, transfer
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, LocalCluster, request_ids, transfer
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, geometry_pb2
-from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 MODEL, DTYPE = f"toy-{SHAPE.kind.value}", f"{SHAPE.dtype_bytes}B"  # what LocalCluster registers

@@ -10,8 +10,7 @@ import pytest
 from kvsidecar import errors
 from kvsidecar.client import FailReason, ReadPosted, ReadSpec, RecvDone, RecvFailed, SendDone
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, request_ids
-from tests.e2e.conftest import ClusterFactory
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, request_ids
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=32)
 

@@ -12,8 +12,7 @@ import pytest
 from kvsidecar import errors
 from kvsidecar.plan.tokens import remote_tail
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import transfer
-from tests.e2e.conftest import ClusterFactory
+from kvsidecar.testing.cluster import ClusterFactory, transfer
 
 K = toy.ModelKind
 CASES = [

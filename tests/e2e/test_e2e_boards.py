@@ -14,25 +14,11 @@ import pytest
 
 from kvsidecar.client import FailReason, RecvDone, RecvFailed, SendDone
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, LocalCluster, request_ids, transfer
-from tests.e2e.conftest import ClusterFactory
-from tests.e2e.test_e2e_links import metric
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, LocalCluster, request_ids, transfer
+from kvsidecar.testing.probes import counters, metric
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 TIMEOUT_S = 30.0
-
-
-async def counters(cluster: LocalCluster) -> tuple[dict[str, int], dict[str, int]]:
-    """(summed decode counters, summed prefill counters)."""
-    out: list[dict[str, int]] = []
-    for ranks in (cluster.decode, cluster.prefill):
-        total: dict[str, int] = {}
-        for r in ranks:
-            assert r.client is not None
-            for k, v in (await r.client.status()).counters.items():
-                total[k] = total.get(k, 0) + v
-        out.append(total)
-    return out[0], out[1]
 
 
 async def read_event(cluster: LocalCluster, rid: str, token: str) -> RecvDone | RecvFailed:
@@ -65,7 +51,7 @@ async def test_reads_are_confirmed_by_the_producers_hold_board(
             result = await transfer(cluster, f"r{i}", pids, dids)
             assert result.bytes_verified == result.bytes_read > 0
             assert all(not s.expired for s in result.send_done)
-        decode, prefill = await counters(cluster)
+        decode, prefill = await counters(cluster.decode), await counters(cluster.prefill)
         plans = await cluster.handshake()
         read_ranks = sum(sum(not r.notify_only for r in p.ranks) for p in plans)
         assert decode["board_confirmed"] == 5 * read_ranks
@@ -101,7 +87,7 @@ async def test_what_the_board_does_not_show_is_refused_as_before(
             assert isinstance(event, RecvFailed), event
             assert event.reason is FailReason.STALE, event
             assert why in event.message
-        decode, _ = await counters(cluster)
+        decode = await counters(cluster.decode)
         assert decode["board_missed"] >= 2  # the restarted one may fail before its check
         assert decode["board_confirmed"] == 1  # the warm-up only
         await asyncio.sleep(0.1)  # past the backoff
@@ -114,7 +100,7 @@ async def test_without_boards_every_rank_is_asked(local_cluster: ClusterFactory)
         pids, dids = request_ids(SHAPE, [1, 2], [3, 4])
         result = await transfer(cluster, "r", pids, dids)
         assert result.bytes_verified == result.bytes_read > 0
-        decode, prefill = await counters(cluster)
+        decode, prefill = await counters(cluster.decode), await counters(cluster.prefill)
         assert decode["board_confirmed"] == decode["board_missed"] == 0
         assert prefill["holds_published"] == 0
 
@@ -146,7 +132,7 @@ async def test_thirty_restarts_in_place_with_boards_leave_no_descriptor_behind(
             result = await transfer(cluster, f"fresh-{i}", pids, dids)
             assert result.bytes_verified == result.bytes_read > 0
         after = _fds(producer.proc), _fds(consumer.proc)
-        decode, _ = await counters(cluster)
+        decode = await counters(cluster.decode)
         assert decode["board_confirmed"] >= 33
         assert after[0] <= before[0] + 3, (before, after)
         assert after[1] <= before[1] + 3, (before, after)
@@ -167,13 +153,15 @@ async def test_asynchronous_reads_complete_without_waiting_for_the_poller(
             assert result.bytes_verified == result.bytes_read > 0
         seen = {
             by: await asyncio.to_thread(
-                metric, cluster.decode[0], f'kvsidecar_transfers_completed_total{{seen_by="{by}"}}'
+                metric,
+                cluster.decode[0].addresses["metrics"],
+                f'kvsidecar_transfers_completed_total{{seen_by="{by}"}}',
             )
             for by in ("post", "agent", "poll")
         }
         assert seen["agent"] >= 10, seen  # every READ at least; most board READs too
         assert seen["agent"] > seen["poll"], seen
-        decode, _ = await counters(cluster)
+        decode = await counters(cluster.decode)
         assert decode["board_confirmed"] == 10
 
 
@@ -217,7 +205,7 @@ async def test_a_confirmation_before_its_hold_waits_for_the_hold(
             local_ids=dids, remote_ids=pids,
         ) == event.bytes  # fmt: skip
         assert isinstance(await asyncio.wait_for(sends, TIMEOUT_S), SendDone)
-        decode, prefill = await counters(cluster)
+        decode, prefill = await counters(cluster.decode), await counters(cluster.prefill)
         assert decode["confirm_retries"] >= 1
         assert prefill["confirmations_pending"] >= 1
 

@@ -12,10 +12,8 @@ import pytest
 
 from kvsidecar.client import FailReason, RecvFailed
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, request_ids, transfer
-from tests.e2e.conftest import ClusterFactory
-from tests.e2e.test_e2e_boards import counters
-from tests.e2e.test_e2e_links import metric
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, request_ids, transfer
+from kvsidecar.testing.probes import counters, metric
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 TIMEOUT_S = 30.0
@@ -37,7 +35,7 @@ async def test_clean_canary_reads_pass_byte_verified(
             result = await transfer(cluster, f"c{i}", pids, dids)
             assert result.bytes_verified == result.bytes_read > 0
             assert all(not s.expired for s in result.send_done)
-        decode, prefill = await counters(cluster)
+        decode, prefill = await counters(cluster.decode), await counters(cluster.prefill)
         assert decode["board_confirmed"] == 0  # a canary read takes the asking path
         assert decode["refused_by_producer"] == 0
         assert decode["reads_failed"] == 0
@@ -89,9 +87,18 @@ async def test_held_bytes_changed_after_the_read_fail_it_corrupt(
         assert "CORRUPT" in event.message
         quarantined = 'kvsidecar_peer_quarantines_total{cause="corrupt"}'
         for _ in range(100):  # the poller quarantines it within a tick
-            if metric(consumer, quarantined) >= 1:
+            if metric(consumer.addresses["metrics"], quarantined) >= 1:
                 break
             await asyncio.sleep(0.05)
-        assert metric(consumer, quarantined) == 1
-        assert metric(consumer, 'kvsidecar_reads_failed_total{reason="corrupt"}') == 1
-        assert metric(producer, 'kvsidecar_notifications_refused_total{outcome="corrupt"}') == 1
+        assert metric(consumer.addresses["metrics"], quarantined) == 1
+        assert (
+            metric(consumer.addresses["metrics"], 'kvsidecar_reads_failed_total{reason="corrupt"}')
+            == 1
+        )
+        assert (
+            metric(
+                producer.addresses["metrics"],
+                'kvsidecar_notifications_refused_total{outcome="corrupt"}',
+            )
+            == 1
+        )

@@ -16,9 +16,8 @@ import pytest
 
 from kvsidecar.client import RecvDone, RecvFailed, SendDone
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, LocalCluster, request_ids, transfer
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, LocalCluster, request_ids, transfer
 from kvsidecar.types import FailReason
-from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=32)
 TIMEOUT_S = 30.0

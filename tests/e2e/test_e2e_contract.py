@@ -12,8 +12,7 @@ from collections.abc import AsyncIterator
 
 from kvsidecar.client import FailReason, ReadPosted, ReadSpec, RecvFailed
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, request_ids, transfer
-from tests.e2e.conftest import ClusterFactory
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, request_ids, transfer
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 BATCH = 64

@@ -33,9 +33,8 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, LocalCluster, request_ids, transfer
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, LocalCluster, request_ids, transfer
 from kvsidecar.types import PeerCost
-from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=32)
 WARM = 4  # transfers before throttling

@@ -17,9 +17,15 @@ import pytest
 from kvsidecar import errors
 from kvsidecar.client import SendDone
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, LocalCluster, Rank, request_ids, transfer
-from tests.e2e.conftest import ClusterFactory
-from tests.e2e.test_e2e_lifecycle import _readyz
+from kvsidecar.testing.cluster import (
+    PREFILL,
+    ClusterFactory,
+    LocalCluster,
+    Rank,
+    request_ids,
+    transfer,
+)
+from kvsidecar.testing.probes import readyz
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 GRACE = ("--grace-period-s", "30")
@@ -45,7 +51,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 async def _not_ready(rank: Rank) -> None:
     for _ in range(250):
-        if await asyncio.to_thread(_readyz, rank.addresses["metrics"]) == 503:
+        if await asyncio.to_thread(readyz, rank.addresses["metrics"]) == 503:
             return
         await asyncio.sleep(0.02)
     pytest.fail("readiness never went false")
@@ -100,7 +106,7 @@ async def test_drain_rpc_waits_for_holds_without_exiting_and_resume_undoes_it(
 
         resumed = await producer.client.drain(resume=True)
         assert not resumed.draining
-        assert await asyncio.to_thread(_readyz, producer.addresses["metrics"]) == 200
+        assert await asyncio.to_thread(readyz, producer.addresses["metrics"]) == 200
         pids, dids = request_ids(SHAPE, [4, 5], [9, 10])
         result = await transfer(cluster, "after-resume", pids, dids)
         assert result.bytes_verified == result.bytes_read > 0

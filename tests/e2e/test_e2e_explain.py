@@ -17,8 +17,7 @@ import pytest
 from kvsidecar import errors
 from kvsidecar.client import RecvFailed
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, LocalCluster, request_ids, transfer
-from tests.e2e.conftest import ClusterFactory
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, LocalCluster, request_ids, transfer
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 

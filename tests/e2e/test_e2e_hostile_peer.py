@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import urllib.request
 from collections.abc import AsyncIterator
 
 import grpc
@@ -22,10 +21,10 @@ import pytest
 
 from kvsidecar import errors
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import LocalCluster, request_ids, transfer
+from kvsidecar.testing.cluster import ClusterFactory, LocalCluster, request_ids, transfer
+from kvsidecar.testing.probes import metric
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-from tests.e2e.conftest import ClusterFactory
-from tests.e2e.test_e2e_security import _credentials, get_agent
+from tests.e2e.helpers import credentials, get_agent
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 SEEDS = (1, 2, 3, 4)
@@ -74,7 +73,7 @@ async def hostile(
     async with local_cluster(SHAPE, 1, 1) as cluster:
         certs = cluster.certificates
         assert certs is not None
-        real = await get_agent(cluster.prefill[0].addresses["peer"], _credentials(certs))
+        real = await get_agent(cluster.prefill[0].addresses["peer"], credentials(certs))
         servicer = Hostile(real)
         server = grpc.aio.server()
         peer_pb2_grpc.add_PeerServiceServicer_to_server(servicer, server)
@@ -89,16 +88,6 @@ async def hostile(
             yield cluster, servicer, f"127.0.0.1:{port}"
         finally:
             await server.stop(0)
-
-
-def _metric(cluster: LocalCluster, name: str) -> float:
-    url = f"http://{cluster.decode[0].addresses['metrics']}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
 
 
 @pytest.mark.slow
@@ -128,7 +117,10 @@ async def test_broken_metadata_is_refused_and_the_consumer_lives(
             assert consumer.proc.poll() is None, f"{case}: the consumer died"
     assert servicer.answered >= len(SEEDS) * ANSWERS_PER_SEED
     assert refused == len(SEEDS) * ANSWERS_PER_SEED
-    assert _metric(cluster, "kvsidecar_peer_metadata_refused_total") >= refused
+    assert (
+        metric(cluster.decode[0].addresses["metrics"], "kvsidecar_peer_metadata_refused_total")
+        >= refused
+    )
     pids, dids = request_ids(SHAPE, [1, 2], [3, 4])
     result = await asyncio.wait_for(transfer(cluster, "after", pids, dids), 60)
     assert result.bytes_verified == result.bytes_read > 0
@@ -149,4 +141,10 @@ async def test_a_copy_of_a_live_engines_agent_is_refused_and_the_engine_undistur
             await consumer.client.handshake(f"copy-{i}", endpoints=[endpoint])
         result = await transfer(cluster, f"during-{i}", pids, dids)
         assert result.bytes_verified == result.bytes_read > 0
-    assert _metric(cluster, 'kvsidecar_peer_metadata_refused_total{cause="duplicate"}') == 3
+    assert (
+        metric(
+            cluster.decode[0].addresses["metrics"],
+            'kvsidecar_peer_metadata_refused_total{cause="duplicate"}',
+        )
+        == 3
+    )

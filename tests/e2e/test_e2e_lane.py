@@ -15,11 +15,10 @@ from kvsidecar import errors
 from kvsidecar.client import HoldSpec, ReadSpec, RecvDone, StepSpec, requests
 from kvsidecar.client.lane import Lane, LaneClosedError
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, request_ids
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, request_ids
 from kvsidecar.types import lane_path
 from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.engine import event_from_proto
-from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=32)
 TIMEOUT_S = 30.0

@@ -17,10 +17,9 @@ from kvsidecar.client import RecvFailed
 from kvsidecar.engine.reads.book import EXPOSED_S, TEARDOWN_S
 from kvsidecar.plan import View
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import LocalCluster, Rank, request_ids, transfer
+from kvsidecar.testing.cluster import ClusterFactory, LocalCluster, Rank, request_ids, transfer
 from kvsidecar.testing.transfers import PREFILL
 from kvsidecar.types import Event, FailReason
-from tests.e2e.conftest import ClusterFactory
 
 # 2 layers x K,V x 8 heads x 16 tokens x 256 x 2 bytes = 512 KiB per block id at TP 1
 SHAPE = toy.ModelShape(

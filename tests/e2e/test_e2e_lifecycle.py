@@ -13,8 +13,8 @@ import pytest
 from kvsidecar import errors
 from kvsidecar.client import FailReason, RankPlanInfo, ReadPosted, RecvFailed, SendDone
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import DECODE, PREFILL, request_ids, transfer
-from tests.e2e.conftest import ClusterFactory
+from kvsidecar.testing.cluster import DECODE, PREFILL, ClusterFactory, request_ids, transfer
+from kvsidecar.testing.probes import readyz
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 
@@ -22,14 +22,6 @@ SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 def _get(address: str, path: str) -> str:
     with urllib.request.urlopen(f"http://{address}{path}", timeout=2) as resp:
         return str(resp.read().decode())
-
-
-def _readyz(address: str) -> int:
-    try:
-        with urllib.request.urlopen(f"http://{address}/readyz", timeout=2) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
 
 
 async def test_plan_for_2_to_4_matches_the_planner(local_cluster: ClusterFactory) -> None:
@@ -104,7 +96,7 @@ async def test_watch_drop_releases_the_engine_and_allows_reregistration(
         assert consumer.watcher is not None
         before = await consumer.client.status()
         assert before.watch_connected
-        assert await asyncio.to_thread(_readyz, consumer.addresses["metrics"]) == 200
+        assert await asyncio.to_thread(readyz, consumer.addresses["metrics"]) == 200
         consumer.watcher.cancel()  # the engine "dies": its liveness lock drops
         for _ in range(200):
             status = await consumer.client.status()
@@ -114,7 +106,7 @@ async def test_watch_drop_releases_the_engine_and_allows_reregistration(
         assert status.engine_id == ""
         # Readiness follows once the registration's resources are released: wait for it.
         for _ in range(500):
-            ready = await asyncio.to_thread(_readyz, consumer.addresses["metrics"])
+            ready = await asyncio.to_thread(readyz, consumer.addresses["metrics"])
             if ready == 503:
                 break
             await asyncio.sleep(0.02)

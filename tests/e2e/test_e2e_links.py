@@ -10,16 +10,21 @@ import json
 import os
 import signal
 import subprocess
-import urllib.request
 
 import pytest
 
 from kvsidecar import errors
 from kvsidecar.client import RecvDone, RecvFailed
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, LocalCluster, Rank, request_ids, transfer
+from kvsidecar.testing.cluster import (
+    PREFILL,
+    ClusterFactory,
+    LocalCluster,
+    request_ids,
+    transfer,
+)
+from kvsidecar.testing.probes import metric
 from kvsidecar.testing.transfers import TransferResult
-from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 TIMEOUT_S = 30.0
@@ -27,16 +32,6 @@ TIMEOUT_S = 30.0
 
 def fds(proc: subprocess.Popen[bytes]) -> int:
     return len(os.listdir(f"/proc/{proc.pid}/fd"))
-
-
-def metric(rank: Rank, name: str) -> float:
-    url = f"http://{rank.addresses['metrics']}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
 
 
 async def read_once(
@@ -126,7 +121,7 @@ async def test_a_hundred_quarantines_and_re_handshakes_leave_no_descriptor_behin
             result = await _after_backoff(cluster, f"fresh-{i}", pids, dids)
             assert result.bytes_verified == result.bytes_read > 0
         after = fds(producer.proc), fds(consumer.proc)
-        quarantines = metric(consumer, "kvsidecar_peer_quarantines_total")
+        quarantines = metric(consumer.addresses["metrics"], "kvsidecar_peer_quarantines_total")
         print(json.dumps({"fds_before": before, "fds_after": after, "quarantines": quarantines}))
         assert quarantines >= 50
         assert after[0] <= before[0] + 3, (before, after)
@@ -152,6 +147,6 @@ async def test_a_link_broken_under_a_live_handshake_is_noticed_and_replaced(
             result = await _after_backoff(cluster, f"after-{i}", pids, dids)
             assert result.bytes_verified == result.bytes_read > 0
         quarantined = 'kvsidecar_peer_quarantines_total{cause="read_failed"}'
-        assert metric(consumer, quarantined) >= 5
+        assert metric(consumer.addresses["metrics"], quarantined) >= 5
         log = consumer.log_path.read_text()
         assert "WARNING kvsidecar.engine.peers.registry: remote engine 'prefill' quarantined" in log

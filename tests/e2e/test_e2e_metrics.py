@@ -8,14 +8,11 @@ events) is compared with a scrape of its `/metrics`, family by family.
 from __future__ import annotations
 
 import asyncio
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar import errors
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, Rank, request_ids, transfer
-from tests.e2e.conftest import ClusterFactory
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, Rank, request_ids, transfer
+from kvsidecar.testing.probes import scrape
 
 # Status counter -> the /metrics counter family that must carry the same total (summed over labels).
 COUNTER_FAMILIES = {
@@ -60,21 +57,10 @@ COUNTER_FAMILIES = {
 }
 
 
-def _scrape(address: str) -> dict[str, float]:
-    """Sample name (labels summed) -> value, from one /metrics scrape."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
-
-
 async def _compare(rank: Rank) -> dict[str, int]:
     assert rank.client is not None
     status = await rank.client.status()
-    scraped = await asyncio.to_thread(_scrape, rank.addresses["metrics"])
+    scraped = await asyncio.to_thread(scrape, rank.addresses["metrics"])
     assert set(status.counters) == set(COUNTER_FAMILIES), sorted(status.counters)
     for key, family in COUNTER_FAMILIES.items():
         assert scraped.get(f"{family}_total", 0.0) == status.counters[key], (rank.rank, key)

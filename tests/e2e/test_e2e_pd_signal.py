@@ -13,9 +13,8 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import LocalCluster, Rank, request_ids, transfer
+from kvsidecar.testing.cluster import ClusterFactory, LocalCluster, Rank, request_ids, transfer
 from kvsidecar.types import SendDone
-from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 ARGS = ("--no-transfer-window-s", "1")

@@ -9,9 +9,8 @@ import random
 import pytest
 
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import request_ids
+from kvsidecar.testing.cluster import ClusterFactory, request_ids
 from kvsidecar.testing.push import push_transfer
-from tests.e2e.conftest import ClusterFactory
 
 K = toy.ModelKind
 TP = (1, 2, 4)

@@ -22,10 +22,9 @@ import pytest
 from kvsidecar.client import FailReason, GrantIssued, RecvDone, RecvFailed, SendDone, SendFailed
 from kvsidecar.errors import DeadlineExceededError, FailedPreconditionError, KvSidecarError
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import LocalCluster, Rank, request_ids
+from kvsidecar.testing.cluster import ClusterFactory, LocalCluster, Rank, request_ids
 from kvsidecar.testing.push import DECODE, PREFILL, chunks_of, grant_all, push_chunk
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-from tests.e2e.conftest import ClusterFactory
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, kv_heads=8, num_blocks=32)
 PATTERN = 0xA5
@@ -78,7 +77,9 @@ async def test_producer_killed_mid_push_fails_the_grant_at_once(
     local_cluster: ClusterFactory,
 ) -> None:
     """SIGKILL of the producer's sidecar after the first chunk: the consumer's WatchWriter stream
-    breaks and the grant fails PEER_DISCONNECTED long before its 60 s deadline."""
+    breaks and the grant fails PEER_DISCONNECTED long before its 60 s deadline. Nobody can
+    confirm the dead writer stopped: the pages are exposed until the grant's deadline plus the
+    write timeout (10 s) plus the clock skew (1 s)."""
     async with local_cluster(SHAPE, 1, 2) as cluster:
         pids, dids = _ids("killed")
         local_id = "killed@decode"
@@ -88,10 +89,11 @@ async def test_producer_killed_mid_push_fails_the_grant_at_once(
         await _push(cluster, "killed", grants, parts[0], last=False)
         started = time.monotonic()
         cluster.prefill[0].proc.kill()
-        for fut in recvs:
+        for fut, grant in zip(recvs, grants, strict=True):
             event = await asyncio.wait_for(fut, 30)
             assert isinstance(event, RecvFailed), event
             assert event.reason is FailReason.PEER_DISCONNECTED, event
+            assert event.exposed_until_unix_ns == grant.deadline_unix_ns + 11_000_000_000
         assert time.monotonic() - started < 30  # the writer's loss, not the 60 s deadline
         for rank in cluster.decode:
             assert rank.client is not None
@@ -130,6 +132,7 @@ async def test_consumer_revoke_mid_push_stops_every_write(local_cluster: Cluster
         for rank, fut, grant in zip(cluster.decode, recvs, grants, strict=True):
             event = await _one_failure(rank, local_id, fut, grant.deadline_unix_ns)
             assert event.reason is FailReason.REVOKED, event
+            assert event.exposed_until_unix_ns == 0  # as the revoke answered: quiet
         _untouched(cluster)
         for rank in cluster.prefill:
             assert "revoked" not in rank.early  # SEND_FAILED once
@@ -153,6 +156,7 @@ async def test_grant_expiry_fails_once_and_refuses_later_writes(
         await _push(cluster, "expired", grants, parts[0], last=False)
         event = await _one_failure(decode, local_id, recv, grants[0].deadline_unix_ns)
         assert event.reason is FailReason.DEADLINE_EXCEEDED, event
+        assert event.exposed_until_unix_ns == 0  # the writer confirmed it stopped
         _fill(cluster)
         with pytest.raises((DeadlineExceededError, FailedPreconditionError)):
             await _push(cluster, "expired", grants, parts[1], last=True)

@@ -17,10 +17,9 @@ import pytest
 from kvsidecar import errors
 from kvsidecar.client import FailReason, RecvDone, RecvFailed
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, LocalCluster, request_ids, transfer
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, LocalCluster, request_ids, transfer
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-from tests.e2e.conftest import ClusterFactory
-from tests.e2e.test_e2e_security import _credentials, get_agent
+from tests.e2e.helpers import credentials, get_agent
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 TIMEOUT_S = 15.0
@@ -105,7 +104,7 @@ async def poisoned(local_cluster: ClusterFactory) -> AsyncIterator[tuple[LocalCl
     async with local_cluster(SHAPE, 1, 1) as cluster:
         assert cluster.certificates is not None
         real = await get_agent(
-            cluster.prefill[0].addresses["peer"], _credentials(cluster.certificates)
+            cluster.prefill[0].addresses["peer"], credentials(cluster.certificates)
         )
         bad = peer_pb2.GetAgentResponse()
         bad.CopyFrom(real)

@@ -24,41 +24,14 @@ from kvsidecar import errors
 from kvsidecar.client import AsyncSidecarClient, SendDone
 from kvsidecar.testing import process as sidecar_proc
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, request_ids, transfer
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, request_ids, transfer
 from kvsidecar.testing.daemon.target_process import TargetProcess, make_shm
 from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
-from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-from tests.e2e.conftest import ClusterFactory
+from kvsidecar.v1 import peer_pb2
+from tests.e2e.helpers import credentials, get_agent
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 TIMEOUT_S = 15.0
-
-
-def _credentials(
-    certs: PeerCertificates | None, *, client_cert: bool = True
-) -> grpc.ChannelCredentials:
-    assert certs is not None
-    if not client_cert:
-        return grpc.ssl_channel_credentials(root_certificates=certs.ca.read_bytes())
-    return grpc.ssl_channel_credentials(
-        certs.ca.read_bytes(), certs.key.read_bytes(), certs.cert.read_bytes()
-    )
-
-
-async def get_agent(
-    endpoint: str, creds: grpc.ChannelCredentials | None
-) -> peer_pb2.GetAgentResponse:
-    """GetAgent of prefill rank 0 at ``endpoint`` (``creds`` None: an insecure channel)."""
-    channel = (
-        grpc.aio.insecure_channel(endpoint)
-        if creds is None
-        else grpc.aio.secure_channel(endpoint, creds)
-    )
-    async with channel:
-        stub = peer_pb2_grpc.PeerServiceStub(channel)
-        return await stub.GetAgent(
-            peer_pb2.GetAgentRequest(engine_id=PREFILL, tp_rank=0), timeout=5
-        )
 
 
 def _forged(kind: int, request_id: str, epoch: int, **extra: object) -> str:
@@ -93,7 +66,7 @@ async def test_forged_notifications_from_a_rogue_agent_change_nothing(
         token = await producer.client.hold("victim", block_ids=pids)
         short = producer.expect("short")
         await producer.client.hold("short", block_ids=[[9]], lease_s=1.0)
-        info = await get_agent(producer.addresses["peer"], _credentials(cluster.certificates))
+        info = await get_agent(producer.addresses["peer"], credentials(cluster.certificates))
         shm = make_shm(1 << 20, tag="kvs-rogue")
         rogue = TargetProcess(shm, str(1 << 20))
         try:
@@ -152,7 +125,7 @@ async def test_peer_service_refuses_clients_without_a_certificate(
         stranger = make_peer_certificates(tmp_path / "other-ca")
         for creds in (
             None,  # plain text
-            _credentials(cluster.certificates, client_cert=False),  # TLS, no client certificate
+            credentials(cluster.certificates, client_cert=False),  # TLS, no client certificate
             grpc.ssl_channel_credentials(  # a certificate from another CA
                 cluster.certificates.ca.read_bytes() if cluster.certificates else None,
                 stranger.key.read_bytes(),
@@ -162,7 +135,7 @@ async def test_peer_service_refuses_clients_without_a_certificate(
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await get_agent(endpoint, creds)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        info = await get_agent(endpoint, _credentials(cluster.certificates))
+        info = await get_agent(endpoint, credentials(cluster.certificates))
         assert re.fullmatch(r"kvsidecar-[0-9a-f]{16}", info.agent_name), info.agent_name
         assert os.uname().nodename not in info.agent_name
         assert not info.HasField("compat") or info.compat.model  # the compat items a peer needs
@@ -245,7 +218,7 @@ async def test_undecodable_requests_are_invalid_argument_without_traceback(
                     await _raw_call(call, streaming=method == "Watch")
                 assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
                 assert "not a valid" in (bad.value.details() or "")
-        creds = _credentials(cluster.certificates)
+        creds = credentials(cluster.certificates)
         async with grpc.aio.secure_channel(rank.addresses["peer"], creds) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as bad:
                 await ch.unary_unary("/kvsidecar.v1.PeerService/Notify")(b"\x0a\xff", timeout=5)

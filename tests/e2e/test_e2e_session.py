@@ -18,10 +18,9 @@ from kvsidecar import errors
 from kvsidecar.client import AsyncSidecarClient
 from kvsidecar.client.export import SharedMemoryExport
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import request_ids, transfer
+from kvsidecar.testing.cluster import ClusterFactory, request_ids, transfer
+from kvsidecar.testing.probes import scrape
 from kvsidecar.testing.process import default_args, start
-from tests.e2e.conftest import ClusterFactory
-from tests.e2e.test_e2e_metrics import _scrape
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 
@@ -35,13 +34,13 @@ async def test_transfers_travel_on_the_session(local_cluster: ClusterFactory) ->
         decode = cluster.decode[0]
         assert decode.client is not None
         assert decode.client.session_open
-        scraped = await asyncio.to_thread(_scrape, decode.addresses["metrics"])
+        scraped = await asyncio.to_thread(scrape, decode.addresses["metrics"])
         assert scraped["kvsidecar_session_commands_total"] == 4  # the four Reads
         assert scraped["kvsidecar_session_commands_in_flight"] == 0
         for rank in cluster.prefill:
             assert rank.client is not None
             assert rank.client.session_open
-            scraped = await asyncio.to_thread(_scrape, rank.addresses["metrics"])
+            scraped = await asyncio.to_thread(scrape, rank.addresses["metrics"])
             assert scraped["kvsidecar_session_commands_total"] == 4  # the four HOLDs
 
 
@@ -101,7 +100,7 @@ async def test_sidecar_killed_mid_command_fails_them_at_once_and_the_engine_reco
             ]
             async with asyncio.timeout(10):
                 for _ in range(200):  # the three commands reach the sidecar and wait there
-                    scraped = await asyncio.to_thread(_scrape, first.addresses["metrics"])
+                    scraped = await asyncio.to_thread(scrape, first.addresses["metrics"])
                     if scraped.get("kvsidecar_session_commands_in_flight") == 3:
                         break
                     await asyncio.sleep(0.05)
@@ -123,7 +122,7 @@ async def test_sidecar_killed_mid_command_fails_them_at_once_and_the_engine_reco
         token = await client.hold("after-restart", block_ids=[[1]])
         assert token
         await client.release("after-restart")
-        scraped = await asyncio.to_thread(_scrape, second.addresses["metrics"])
+        scraped = await asyncio.to_thread(scrape, second.addresses["metrics"])
         assert scraped["kvsidecar_session_commands_total"] == 2
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)

@@ -17,10 +17,9 @@ import pytest
 from kvsidecar.client import RecvDone, RecvFailed
 from kvsidecar.errors import FailedPreconditionError, KvSidecarError
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import LocalCluster, Rank, request_ids, transfer
+from kvsidecar.testing.cluster import ClusterFactory, LocalCluster, Rank, request_ids, transfer
 from kvsidecar.testing.transfers import PREFILL, verify_rank
 from kvsidecar.types import FailReason
-from tests.e2e.conftest import ClusterFactory
 
 STAGED = ("--staging", "on", "--staging-pool-bytes", str(4 << 20))
 TP_PAIRS = [(p, d) for p in (1, 2, 4) for d in (1, 2, 4)]

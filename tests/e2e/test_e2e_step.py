@@ -31,10 +31,9 @@ from kvsidecar.client import (
 from kvsidecar.client.export import SharedMemoryExport
 from kvsidecar.limits import MAX_BATCH_READS, MAX_STEP_ITEMS
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, LocalCluster
+from kvsidecar.testing.cluster import PREFILL, ClusterFactory, LocalCluster
+from kvsidecar.testing.probes import scrape
 from kvsidecar.testing.process import default_args, start
-from tests.e2e.conftest import ClusterFactory
-from tests.e2e.test_e2e_metrics import _scrape
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 TOKEN = "token-" + "x" * 20
@@ -164,7 +163,7 @@ async def test_one_step_mixes_good_and_refused_items(
         assert status.reads_in_flight == 0
         if transport == "session":
             for rank in (p, d):
-                scraped = await asyncio.to_thread(_scrape, rank.addresses["metrics"])
+                scraped = await asyncio.to_thread(scrape, rank.addresses["metrics"])
                 assert scraped["kvsidecar_session_commands_total"] == 1  # the one step
 
 
@@ -323,7 +322,7 @@ async def test_a_stream_dropped_mid_step_leaves_nothing_behind(tmp_path: Path) -
                     if status.holds_active == 1 and status.reads_handshaking == 1:
                         break
                     await asyncio.sleep(0.02)
-            scraped = await asyncio.to_thread(_scrape, sidecar.addresses["metrics"])
+            scraped = await asyncio.to_thread(scrape, sidecar.addresses["metrics"])
             assert scraped["kvsidecar_session_commands_in_flight"] == 1
             failed_before = status.counters["reads_failed"]
             watch.cancel()  # the engine's stream drops
@@ -339,12 +338,14 @@ async def test_a_stream_dropped_mid_step_leaves_nothing_behind(tmp_path: Path) -
             assert status.holds_active == 0
             assert status.reads_in_flight == 0
             assert status.counters["reads_failed"] == failed_before + 1  # the read, once
-            scraped = await asyncio.to_thread(_scrape, sidecar.addresses["metrics"])
+            scraped = await asyncio.to_thread(scrape, sidecar.addresses["metrics"])
             assert scraped["kvsidecar_session_commands_in_flight"] == 0
 
         watch = await register()
+        # The same request held again: a new hold instance, so a new token (the dropped
+        # instance's token is refused: a consumer still holding it must not read this one).
         again = await client.step(
-            StepSpec(holds=[HoldSpec(request_id="held", block_ids=[[2]], token=TOKEN)])
+            StepSpec(holds=[HoldSpec(request_id="held", block_ids=[[2]], token=TOKEN + "-2")])
         )
         assert kinds(again.holds) == ["NotifyDone"]
         watch.cancel()

@@ -12,8 +12,7 @@ import random
 import pytest
 
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import request_ids, transfer
-from tests.e2e.conftest import ClusterFactory
+from kvsidecar.testing.cluster import ClusterFactory, request_ids, transfer
 
 K = toy.ModelKind
 CASES = [

@@ -1,4 +1,4 @@
-"""The integrity canary's pure parts (``plan.canary``): sampling, descriptor ids -> byte ranges,
+"""The integrity canary's pure parts (``plan.hold.canary``): sampling, descriptor ids -> byte ranges,
 merging, the wire form, the held-extent check and the chained CRC."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import zlib
 
 import numpy as np
 
-from kvsidecar.plan.canary import (
+from kvsidecar.plan.hold.canary import (
     checksum,
     desc_ranges,
     held_extents,

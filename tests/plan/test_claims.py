@@ -1,4 +1,4 @@
-"""The claim a READ_DONE carries: the tail of the held ids a read covered (``plan.claims``)."""
+"""The claim a READ_DONE carries: the tail of the held ids a read covered (``plan.hold.claims``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsidecar.plan.claims import DIGEST_BYTES, ReadClaim, held_digest, read_claim
+from kvsidecar.plan.hold.claims import DIGEST_BYTES, ReadClaim, held_digest, read_claim
 
 ids = st.lists(st.integers(0, 1 << 40), max_size=20)
 

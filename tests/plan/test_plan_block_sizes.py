@@ -28,7 +28,7 @@ from kvsidecar.plan import (
     validate_request_ids,
     vllm_cpu_view,
 )
-from kvsidecar.plan.claims import held_digest, read_claim
+from kvsidecar.plan.hold.claims import held_digest, read_claim
 from kvsidecar.plan.request import batch_request_ids, request_descriptor_ids, request_ids
 from kvsidecar.plan.tokens import group_ratios, remote_tail
 from kvsidecar.plan.tp import expected_consumers

@@ -286,8 +286,8 @@ def test_plan_imports_only_allowed_modules() -> None:
         "__future__",
         "collections",
         "dataclasses",
-        "hashlib",  # plan.claims: the digest of the blocks a read covered
-        "zlib",  # plan.canary: the CRC-32 of byte ranges it is handed (no I/O of its own)
+        "hashlib",  # plan.hold.claims: the digest of the blocks a read covered
+        "zlib",  # plan.hold.canary: the CRC-32 of byte ranges it is handed (no I/O of its own)
         "enum",
         "itertools",
         "math",

@@ -1,4 +1,4 @@
-"""The staging pool's layout (``plan.staging``) and its gather (``engine.owned.gather``): for every
+"""The staging pool's layout (``plan.hold.staging``) and its gather (``engine.owned.gather``): for every
 toy layout and TP size, every held byte of a hold lands in the pool where the pool's own geometry
 says it is; slot ids, and the checks on a peer's info word."""
 
@@ -11,7 +11,7 @@ from kvsidecar.engine.owned.gather import HostCopier, segments
 from kvsidecar.errors import GeometryError
 from kvsidecar.plan import EngineGeometry
 from kvsidecar.plan.geometry import _held, geometry_problems
-from kvsidecar.plan.staging import (
+from kvsidecar.plan.hold.staging import (
     STAGED_MEMORY,
     base_of,
     gather_runs,

@@ -19,6 +19,7 @@ import pytest
 
 from kvsidecar.client import AsyncSidecarClient, Event, ReadPosted, Registered
 from kvsidecar.client.export import SharedMemoryExport
+from kvsidecar.engine.backend import AgentIdentity
 from kvsidecar.engine.backend.fake import FakeBackend, FakeFabric
 from kvsidecar.server import Sidecar
 from kvsidecar.settings import Settings
@@ -128,7 +129,7 @@ class Pair:
 async def make_node(
     tmp_path: Path, fabric: FakeFabric, name: str, engine_id: str, **settings: Any
 ) -> Node:
-    backend = FakeBackend(fabric, name=f"{name}-{uuid.uuid4().hex[:6]}")
+    backend = FakeBackend(fabric, identity=AgentIdentity.generate(name))  # peers check its proofs
     values: dict[str, Any] = {"handshake_timeout_s": 2, "lease_s": 1.0} | settings
     certs = certificates(tmp_path)
     config = Settings(

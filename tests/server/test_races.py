@@ -148,6 +148,39 @@ async def test_producer_reregistering_in_place_is_readable_after_one_failure(pai
     assert verified == done.bytes
 
 
+async def test_a_handshake_waits_for_the_stale_peers_agent_to_go(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stale peer leaves the table before its handles are released (agent-thread calls, slow on
+    a busy host). A read sent in between handshakes again with the same remote agent: its load
+    must wait for the old agent's removal, not be refused "already loaded" (the read then failed
+    HANDSHAKE: the e2e restart-and-quarantine cycles hit it under load)."""
+    await _warm(pair)
+    decode = pair.decode
+    removing = asyncio.Event()
+
+    async def slow() -> None:
+        removing.set()
+        await asyncio.sleep(0.3)
+
+    hop(monkeypatch, decode.backend, "remove_remote_agent", before=slow)
+    await pair.hold("next", [[1]])
+    core = decode.sidecar.core
+    assert core is not None
+    invalidation = asyncio.ensure_future(core.remote_changed("prefill", 0, 99))
+    await asyncio.wait_for(removing.wait(), 5)
+    assert core.peers.peer("prefill") is None  # gone from the table, its agent still loaded
+    await pair.read("next", [1], [1])
+    assert await asyncio.wait_for(invalidation, 5)
+    done = await next_event(decode.client)
+    assert isinstance(done, RecvDone), done
+    verified = toy.verify(
+        decode.memory.array, decode.views, tp_size=1, rank=0, seed=3,
+        local_ids=[[1]], remote_ids=[[1]],
+    )  # fmt: skip
+    assert verified == done.bytes > 0
+
+
 async def test_a_read_sent_while_a_stale_peer_is_released_plans_again(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:

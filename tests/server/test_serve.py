@@ -245,11 +245,19 @@ def test_status_command_shows_a_running_sidecar(tmp_path: Path) -> None:
         assert table.returncode == 0, table.stderr
         assert "engine    e rank 0/1" in table.stdout
         assert "holds active 1" in table.stdout
+        # `serve` asks UCX for its protocol tables into a directory it reads (docs/operations.md)
+        assert "ucx       log read  " in table.stdout
+        assert "UCX_PROTO_INFO=y (kvsidecar)" in table.stdout
         as_json = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=30)
         data = json.loads(as_json.stdout)
         assert data["engine_id"] == "e"
         assert data["holds_active"] == 1
         assert "reads_done" in data["counters"]
+        assert data["ucx"]["log"] == "read"
+        assert {v["name"] for v in data["ucx"]["variables"] if v["by_sidecar"]} >= {
+            "UCX_PROTO_INFO",
+            "UCX_LOG_FILE",
+        }
         missing = subprocess.run(
             [*KVSIDECAR, "status", "--socket", str(tmp_path / "nope.sock"), "--timeout-s", "1"],
             capture_output=True,

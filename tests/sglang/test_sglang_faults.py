@@ -30,7 +30,7 @@ from kvsidecar.testing import process as sidecar_proc
 from tests.sglang import harness
 from tests.sglang.conftest import start_sidecar
 from tests.sglang.harness import PAGE_SIZE, POLL_S, STEP_TIMEOUT_S, KVPoll, World
-from tests.sglang.test_sglang_backend import (
+from tests.sglang.rooms import (
     REPORT_S,
     assert_success,
     make_rooms,

@@ -53,7 +53,7 @@ from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 from tests.plan.plan_oracle import execute_plan  # noqa: E402
 from tests.vllm import sched  # noqa: E402
 from tests.vllm.kv_alloc import Memories, Rank, allocate, build_rank, kv_cache_config  # noqa: E402
-from tests.vllm.test_vllm_geometry import (  # noqa: E402
+from tests.vllm.patterns import (  # noqa: E402
     D_SIDE,
     HEADS,
     P_SIDE,

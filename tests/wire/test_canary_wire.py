@@ -7,7 +7,7 @@ import pytest
 
 from kvsidecar.errors import InvalidArgumentError
 from kvsidecar.limits import MAX_CANARY_RANGES
-from kvsidecar.plan.canary import RANGE_BYTES
+from kvsidecar.plan.hold.canary import RANGE_BYTES
 from kvsidecar.wire.peer import (
     Canary,
     NotificationKind,

@@ -29,9 +29,14 @@ from kvsidecar.types import (
     Registered,
     SendDone,
     SidecarStatus,
+    UcxLog,
+    UcxMemory,
+    UcxOp,
+    UcxScope,
 )
 from kvsidecar.v1 import engine_pb2, geometry_pb2, peer_pb2
 from kvsidecar.wire import engine as wire_engine
+from kvsidecar.wire import ucx as wire_ucx
 from kvsidecar.wire.geometry import (
     block_ids_from_proto,
     block_ids_to_proto,
@@ -57,6 +62,7 @@ from kvsidecar.wire.peer import (
     notify_response_from_proto,
     notify_response_to_proto,
 )
+from tests.wire.ucx_sample import UCX
 
 EVENTS = (
     RecvDone(request_id="a", bytes=4096, duration_s=0.25, seq=1, timestamp=1.5),
@@ -107,6 +113,20 @@ def test_every_fail_reason_has_the_same_number_on_the_wire() -> None:
         assert engine_pb2.RecvFailed.Reason.Value(name) == reason.value
 
 
+def test_ucx_values_a_newer_sidecar_may_send_decode() -> None:
+    pb = wire_ucx.ucx_to_proto(UCX)
+    pb.log = "sometime"
+    pb.protocols[0].op = "teleport"
+    pb.protocols[0].scope = "orbit"
+    pb.protocols[0].local_memory = "quantum"
+    back = wire_ucx.ucx_from_proto(pb)
+    assert back.log is UcxLog.NONE
+    p = back.protocols[0]
+    assert (p.op, p.scope, p.local_memory) == (UcxOp.OTHER, UcxScope.INTER_NODE, UcxMemory.OTHER)
+    assert back.gpu_over_tcp == ()  # an unknown operation is no READ or WRITE
+    assert wire_ucx.ucx_from_proto(wire_ucx.ucx_to_proto(UCX)).gpu_over_tcp == UCX.protocols[:1]
+
+
 def test_status_plan_and_results_round_trip() -> None:
     status = SidecarStatus(
         events=EVENTS,
@@ -145,6 +165,7 @@ def test_status_plan_and_results_round_trip() -> None:
                 control_age_s=0.125,
             ),
         ),
+        ucx=UCX,
     )
     pb = _bytes_round_trip(wire_engine.status_to_proto(status))
     back = wire_engine.status_from_proto(pb)  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """The transfer-library seam: what the engine needs from a transfer agent, and the agents.
 
-Owns: the ``TransferBackend`` contract and its handle values (``contract``), handle bookkeeping
+Owns: the ``TransferBackend`` contract and its handle values (``contract``), the key that names an
+agent and signs for it (``identity``), handle bookkeeping
 and strided descriptor rows shared by the backends (``handles``), the one completion sink routed
 by handle to whoever awaits it (``completions``), the shipped ``FakeBackend`` (``fake``), and
 NIXL in its own package (``nixl/``: the asyncio face, the only module that imports NIXL, the
@@ -22,12 +23,15 @@ from kvsidecar.engine.backend.contract import (
     ReadPair,
     RemoteAgent,
     TransferBackend,
+    UcxTransports,
     XferHandle,
     XferState,
     XferTelemetry,
 )
+from kvsidecar.engine.backend.identity import AgentIdentity
 
 __all__ = [
+    "AgentIdentity",
     "DlistHandle",
     "DlistSide",
     "MemType",
@@ -36,6 +40,7 @@ __all__ = [
     "ReadPair",
     "RemoteAgent",
     "TransferBackend",
+    "UcxTransports",
     "XferHandle",
     "XferState",
     "XferTelemetry",

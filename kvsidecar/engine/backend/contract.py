@@ -20,8 +20,10 @@ from typing import NamedTuple, Protocol
 
 import numpy.typing as npt
 
+from kvsidecar.engine.backend.identity import AgentIdentity
 from kvsidecar.errors import BackendError
 from kvsidecar.memory.types import MemoryRegion, MemType
+from kvsidecar.types import UcxTransports
 
 __all__ = [
     "DlistHandle",
@@ -32,6 +34,7 @@ __all__ = [
     "PostPhase",
     "RemoteAgent",
     "TransferBackend",
+    "UcxTransports",
     "XferHandle",
     "XferState",
     "XferTelemetry",
@@ -148,7 +151,12 @@ class TransferBackend(Protocol):
 
     @property
     def agent_name(self) -> str:
-        """This agent's name (valid after ``start``)."""
+        """This agent's name (valid after ``start``): ``identity.agent_name``."""
+        ...
+
+    @property
+    def identity(self) -> AgentIdentity:
+        """The key that owns this agent's name and signs for it (``backend.identity``)."""
         ...
 
     @property
@@ -175,10 +183,17 @@ class TransferBackend(Protocol):
 
     async def deregister_memory(self, registration: MemoryRegistration) -> None: ...
 
+    async def check_remote_metadata(self, metadata: bytes) -> str:
+        """The agent name ``metadata`` names, once it was found to load, loading nothing into
+        this agent (NIXL: in the metadata checker process); ``MetadataRefusedError`` otherwise.
+        ``add_remote_agent`` checks the same way (a checked blob is not checked twice)."""
+        ...
+
     async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
         """Load a remote agent's metadata (from its ``local_metadata``). ``name``: the agent name
         its sidecar advertised; metadata naming another agent is refused. A failed load leaves
-        nothing behind that would stop a later load of the real agent."""
+        nothing behind that would stop a later load of the real agent, and metadata for an
+        agent loaded before (and removed since) replaces what was loaded for it."""
         ...
 
     async def remove_remote_agent(self, agent: RemoteAgent) -> None:
@@ -259,4 +274,10 @@ class TransferBackend(Protocol):
 
     async def telemetry(self, xfer: XferHandle) -> XferTelemetry | None:
         """Telemetry of a completed transfer, or ``None`` when the backend has none."""
+        ...
+
+    def transports(self) -> UcxTransports:
+        """What the transport library chose so far (UCX's protocols per operation, memory kind
+        and endpoint configuration, and the UCX variables in effect): a snapshot, cheap, no
+        agent call. A backend without UCX returns an empty ``UcxTransports()``."""
         ...

@@ -5,13 +5,15 @@ this process (e.g. ``host_shm`` imports, numpy buffers); a READ (or WRITE) copie
 with ``ctypes.memmove`` after checking that both ends lie inside memory that is registered *now*
 (so a stale descriptor fails instead of touching unmapped memory). Notifications are delivered to
 the remote agent's inbox when the READ completes (a WRITE sends none). Faults are injected per
-agent with ``FakeFaults`` or ``FakeFabric.disconnect``.
+agent with ``FakeFaults`` or ``FakeFabric.disconnect``; a stalled transfer lands when the test says
+so (``FakeBackend.land_stalled``), and with ``outlive_release`` even after it was released, as a
+WRITE a transport already carries does (UCX over TCP keeps sending a released WRITE, and unloading
+its remote agent does not stop it either).
 """
 
 from __future__ import annotations
 
 import ctypes
-import itertools
 import json
 import uuid
 from collections.abc import Sequence
@@ -27,21 +29,23 @@ from kvsidecar.engine.backend.contract import (
     Notification,
     ReadPair,
     RemoteAgent,
+    UcxTransports,
     XferHandle,
     XferState,
     XferTelemetry,
 )
 from kvsidecar.engine.backend.handles import HandleBook, StridedRows
 from kvsidecar.engine.backend.handles import ReadPair as CheckedPair
+from kvsidecar.engine.backend.identity import AgentIdentity
 from kvsidecar.errors import (
     BackendError,
     BackendInvalidParamError,
     BackendNotFoundError,
+    MetadataRefusedError,
     RemoteDisconnectedError,
 )
 from kvsidecar.memory.types import MemoryRegion, MemType
 
-_names = itertools.count(1)
 Copies = tuple[tuple[int, int, int], ...]  # (dst, src, length) of each descriptor
 
 
@@ -51,7 +55,11 @@ class FakeFaults:
 
     fail_post: bool = False  #: ``post_read`` (``post_write``) raises ``BackendError``
     err_after_polls: int | None = None  #: the transfer turns ``ERR`` on poll number N (1-based)
-    stall: bool = False  #: it stays ``PROC`` forever (until released or its peer dies)
+    #: it stays ``PROC`` until ``land_stalled()`` copies it, it is released, or its peer dies
+    stall: bool = False
+    #: with ``stall``: releasing it (or removing its remote agent) does not stop it: it still
+    #: lands at ``land_stalled()`` (as a WRITE the transport already carries)
+    outlive_release: bool = False
 
 
 _PROCESS_FABRIC: FakeFabric | None = None
@@ -104,6 +112,7 @@ class _Xfer:
 
     remote: str
     faults: FakeFaults
+    write: bool  # a WRITE (copies into the remote agent's memory), else a READ
     copies: Copies
     notification: bytes
     state: XferState = XferState.PROC
@@ -131,18 +140,28 @@ def _copies(what: str, r: CheckedPair[None], here: FakeBackend, peer: FakeBacken
 
 
 class FakeBackend:
-    """``TransferBackend`` whose agent lives on a ``FakeFabric``. Runs on the event loop."""
+    """``TransferBackend`` whose agent lives on a ``FakeFabric``. Runs on the event loop.
+
+    Its name is its ``identity``'s (a fresh ``fake-…`` one by default), unless ``name`` is given:
+    such an agent cannot prove its name to peers (for backend-level tests only)."""
 
     def __init__(
-        self, fabric: FakeFabric, *, name: str | None = None, faults: FakeFaults | None = None
+        self,
+        fabric: FakeFabric,
+        *,
+        name: str | None = None,
+        identity: AgentIdentity | None = None,
+        faults: FakeFaults | None = None,
     ) -> None:
         self._fabric = fabric
-        self._name = name or f"fake-{next(_names)}"
+        self._identity = identity or AgentIdentity.generate("fake")
+        self._name = name or self._identity.agent_name
         self.faults = faults or FakeFaults()
         self._book: HandleBook[tuple[int, int], tuple[tuple[int, int], ...], None, _Xfer] = (
             HandleBook()
         )
         self._inbox: list[Notification] = []
+        self._outliving: list[_Xfer] = []  # released while stalled, still to land
         self._started = False
         self._closed = False
 
@@ -154,6 +173,10 @@ class FakeBackend:
     def aborts_in_flight(self) -> bool:
         """A released transfer is never copied: nothing of it lands afterwards."""
         return True
+
+    @property
+    def identity(self) -> AgentIdentity:
+        return self._identity
 
     async def start(self) -> None:
         if not self._started:
@@ -173,6 +196,7 @@ class FakeBackend:
             await self.remove_remote_agent(a)
         for r, _ in list(book.regs.values()):
             await self.deregister_memory(r)
+        self._outliving.clear()  # this agent's process is gone: nothing of it lands any more
         if self._started:
             self._fabric.detach(self._name)
 
@@ -217,19 +241,32 @@ class FakeBackend:
         self._book.reg(registration)
         del self._book.regs[registration.id]
 
-    async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
-        self._check_open("add_remote_agent")
+    def _parse(self, metadata: bytes) -> tuple[str, tuple[tuple[int, int], ...]]:
+        """(the agent a fake metadata blob names, its regions); ``MetadataRefusedError`` for a
+        blob that is not one, or is another fabric's."""
         try:
             doc = json.loads(metadata)
             loaded, token = str(doc["agent"]), str(doc["fabric"])
             regions = tuple((int(a), int(b)) for a, b in doc["regions"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise BackendInvalidParamError(f"remote agent metadata is malformed: {exc}") from None
+            raise MetadataRefusedError(
+                "invalid", f"remote agent metadata is malformed: {exc}"
+            ) from None
         if token != self._fabric.token:
-            raise BackendInvalidParamError(f"remote agent {loaded!r} is on another fabric")
+            raise MetadataRefusedError("invalid", f"remote agent {loaded!r} is on another fabric")
+        return loaded, regions
+
+    async def check_remote_metadata(self, metadata: bytes) -> str:
+        self._check_open("check_remote_metadata")
+        return self._parse(metadata)[0]
+
+    async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
+        self._check_open("add_remote_agent")
+        loaded, regions = self._parse(metadata)
         if name and loaded != name:
-            raise BackendInvalidParamError(
-                f"remote agent metadata names agent {loaded!r}, its sidecar said {name!r}"
+            raise MetadataRefusedError(
+                "invalid",
+                f"remote agent metadata names agent {loaded!r}, its sidecar said {name!r}",
             )
         name = loaded
         if self._book.agent_named(name) is not None:
@@ -311,7 +348,13 @@ class FakeBackend:
             raise BackendError(f"{what}: injected failure")
         peer = self._fabric.reach(r.remote_agent)
         copies = _copies(what, r, self, peer)
-        x = _Xfer(remote=peer.agent_name, faults=faults, copies=copies, notification=notification)
+        x = _Xfer(
+            remote=peer.agent_name,
+            faults=faults,
+            write=what == "post_write",
+            copies=copies,
+            notification=notification,
+        )
         synchronous = not (faults.stall or faults.err_after_polls is not None)
         h = XferHandle(
             id=self._book.new_id(),
@@ -367,12 +410,40 @@ class FakeBackend:
         return self._book.errors.get(xfer.id)
 
     async def release_xfer(self, xfer: XferHandle) -> None:
-        self._book.xfer(xfer)
+        x = self._book.xfer(xfer)
         del self._book.xfers[xfer.id]
         self._book.errors.pop(xfer.id, None)
+        if x.state is XferState.PROC and x.faults.stall and x.faults.outlive_release:
+            self._outliving.append(x)
+
+    def land_stalled(self) -> int:
+        """Land every stalled transfer now (held, or released with ``outlive_release``): copy its
+        bytes, mark it ``DONE`` (the next ``poll`` says so). One whose memory is no longer
+        registered at either end turns ``ERR`` (a held one) or is dropped, uncopied. How many
+        landed."""
+        landed = 0
+        held = [(h, x) for h, x, _, _ in self._book.xfers.values() if x.faults.stall]
+        released, self._outliving = self._outliving, []
+        for h, x in [*held, *((None, x) for x in released)]:
+            if x.state is not XferState.PROC:
+                continue
+            try:
+                peer = self._fabric.reach(x.remote)
+                _check_landing(x, self, peer)
+            except BackendError as exc:
+                if h is not None:
+                    self._fail(h, x, exc)
+                continue
+            _complete(x, peer, self._name)
+            landed += 1
+        return landed
 
     async def telemetry(self, xfer: XferHandle) -> XferTelemetry | None:
         return self._book.xfer(xfer).telemetry
+
+    def transports(self) -> UcxTransports:
+        """No UCX: nothing to report."""
+        return UcxTransports()
 
     async def send_notification(self, agent: RemoteAgent, payload: bytes) -> None:
         self._check_open("send_notification")
@@ -382,6 +453,17 @@ class FakeBackend:
     async def drain_notifications(self) -> tuple[Notification, ...]:
         got, self._inbox = tuple(self._inbox), []
         return got
+
+
+def _check_landing(x: _Xfer, here: FakeBackend, peer: FakeBackend) -> None:
+    """BackendNotFoundError unless both ends of every copy of ``x`` still lie in memory their
+    agents register now (a WRITE's destination is at ``peer``, a READ's here)."""
+    dst, src = (peer, here) if x.write else (here, peer)
+    if (
+        _covered(dst.regions(), [(d, d + n) for d, _, n in x.copies]) is not None
+        or _covered(src.regions(), [(s, s + n) for _, s, n in x.copies]) is not None
+    ):
+        raise BackendNotFoundError("a stalled transfer's memory was deregistered before it landed")
 
 
 def _complete(x: _Xfer, peer: FakeBackend, name: str) -> None:

@@ -1,15 +1,15 @@
-"""The producer's hold board: every live hold's marker in memory consumers READ (``plan.board``).
+"""The producer's hold board: every live hold's marker in memory consumers READ (``plan.hold.board``).
 
 ``publish`` writes a hold's marker into a free word of its bucket when the hold starts;
 ``withdraw`` zeroes it when the hold ends, before anything else learns of the end (the ledger's
 caller withdraws first, then emits SEND_DONE: the engine frees the blocks only after that). A
 bucket with no free word publishes nothing: consumers of that hold confirm over PeerService, as
 every consumer did before the board. Each write is one aligned 8-byte store, which a concurrent
-READ sees whole or not at all (and a torn read cannot forge a marker, see ``plan.board``).
+READ sees whole or not at all (and a torn read cannot forge a marker, see ``plan.hold.board``).
 
 A staged hold (``owned.staging``) is published with its *info* (where its slots are): the info
 word at the marker's index on the info board is written before the marker (whose value then
-covers the info, ``plan.board.marker_of``), and zeroed after it.
+covers the info, ``plan.hold.board.marker_of``), and zeroed after it.
 
 Not thread-safe: the event loop owns it. O(1) per publish/withdraw (a bucket is 8 words).
 """
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvsidecar.plan.board import BUCKET_WORDS, bucket_of, marker_of
+from kvsidecar.plan.hold.board import BUCKET_WORDS, bucket_of, marker_of
 
 
 class HoldBoard:

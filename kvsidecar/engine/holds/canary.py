@@ -1,4 +1,4 @@
-"""The producer's half of the integrity canary (``plan.canary``): the CRC of held bytes.
+"""The producer's half of the integrity canary (``plan.hold.canary``): the CRC of held bytes.
 
 A canary READ_DONE names the producer's ranges the consumer read and the CRC-32 of the bytes it
 received. Before the notification is applied, while the hold still pins the blocks, the producer
@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from kvsidecar.engine.holds.producer import CanaryCheck
 from kvsidecar.plan import EngineGeometry
-from kvsidecar.plan.canary import U64, Reader, checksum, held_extents, unpack_ranges, within
+from kvsidecar.plan.hold.canary import U64, Reader, checksum, held_extents, unpack_ranges, within
 from kvsidecar.plan.request import expand_kernel_ids
 from kvsidecar.wire.peer import Canary, Outcome
 

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvsidecar.errors import InvalidArgumentError
-from kvsidecar.plan.claims import ReadClaim
+from kvsidecar.plan.hold.claims import ReadClaim
 from kvsidecar.types import SendDone
 
 

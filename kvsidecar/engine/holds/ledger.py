@@ -34,7 +34,7 @@ from kvsidecar.engine.holds.entries import (
 )
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.errors import AlreadyExistsError, InvalidArgumentError
-from kvsidecar.plan.claims import ReadClaim
+from kvsidecar.plan.hold.claims import ReadClaim
 from kvsidecar.types import SendDone
 
 __all__ = ["ConsumerId", "LedgerCounters", "NotificationOutcome", "ProducerLedger"]

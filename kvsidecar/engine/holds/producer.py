@@ -21,7 +21,7 @@ from kvsidecar.engine.model import Hold, Stager, Tracer
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.stats import ProducerStats
 from kvsidecar.errors import NotFoundError
-from kvsidecar.plan.claims import ReadClaim
+from kvsidecar.plan.hold.claims import ReadClaim
 from kvsidecar.types import SendDone
 from kvsidecar.wire.peer import Canary, NotificationKind, Outcome, PeerNotification
 from kvsidecar.wire.trace import TraceState

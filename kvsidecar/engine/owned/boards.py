@@ -18,14 +18,14 @@ from kvsidecar.engine.backend.contract import (
 )
 from kvsidecar.errors import KvSidecarError
 from kvsidecar.memory.region import OwnedRegion
-from kvsidecar.plan.board import BUCKET_BYTES, DEFAULT_BUCKETS
+from kvsidecar.plan.hold.board import BUCKET_BYTES, DEFAULT_BUCKETS
 
 log = logging.getLogger(__name__)
 
 
 class BoardMemory:
     """The sidecar's own registered memory: the hold board it publishes live holds on and the
-    slots it reads other boards into (``plan.board``). ``open`` once, ``aclose`` once."""
+    slots it reads other boards into (``plan.hold.board``). ``open`` once, ``aclose`` once."""
 
     def __init__(self, backend: TransferBackend, buckets: int = DEFAULT_BUCKETS) -> None:
         self._backend = backend
@@ -34,7 +34,7 @@ class BoardMemory:
         self._dlist: DlistHandle | None = None  # the landing slots, one descriptor each
         self.address = 0  #: the board's address (0: none)
         self.buckets = 0
-        self.info_address = 0  #: the info board's address (0: none; ``plan.board``)
+        self.info_address = 0  #: the info board's address (0: none; ``plan.hold.board``)
 
     async def _region(self, size: int) -> OwnedRegion:
         region = OwnedRegion(size)

@@ -1,6 +1,6 @@
 """Copying a hold's blocks from the engine's memory into the staging pool: the gather.
 
-``plan.staging.gather_runs`` says what moves (per view and held range: blocks in, slots out);
+``plan.hold.staging.gather_runs`` says what moves (per view and held range: blocks in, slots out);
 the copiers do it. ``HostCopier`` copies host memory with numpy (one strided gather per run), the
 CPU twin that CI runs; ``DeviceCopier`` copies GPU memory with one CUDA kernel launch for every
 segment of a batch (one CUDA block per segment, 16-byte words when the segment allows), on a
@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsidecar.memory.cuda_ipc import load_cupy
-from kvsidecar.plan.staging import GatherRun
+from kvsidecar.plan.hold.staging import GatherRun
 
 #: view name -> address of block 0 (engine memory, or the pool)
 Bases = Mapping[str, int]

@@ -1,6 +1,6 @@
 """Which slots of the staging pool are free: contiguous ranges, first fit.
 
-A hold takes one contiguous range (its base and length, ``plan.staging``). Pure: the event loop
+A hold takes one contiguous range (its base and length, ``plan.hold.staging``). Pure: the event loop
 owns it. O(free ranges) per call; ranges that touch are merged on free.
 """
 

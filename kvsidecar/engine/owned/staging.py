@@ -4,10 +4,10 @@ from instead of the engine's memory (docs/gpu.md).
 UCX cannot serve GPU memory another process allocated (an imported CUDA IPC allocation cannot be
 exported again: a READ of it falls back to TCP at 0.5 GB/s), but it serves the sidecar's own
 ``cudaMalloc`` at hundreds of GB/s. So a producer that stages copies each hold's blocks, with one
-gather, into slots of its pool (``plan.staging``: the engine's geometry with packed spans), and
+gather, into slots of its pool (``plan.hold.staging``: the engine's geometry with packed spans), and
 publishes the hold on its hold board only once the copy is done, with the hold's *info* (where its
 slots start) on the info board beside it: a consumer finds the info, READs the slots, and its
-confirmation vouches for both (``plan.board``). The slots go back when the hold ends, after its
+confirmation vouches for both (``plan.hold.board``). The slots go back when the hold ends, after its
 marker was withdrawn.
 
 ``StagingPool`` is the producer's ``model.Stager``: ``stage`` a hold (its slots at once, or in
@@ -43,11 +43,11 @@ from kvsidecar.errors import FailedPreconditionError, KvSidecarError
 from kvsidecar.memory.device import DeviceRegion
 from kvsidecar.memory.region import OwnedRegion
 from kvsidecar.plan import EngineGeometry
-from kvsidecar.plan.staging import Layout, gather_runs, info_of, layout
+from kvsidecar.plan.hold.staging import Layout, gather_runs, info_of, layout
 
 log = logging.getLogger(__name__)
 
-#: called with the hold's info once its copy is done (``plan.staging.info_of``)
+#: called with the hold's info once its copy is done (``plan.hold.staging.info_of``)
 Staged = Callable[[int], None]
 
 

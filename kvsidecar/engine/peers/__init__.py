@@ -4,7 +4,8 @@ Owns: the ``PeerRegistry`` of handshaken remote engines with their NIXL handles,
 progress and backoff (``registry``); the gRPC client of other sidecars' PeerService — agent
 metadata, engine directories, the NotifyStream channels (``link``); running one shared handshake
 per remote engine (``handshake``) through its two steps, the network fetch and the backend attach
-(``phases``); the cost matrix of live remote engine ranks, fed by the read side (``costs``, owned
+(``phases``); agent proofs, which keep a peer from claiming another sidecar's NIXL agent
+(``proof``); the cost matrix of live remote engine ranks, fed by the read side (``costs``, owned
 by the link) and its optional idle probe (``probe``).
 
 May import: ``backend/``, the engine's leaves and ``local``. Never ``reads/`` or ``holds/``: what

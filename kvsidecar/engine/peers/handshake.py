@@ -3,9 +3,10 @@
 ``Handshakes.peer`` returns the ready peer of a remote engine, running a handshake first if there
 is none: one task per remote engine that concurrent callers share (the network phase, then the
 shielded backend phase, see ``peers.phases``). The outcome goes to the ``PeerRegistry``. A peer
-made stale by the handshake (its remote sidecar now serves another engine) is quarantined through
-the ``quarantine`` callback the core wires to the read side's guard: ``peers/`` never imports
-``reads/``.
+made stale by the handshake (its remote sidecar proves it now serves another engine) is
+quarantined through the ``quarantine`` callback the core wires to the read side's guard:
+``peers/`` never imports ``reads/``. An answer that claims a held agent without proving it is
+refused and its engine quarantined (``peers.proof``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from collections.abc import Awaitable, Callable
 from kvsidecar.engine.admission import Admission
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Endpoints
-from kvsidecar.engine.peers import phases
-from kvsidecar.engine.peers.registry import Peer, PeerRegistry, RankLink
+from kvsidecar.engine.peers import phases, proof
+from kvsidecar.engine.peers.registry import Peer, PeerRegistry
 from kvsidecar.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -133,32 +134,31 @@ class Handshakes:
         return peer
 
     async def _attach(self, local: LocalEngine, fetched: phases.Fetched) -> Peer:
-        # One NIXL agent serves one engine at a time. A peer of another engine that holds an
-        # agent this engine answered with is either stale (its sidecar's engine restarted under
-        # a new id: it goes before the agent is loaded again) or still served by that agent (a
-        # copy of its metadata under another engine id: refused, the live peer undisturbed).
+        # One NIXL agent serves one engine at a time, and only its own sidecar can prove it runs
+        # it (``proof``). An answer naming an agent a peer of another engine holds is therefore
+        # either that sidecar's, proven: its engine now has another id, and the old peer is
+        # stale (it goes before the agent is loaded again); or a copy under another engine id,
+        # unproven: refused and quarantined, the live peer undisturbed. Only the claim decides,
+        # never which came first.
         for other in self._peers.peers():
             if other.engine_id == fetched.engine_id:
                 continue
             held = [link for link in other.links.values() if link.agent.name in fetched.agent_names]
             if not held:
                 continue
-            if await self._still_served(other.engine_id, held[0]):
-                self._peers.metadata_refused("duplicate")
-                raise FailedPreconditionError(
-                    f"remote engine {fetched.engine_id!r} answered with NIXL agent "
-                    f"{held[0].agent.name!r}, which engine {other.engine_id!r} at "
-                    f"{held[0].endpoint} still serves: one agent cannot serve two engines"
+            name = held[0].agent.name
+            claim = next(i for i in fetched.agents.values() if i.agent_name == name)
+            why = proof.unproven(claim)
+            if why is not None:
+                message = (
+                    f"remote engine {fetched.engine_id!r} answered with NIXL agent {name!r}, "
+                    f"which engine {other.engine_id!r} at {held[0].endpoint} holds: one agent "
+                    f"cannot serve two engines, and the answer does not prove that its sidecar "
+                    f"runs it ({why}); the engine is quarantined"
                 )
+                self._peers.impostor(fetched.engine_id, "duplicate", message)
+                raise FailedPreconditionError(message)
             await self._quarantine(
                 other.engine_id, f"its sidecar now serves engine {fetched.engine_id!r}", "replaced"
             )
         return await phases.attach(self._peers, local, fetched)
-
-    async def _still_served(self, engine_id: str, link: RankLink) -> bool:
-        """Whether rank ``link.rank`` of ``engine_id`` still answers with ``link``'s agent."""
-        try:
-            info = await self._peers.link.get_agent(link.endpoint, engine_id, link.rank)
-        except KvSidecarError:
-            return False
-        return info.engine_id == engine_id and info.agent_name == link.agent.name

@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import gc
+import secrets
 from collections.abc import Awaitable, Sequence
 from typing import Any, cast
 
@@ -45,6 +47,7 @@ from kvsidecar.wire.peer import (
 )
 from kvsidecar.wire.trace import SideTrace, side_from_proto
 
+CHALLENGE_BYTES = 32  #: the nonce every GetAgent sends (what its answer's proof must sign)
 _CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     # Fail fast on a dead endpoint instead of waiting for the default reconnect backoff.
@@ -163,17 +166,19 @@ class PeerLink:
         return peer_pb2_grpc.PeerServiceStub(channel)
 
     async def get_agent(self, endpoint: str, engine_id: str, tp_rank: int) -> AgentInfo:
-        """GetAgent from one remote rank, bounded by the handshake timeout. GeometryError if
-        the answer carries a malformed geometry."""
+        """GetAgent from one remote rank with a fresh challenge (kept in the answer's
+        ``challenge``, for ``peers.proof.unproven``), bounded by the handshake timeout.
+        GeometryError if the answer carries a malformed geometry."""
+        challenge = secrets.token_bytes(CHALLENGE_BYTES)
         try:
             call = self._stub(endpoint).GetAgent(
-                peer_pb2.GetAgentRequest(engine_id=engine_id, tp_rank=tp_rank),
+                peer_pb2.GetAgentRequest(engine_id=engine_id, tp_rank=tp_rank, challenge=challenge),
                 timeout=self._timeout_s,
             )
             resp = cast(peer_pb2.GetAgentResponse, await cast(Awaitable[Any], call))
         except grpc.aio.AioRpcError as exc:
             raise translate(endpoint, f"GetAgent({engine_id!r}, rank {tp_rank})", exc) from None
-        return agent_info_from_proto(resp)
+        return dataclasses.replace(agent_info_from_proto(resp), challenge=challenge)
 
     async def get_engine(self, endpoint: str, engine_id: str) -> EngineDirectory:
         """GetEngine (the directory of the engine's ranks) from any one of its sidecars."""

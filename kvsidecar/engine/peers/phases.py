@@ -2,9 +2,10 @@
 
 ``fetch`` is the network phase (resolve endpoints, GetAgent from every rank the plan needs, check
 identity and compatibility); it may be cancelled at any await. ``attach`` is the backend phase (load
-the remote agents, prepare both descriptor lists of every read rank) and builds a ``Peer`` that its
-caller then owns; on failure it releases what it built. The consumer runs them in order and tells
-the ``PeerRegistry`` the outcome.
+the remote agents, each only once its metadata loaded in the checker and its answer proved the
+agent, see ``proof``; prepare both descriptor lists of every read rank) and builds a ``Peer`` that
+its caller then owns; on failure it releases what it built. The consumer runs them in order and
+tells the ``PeerRegistry`` the outcome.
 """
 
 from __future__ import annotations
@@ -19,19 +20,21 @@ import numpy.typing as npt
 from kvsidecar.engine.backend.contract import DlistHandle, MemType, RemoteAgent, TransferBackend
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import Endpoints
+from kvsidecar.engine.peers import proof
 from kvsidecar.engine.peers.link import PeerLink
 from kvsidecar.engine.peers.registry import Peer, PeerRegistry, RankLink
 from kvsidecar.errors import (
     BackendError,
     FailedPreconditionError,
     IncompatibleError,
+    MetadataRefusedError,
     NotFoundError,
     PeerUnavailableError,
 )
 from kvsidecar.plan import EngineGeometry, build_peer_plan
-from kvsidecar.plan.board import BUCKET_BYTES
 from kvsidecar.plan.compat import PROTOCOL_VERSION, compatibility_mismatches
-from kvsidecar.plan.staging import staged_geometry
+from kvsidecar.plan.hold.board import BUCKET_BYTES
+from kvsidecar.plan.hold.staging import staged_geometry
 from kvsidecar.plan.tp import needed_remote_ranks
 from kvsidecar.wire.peer import AgentInfo
 
@@ -136,10 +139,32 @@ async def fetch(
 
 
 async def load_agent(registry: PeerRegistry, info: AgentInfo, engine_id: str) -> RemoteAgent:
-    """Load rank ``info.tp_rank``'s agent metadata into the backend; any refusal is a clean
-    UNAVAILABLE (counted by cause). The caller owns the agent (``remove_remote_agent``)."""
+    """Load rank ``info.tp_rank``'s agent metadata into the backend once it was found to load
+    (in the checker), to name the agent its sidecar advertised, and to be proven by that agent's
+    key (``proof``). Metadata that does not load is a clean UNAVAILABLE (counted by cause); an
+    answer that does not prove its agent is FAILED_PRECONDITION and its engine is quarantined
+    (``registry.impostor``): nothing of it reaches the agent. The caller owns the agent
+    (``remove_remote_agent``)."""
+    backend = registry.backend
     try:
-        return await registry.backend.add_remote_agent(info.nixl_agent_metadata, info.agent_name)
+        named = await backend.check_remote_metadata(info.nixl_agent_metadata)
+        if named != info.agent_name:
+            raise MetadataRefusedError(
+                "invalid",
+                f"remote agent metadata names agent {named!r}, its sidecar said "
+                f"{info.agent_name!r}",
+            )
+        why = proof.unproven(info)
+        if why is not None:
+            message = (
+                f"remote engine {engine_id!r} rank {info.tp_rank} answered with NIXL agent "
+                f"{info.agent_name!r} but does not prove that its sidecar runs it ({why}): "
+                "nothing was loaded, and the engine is quarantined"
+            )
+            registry.impostor(engine_id, "impostor", message)
+            raise FailedPreconditionError(message)
+        await registry.settled(info.agent_name)  # a stale peer of the same agent goes first
+        return await backend.add_remote_agent(info.nixl_agent_metadata, info.agent_name)
     except BackendError as exc:  # any refusal of the load: a clean UNAVAILABLE
         registry.metadata_refused(getattr(exc, "cause", "invalid"))
         raise PeerUnavailableError(

@@ -42,7 +42,7 @@ class RankLink:
     plan: RankPlan
     local_dlist: DlistHandle | None = None
     remote_dlist: DlistHandle | None = None
-    #: the rank's hold board, one descriptor per bucket (None: it has none; see plan.board)
+    #: the rank's hold board, one descriptor per bucket (None: it has none; see plan.hold.board)
     board_dlist: DlistHandle | None = None
     board_buckets: int = 0
     #: a staged rank's info board, one descriptor per bucket (None: the rank does not stage)
@@ -100,6 +100,10 @@ class PeerRegistry:
         self._known: dict[str, _Known] = {}
         self._pending: dict[str, asyncio.Task[Peer]] = {}
         self._orphans: set[asyncio.Task[Peer]] = set()  # backend phases of abandoned handshakes
+        # Agent names whose peer is being released: set once its agents are removed. A handshake
+        # that starts once the old peer left the table must not load the same agent before then
+        # (the backend refuses an agent that is still loaded: "already loaded").
+        self._releasing: dict[str, asyncio.Event] = {}
         self._handshakes = {"ok": 0, "error": 0}
         self._metadata_refused: dict[str, int] = {}
         self._quarantines: dict[str, int] = {}
@@ -203,6 +207,15 @@ class PeerRegistry:
         """A remote agent's metadata was refused before it reached the agent (counted)."""
         self._metadata_refused[cause] = self._metadata_refused.get(cause, 0) + 1
 
+    def impostor(self, engine_id: str, cause: str, reason: str) -> None:
+        """``engine_id`` answered with an agent its sidecar cannot prove it runs (nothing of it
+        was loaded): its metadata is counted refused (``cause``: ``impostor``, or ``duplicate``
+        when a live peer holds that agent) and the engine quarantined (backoff, counted as
+        quarantine cause ``impostor``)."""
+        self.metadata_refused(cause)
+        self._quarantines["impostor"] = self._quarantines.get("impostor", 0) + 1
+        self._back_off(engine_id, reason)
+
     def _back_off(self, engine_id: str, reason: str) -> None:
         known = self._known.setdefault(engine_id, _Known())
         known.failures += 1
@@ -275,6 +288,22 @@ class PeerRegistry:
         for peer in waiting:
             await self.release(peer)
 
+    async def settled(self, agent_name: str) -> None:
+        """Wait until no release of a peer holding agent ``agent_name`` is under way (bounded by
+        that release's backend calls). PeerUnavailableError while a released peer still holds
+        the agent because a READ from it is in flight (``settle``: the backend would refuse a
+        second load of the agent; the READ ends or is aborted within the reads' teardown bound,
+        and a later request handshakes again)."""
+        while (gone := self._releasing.get(agent_name)) is not None:
+            await gone.wait()
+        for peer in self._settling:
+            if any(link.agent.name == agent_name for link in peer.links.values()):
+                raise PeerUnavailableError(
+                    f"remote engine {peer.engine_id!r}: its agent {agent_name!r} is still held by "
+                    "a released connection whose READ is in flight (abandoned by a failed read); "
+                    "retry once it ended"
+                )
+
     async def release(self, peer: Peer) -> None:
         """Release the peer's lists and agents, once (errors are logged: release goes on). While
         a READ from it is in flight, abandoned by a failed read (``in_flight``), the release
@@ -288,6 +317,19 @@ class PeerRegistry:
                 self._settling.append(peer)
             return
         peer.released = True
+        names = [link.agent.name for link in peer.links.values()]
+        gone = asyncio.Event()
+        for name in names:
+            self._releasing[name] = gone
+        try:
+            await self._release(peer)
+        finally:
+            for name in names:
+                if self._releasing.get(name) is gone:
+                    del self._releasing[name]
+            gone.set()
+
+    async def _release(self, peer: Peer) -> None:
         for link in peer.links.values():
             for handle in (link.local_dlist, link.remote_dlist, link.board_dlist, link.info_dlist):
                 if handle is not None:
@@ -304,6 +346,14 @@ class PeerRegistry:
                 log.error("removing agent %r failed: %s", link.agent.name, exc)
 
     # --- introspection --------------------------------------------------------------------------
+
+    def agent_ranks(self) -> dict[str, tuple[str, int]]:
+        """Remote agent name -> (engine id, rank) of every rank linked now."""
+        return {
+            link.agent.name: (p.engine_id, rank)
+            for p in self._peers.values()
+            for rank, link in p.links.items()
+        }
 
     def summaries(self) -> tuple[PeerInfo, ...]:
         out = [

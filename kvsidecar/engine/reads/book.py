@@ -279,8 +279,12 @@ class ReadBook:
         if not self._exposed:
             return
         flying = [x for e in self._exposed.values() for x in e.xfers if not x.released]
-        for x in await self.transfers.poll(flying):
-            await self.transfers.release(x)  # ended: released like any other
+        await self.transfers.poll(flying)
+        for x in flying:
+            # Ended, whether this poll saw it or the agent's watcher did (``completed``, between
+            # polls): released like any other.
+            if x.state is not XferState.PROC:
+                await self.transfers.release(x)
         now = self.clock()
         for rid, e in list(self._exposed.items()):
             late = now - e.since >= TEARDOWN_S

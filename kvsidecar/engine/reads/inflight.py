@@ -38,7 +38,7 @@ from kvsidecar.engine.reads.post import post_reads
 from kvsidecar.engine.reads.state import NotStaged, Phase, Xfer, started_read
 from kvsidecar.engine.stats import TransferStats
 from kvsidecar.errors import FailedPreconditionError
-from kvsidecar.plan.staging import base_of, slot_ids
+from kvsidecar.plan.hold.staging import base_of, slot_ids
 from kvsidecar.types import FailReason, ReadPosted
 
 

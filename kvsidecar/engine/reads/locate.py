@@ -1,14 +1,14 @@
-"""Before READing a producer that stages (``plan.staging``): where each read's hold sits in the
+"""Before READing a producer that stages (``plan.hold.staging``): where each read's hold sits in the
 pool of every rank it reads from.
 
 For reads posted together, one READ per staged producer rank brings the hold-board bucket and
 the info-board bucket of every read into landing slots (two per read and rank, one backend call
 for all ranks); a rank whose buckets show the read's hold with an info (the marker of that info,
-``plan.board.locate``) that names a range inside its pool gives that read its slots there. A read
+``plan.hold.board.locate``) that names a range inside its pool gives that read its slots there. A read
 that some rank does not show yet (its copy is under way, its pool is full, the hold ended, or no
 landing slot was free) is not located: the consumer asks again later, up to the read's deadline.
 The buckets are a peer's data: an info is used only through the marker it must match and the
-range check (``plan.staging.base_of``); whatever was read, the confirmation after the READs
+range check (``plan.hold.staging.base_of``); whatever was read, the confirmation after the READs
 decides (docs/gpu.md, "Why a staged read is confirmed").
 """
 
@@ -25,9 +25,9 @@ from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers.registry import Peer, RankLink
 from kvsidecar.engine.reads.confirm.checks import LandingSlots
 from kvsidecar.errors import DeadlineExceededError, KvSidecarError
-from kvsidecar.plan.board import bucket_of, locate
+from kvsidecar.plan.hold.board import bucket_of, locate
+from kvsidecar.plan.hold.staging import base_of
 from kvsidecar.plan.peer_plan import DESC_ID_DTYPE
-from kvsidecar.plan.staging import base_of
 
 #: per read: producer rank -> the info of its staged hold (``None``: not located)
 Infos = tuple[dict[int, int] | None, ...]

@@ -47,7 +47,7 @@ async def post_reads(
     call; with ``slots`` (confirmed reads), the board READs of those ranks chained behind them
     (posted at once if the READs completed while posted). If the post fails nothing stays
     posted and the landing slots go back. ``rank_remote_ids``: per staged rank, every read's
-    slots there (``plan.staging``), read instead of its remote ids."""
+    slots there (``plan.hold.staging``), read instead of its remote ids."""
     t0 = time.perf_counter()
     by_rank = {
         b.remote_rank: b

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from kvsidecar.engine.backend.contract import XferHandle, XferState
 from kvsidecar.engine.model import ReadCommand
 from kvsidecar.engine.peers.registry import Peer
-from kvsidecar.plan.claims import ReadClaim, read_claim
+from kvsidecar.plan.hold.claims import ReadClaim, read_claim
 from kvsidecar.types import FailReason
 from kvsidecar.wire.peer import Canary
 
@@ -71,7 +71,7 @@ class InFlightRead:
     checks_posted: bool = False  # its board READs are posted (CHECKING)
     retry_s: float = 0.0  # delay before asking again after a PENDING answer (grows)
     canaries: dict[int, Canary] = field(default_factory=dict)  # producer rank -> its canary
-    #: producer rank -> the info its staged hold was found under (``plan.staging``; none: the
+    #: producer rank -> the info its staged hold was found under (``plan.hold.staging``; none: the
     #: rank serves the engine's memory)
     infos: dict[int, int] = field(default_factory=dict)
 

@@ -26,8 +26,9 @@ class PushFace:
         self._gate = gate
 
     def busy(self) -> bool:
-        """A grant waits for writes, or a push is in progress (a drain waits for both)."""
-        return bool(len(self._granter.book) or len(self._pusher))
+        """A grant waits for writes or for its writers to stop, or a push is in progress (a
+        drain waits for all)."""
+        return bool(len(self._granter.book) or self._granter.settling or len(self._pusher))
 
     # --- consumer side ----------------------------------------------------------------------
 

@@ -5,8 +5,16 @@ plan a Read would use (``writes.rows``; no NIXL resource is built: the consumer 
 records the grant in the ``GrantBook``. Writers ask for the grant (``get_grant``) before writing
 and confirm each chunk (``write_notify``). While a grant waits, every writer's sidecar is watched
 over one ``WatchWriter`` stream per endpoint: its end, a missed beat or a new epoch fails the
-grants it writes at once (PEER_DISCONNECTED) instead of at their deadline. ``revoke`` ends a grant
-and asks every writer to stop, answering only what the writers confirmed.
+grants it writes at once (PEER_DISCONNECTED) instead of at their deadline.
+
+Every end of a grant but RECV_DONE (a notice refused, ABORTED, a lost writer, expiry, ``revoke``,
+the engine going) settles it before its RECV_FAILED is emitted (``_settle``): every writer that
+had not finished is asked to stop (RevokeGrant; it answers once none of the grant's WRITEs is in
+flight there) and the event carries from when the pages are safe: 0 (now) when every writer
+confirmed, else the grant's deadline plus the write timeout plus the clock skew (a producer posts
+nothing after its deadline and ends every WRITE within the write timeout). A writer whose sidecar
+was lost (its stream broke, its beats stopped) is not asked: another process may answer at its
+address. ``revoke`` answers the same exposure.
 """
 
 from __future__ import annotations
@@ -65,9 +73,15 @@ class Granter:
     def __init__(self, *, peers: PeerRegistry, events: EventHub, config: PushConfig) -> None:
         self._peers = peers
         self._config = config
-        self.book = GrantBook(emit=events.emit)
+        self.book = GrantBook(emit=events.emit, failed=self._settle_soon)
         self._producers: dict[str, _Producer] = {}
         self._watches: dict[str, asyncio.Task[None]] = {}
+        self._settling: dict[str, asyncio.Task[Revoked]] = {}  # by grant token
+
+    @property
+    def settling(self) -> int:
+        """Failed grants whose writers are still being asked to stop (a drain waits)."""
+        return len(self._settling)
 
     async def grant(self, cmd: GrantCommand) -> GrantIssued:
         local = self._peers.require_local()
@@ -169,19 +183,23 @@ class Granter:
                     break
                 if endpoint not in self.book.writer_endpoints():
                     return  # nobody waits for it any more
-        except StopAsyncIteration:
-            pass
+        except StopAsyncIteration:  # its sidecar ended the stream: its engine went
+            reachable = True
         except TimeoutError:
             why = f"no beat for {bound:g}s"
+            reachable = False
         except KvSidecarError as exc:
             why = str(exc)
+            reachable = False
+        else:  # it beats with a new epoch: the same sidecar, its engine re-registered
+            reachable = True
         finally:
             if self._watches.get(endpoint) is asyncio.current_task():
                 del self._watches[endpoint]
             with contextlib.suppress(BaseException):
                 await beats.aclose()
         self._producers.pop(engine_id, None)
-        lost = self.book.writer_lost(endpoint, why)
+        lost = self.book.writer_lost(endpoint, why, reachable=reachable)
         if lost:
             log.warning(
                 "writer %s of %r lost (%s): %d grants failed", endpoint, engine_id, why, lost
@@ -221,18 +239,40 @@ class Granter:
         local.check_serves(engine_id, rank)
         return local.epoch, tuple(self.book.notice(n, local.epoch) for n in notices)
 
-    # --- revoke and the end -----------------------------------------------------------------
+    # --- revoke, settling and the end --------------------------------------------------------
 
     async def revoke(self, request_id: str) -> Revoked:
-        """End the grant (RECV_FAILED REVOKED if still open) and have every writer stop."""
+        """End the grant (RECV_FAILED REVOKED if still open) and have every writer stop; the
+        answer is the grant's exposure (the same as its RECV_FAILED's)."""
         grant = self.book.get(request_id)
         if grant is None:
             raise NotFoundError(f"request_id={request_id!r} has no grant")
-        self.book.fail(grant, FailReason.REVOKED, "revoked by the engine")
         if grant.ended is GrantEnd.DONE:
             return Revoked(quiet=True)  # every writer finished: nothing is in flight
+        self.book.fail(grant, FailReason.REVOKED, "revoked by the engine")
+        if grant.exposure is not None:
+            return grant.exposure
+        task = self._settling.get(grant.token)
+        if task is None:  # failed, never settled: only when its settling was cancelled
+            return self._exposed(grant, tuple(sorted(grant.writers)))
+        return await asyncio.shield(task)
+
+    def _settle_soon(self, grant: Grant) -> None:
+        task = asyncio.get_running_loop().create_task(self._settle(grant))
+        self._settling[grant.token] = task
+
+        def settled(_: asyncio.Task[Revoked]) -> None:
+            if self._settling.get(grant.token) is task:
+                del self._settling[grant.token]
+
+        task.add_done_callback(settled)
+
+    async def _settle(self, grant: Grant) -> Revoked:
+        """Ask every writer that had not finished to stop (bounded: ``revoke_timeout_s`` and a
+        call's bound), then emit the grant's RECV_FAILED with its exposure."""
+        pending = [w for w in grant.writers.values() if not w.complete()]
+        asked = [w for w in pending if w.rank not in grant.unreachable]
         timeout = self._config.revoke_timeout_s
-        writers = tuple(grant.writers.values())
         answers = await asyncio.gather(
             *(
                 revoke_grant(
@@ -243,38 +283,58 @@ class Granter:
                     grant.token,
                     timeout,
                 )
-                for w in writers
+                for w in asked
             ),
             return_exceptions=True,
         )
-        # NOT_FOUND: that sidecar serves no such rank now (its engine went, its writes with it).
-        unconfirmed = tuple(
-            w.rank
-            for w, a in zip(writers, answers, strict=True)
-            if isinstance(a, BaseException) and not isinstance(a, NotFoundError)
+        for a in answers:
+            if isinstance(a, BaseException) and not isinstance(a, Exception):
+                raise a  # cancelled: the sidecar stops
+        # NOT_FOUND: that sidecar serves no such rank now (its engine went); it answers only
+        # once the token's WRITEs ended, as any answer.
+        unconfirmed = sorted(
+            {w.rank for w in pending if w.rank in grant.unreachable}
+            | {
+                w.rank
+                for w, a in zip(asked, answers, strict=True)
+                if isinstance(a, BaseException) and not isinstance(a, NotFoundError)
+            }
         )
+        exposure = self._exposed(grant, tuple(unconfirmed))
+        if unconfirmed:
+            log.warning(
+                "grant %r ended (%s): writer ranks %s did not confirm they stopped; its pages "
+                "are exposed until %d (Unix ns)",
+                grant.request_id,
+                grant.failure.reason.name if grant.failure else "?",
+                unconfirmed,
+                exposure.exposed_until_unix_ns,
+            )
+        self.book.settle(grant, exposure)
+        return exposure
+
+    def _exposed(self, grant: Grant, unconfirmed: tuple[int, ...]) -> Revoked:
         if not unconfirmed:
             return Revoked(quiet=True)
         c = self._config
-        exposed = grant.deadline_unix_ns + int((c.write_timeout_s + c.clock_skew_s) * 1e9)
-        log.warning(
-            "revoke of %r: ranks %s did not confirm; they may write until %d (Unix ns)",
-            request_id,
-            list(unconfirmed),
-            exposed,
-        )
-        return Revoked(quiet=False, unconfirmed_ranks=unconfirmed, exposed_until_unix_ns=exposed)
+        until = grant.deadline_unix_ns + int((c.write_timeout_s + c.clock_skew_s) * 1e9)
+        return Revoked(quiet=False, unconfirmed_ranks=unconfirmed, exposed_until_unix_ns=until)
 
-    def drop_all(self, reason: FailReason, why: str) -> None:
-        """The engine went or re-registered: its grants fail, watches stop."""
+    async def drop_all(self, reason: FailReason, why: str) -> None:
+        """The engine went or re-registered: its grants fail, watches stop; returns once every
+        failed grant settled (its writers stopped, or were given up on: bounded by
+        ``revoke_timeout_s`` and a call's bound), before the engine's memory goes."""
         self.book.drop_all(reason, why)
         self._producers.clear()
         for task in self._watches.values():
             task.cancel()
         self._watches.clear()
+        settling = list(self._settling.values())
+        if settling:
+            await asyncio.wait(settling)
 
     async def aclose(self) -> None:
-        tasks = list(self._watches.values())
+        tasks = [*self._watches.values(), *self._settling.values()]
         self._watches.clear()
         for t in tasks:
             t.cancel()

@@ -6,17 +6,21 @@ covers a range of the grant's ids per group; it is accepted only when it names t
 and this registration's epoch, comes from one of the writer ranks, lies inside the grant, covers
 nothing that writer covered before and its bytes equal the plan's for the range. The grant is done
 when every writer sent its last chunk and covered every granted id of every group it writes:
-RECV_DONE. Anything else ends it once, with RECV_FAILED naming every granted id (what was written
-is unknown): a notice that breaks those rules (WRONG_BLOCKS), the producer's ABORTED, a lost
-writer, expiry, revoke, the engine going.
+RECV_DONE, at once (each writer confirms a chunk only after its WRITEs ended). Anything else fails
+it once (``fail``): a notice that breaks those rules (WRONG_BLOCKS), the producer's ABORTED, a lost
+writer, expiry, revoke, the engine going. A failed grant refuses notices at once, but its
+RECV_FAILED (naming every granted id: what was written is unknown) waits for ``settle``: the
+owner (``Granter``) first learns from the writers from when nothing more of theirs can land, and
+the event says so (``exposed_until_unix_ns``).
 
-Every end is emitted exactly once (``_end``); ended grants are kept ``ENDED_KEEP_S`` so that late
-notices and Revoke get a precise answer. Costs: a notice is O(ids in its range); ``reap`` scans
-every open grant (O(n), as the hold ledger's reaper) on a timer.
+Every end is emitted exactly once; ended grants are kept ``ENDED_KEEP_S`` (once settled) so that
+late notices and Revoke get a precise answer. Costs: a notice is O(ids in its range); ``reap``
+scans every open grant (O(n), as the hold ledger's reaper) on a timer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Callable
@@ -26,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsidecar.errors import AlreadyExistsError
-from kvsidecar.types import Event, FailReason, RecvDone, RecvFailed
+from kvsidecar.types import Event, FailReason, RecvDone, RecvFailed, Revoked
 from kvsidecar.wire.push import NoticeKind, WriteNotice, WriteOutcome
 
 ENDED_KEEP_S = 60.0  # an ended grant answers late notices and Revoke this long
@@ -72,10 +76,18 @@ class Grant:
     started: float  # monotonic seconds
     ended: GrantEnd | None = None
     ended_at: float = 0.0
+    failure: RecvFailed | None = None  # its RECV_FAILED, emitted once settled
+    unreachable: set[int] = field(default_factory=set)  # writer ranks lost: none can be asked
+    exposure: Revoked | None = None  # once settled: from when nothing more lands
 
     @property
     def open(self) -> bool:
         return self.ended is None
+
+    @property
+    def settled(self) -> bool:
+        """Ended and reported: done, or failed and its RECV_FAILED emitted."""
+        return self.ended is GrantEnd.DONE or self.exposure is not None
 
 
 @dataclass(slots=True)
@@ -90,12 +102,18 @@ class GrantCounts:
 
 
 class GrantBook:
-    """Open and recently ended grants by request id and by token; ``emit`` receives each end."""
+    """Open and recently ended grants by request id and by token. ``emit`` receives each end's
+    event; ``failed`` each grant that failed (once), whose RECV_FAILED waits for ``settle``."""
 
     def __init__(
-        self, *, emit: Callable[[Event], object], clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        emit: Callable[[Event], object],
+        failed: Callable[[Grant], object],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._emit = emit
+        self._failed = failed
         self._clock = clock
         self._grants: dict[str, Grant] = {}
         self._tokens: dict[str, Grant] = {}
@@ -163,31 +181,58 @@ class GrantBook:
             self._emit(RecvDone(request_id=grant.request_id, bytes=total, duration_s=duration))
         return WriteOutcome.ACCEPTED
 
-    def fail(self, grant: Grant, reason: FailReason, message: str) -> bool:
-        """End an open grant with RECV_FAILED (every granted id); False if it had ended."""
+    def fail(
+        self,
+        grant: Grant,
+        reason: FailReason,
+        message: str,
+        unreachable: frozenset[int] = frozenset(),
+    ) -> bool:
+        """End an open grant as failed: notices are refused from now on, and ``failed`` is told;
+        its RECV_FAILED (every granted id) is emitted by ``settle``. ``unreachable``: writer
+        ranks that cannot be asked whether they stopped. False if the grant had ended."""
         if not grant.open:
             return False
         self._end(grant, GrantEnd.REVOKED if reason is FailReason.REVOKED else GrantEnd.FAILED)
         self.counts.failed[reason.name] = self.counts.failed.get(reason.name, 0) + 1
+        grant.failure = RecvFailed(
+            request_id=grant.request_id,
+            reason=reason,
+            message=message,
+            invalid_block_ids=tuple(tuple(int(i) for i in g) for g in grant.block_ids),
+        )
+        grant.unreachable |= unreachable
+        self._failed(grant)
+        return True
+
+    def settle(self, grant: Grant, exposure: Revoked) -> bool:
+        """Emit a failed grant's RECV_FAILED, exposed until ``exposure`` says (once; False if
+        the grant did not fail or was settled)."""
+        if grant.failure is None or grant.exposure is not None:
+            return False
+        grant.exposure = exposure
         self._emit(
-            RecvFailed(
-                request_id=grant.request_id,
-                reason=reason,
-                message=message,
-                invalid_block_ids=tuple(tuple(int(i) for i in g) for g in grant.block_ids),
-            )
+            dataclasses.replace(grant.failure, exposed_until_unix_ns=exposure.exposed_until_unix_ns)
         )
         return True
 
-    def writer_lost(self, endpoint: str, why: str) -> int:
-        """Fail every open grant one of whose writers is served at ``endpoint``."""
+    def writer_lost(self, endpoint: str, why: str, *, reachable: bool) -> int:
+        """Fail every open grant one of whose writers is served at ``endpoint``. ``reachable``:
+        its sidecar still answers (its engine went or re-registered), else its writers there
+        are unreachable (their WRITEs cannot be known to have ended)."""
         lost = [
             g
             for g in self._grants.values()
             if g.open and any(w.endpoint == endpoint for w in g.writers.values())
         ]
         for g in lost:
-            self.fail(g, FailReason.PEER_DISCONNECTED, f"writer at {endpoint} lost: {why}")
+            there = frozenset(w.rank for w in g.writers.values() if w.endpoint == endpoint)
+            self.fail(
+                g,
+                FailReason.PEER_DISCONNECTED,
+                f"writer at {endpoint} lost: {why}",
+                frozenset() if reachable else there,
+            )
         return len(lost)
 
     def reap(self) -> int:
@@ -202,7 +247,7 @@ class GrantBook:
                 f"grant expired before producer ranks {missing} completed their writes",
             )
         for rid, g in list(self._grants.items()):
-            if not g.open and now - g.ended_at >= ENDED_KEEP_S:
+            if g.settled and now - g.ended_at >= ENDED_KEEP_S:
                 del self._grants[rid]
                 self._tokens.pop(g.token, None)
         return len(expired)

@@ -6,15 +6,25 @@ epoch and deadline) and writes only inside it: a chunk lands at ``offsets[g]`` o
 The rows are the consumer's pull plan from this rank, the other way (``writes.rows``), prepared once
 per (consumer engine, rank, epoch) as a ``Target`` (its agent and both descriptor lists).
 
-Every chunk is one task per target: wait for its WRITE (``write_timeout_s``; aborted past it), then
-confirm it to the consumer (CHUNK_DONE over PeerService, after NIXL reported the WRITE done, so the
-bytes are in place). The last chunk's confirmation waits for every earlier one. The push ends once:
-SEND_DONE after the last chunk's confirmation, or SEND_FAILED at the first failure, after which the
-consumers are told (ABORTED) at once and nothing more is written.
+Every chunk is one task per target: wait for its WRITE, then confirm it to the consumer
+(CHUNK_DONE over PeerService, after NIXL reported the WRITE done, so the bytes are in place). The
+last chunk's confirmation waits for every earlier one. The push ends once: SEND_DONE after the last
+chunk's confirmation, or SEND_FAILED at the first failure, after which the consumers are told
+(ABORTED) at once and nothing more is posted. ABORTED does not say the WRITEs ended: a consumer
+learns that from RevokeGrant, which it sends on every end of a grant but RECV_DONE.
+
+A WRITE counts in flight until the backend reported it ended (DONE or ERR) or it was never posted.
+Past ``write_timeout_s`` its push fails, but the WRITE stays counted and awaited: releasing it does
+not stop it (UCX over TCP keeps sending a released WRITE, an RDMA NIC one it already has). One that
+has not ended after twice the timeout is released with an error in the log: the transport broke the
+bound consumers were given (docs/push.md). The local engine going waits for its WRITEs the same way
+before its memory is deregistered.
 
 Revoke: the token is refused from the moment RevokeGrant arrives; the answer waits until no WRITE of
-the grant is in flight. A WRITE is counted in flight *before* the revoke check that precedes its
-post (one event loop, no await between), so a revoke either stops it or waits for it.
+the grant is in flight, whatever became of the push or of the local engine. A WRITE is counted in
+flight *before* the revoke check that precedes its post (one event loop, no await between), so a
+revoke either stops it or waits for it. A WRITE goes only to a target of the grant's epoch, and
+never once the consumer rank is known to have re-registered (``Targets``).
 """
 
 from __future__ import annotations
@@ -179,21 +189,26 @@ class Pusher:
                 counts=counts, bytes=nbytes, last=cmd.last,
             )  # fmt: skip
             self._tokens.begin(t.token)
+            self._targets.begin(target)
             handle = None
             try:
+                if p.ended:  # failed while an earlier target's WRITE was being posted
+                    raise FailedPreconditionError(f"push {p.request_id!r} ended: {p.failed}")
                 self._tokens.check(t, grant, self._config.clock_skew_s)
+                self._targets.check(target)
                 if len(src_d):
                     handle = await self._backend.post_write(
                         need(target.local_dlist), src_d, need(target.remote_dlist), dst_d
                     )
             except BaseException:
                 self._tokens.landed(t.token)
+                await self._targets.end(target)
                 raise
             writes += handle is not None
             total += nbytes
             earlier = tuple(p.chunks.get(t.rank, ())) if cmd.last else ()
             task = asyncio.get_running_loop().create_task(
-                self._confirm(p, t, handle, notice, earlier)
+                self._confirm(p, t, target, handle, notice, earlier)
             )
             p.chunks.setdefault(t.rank, []).append(task)
             task.add_done_callback(functools.partial(self._chunk_ended, p))
@@ -227,36 +242,69 @@ class Pusher:
         self,
         p: _Push,
         t: PushTarget,
+        target: Target,
         handle: XferHandle | None,
         notice: WriteNotice,
         earlier: tuple[asyncio.Task[None], ...],
     ) -> None:
         try:
-            try:
-                if handle is not None:
-                    await self._completions.wait(
-                        handle,
-                        self._config.write_timeout_s,
-                        what="a WRITE (write_timeout_s)",
-                    )
-            finally:
-                self._tokens.landed(t.token)
-                if handle is not None:
-                    with contextlib.suppress(KvSidecarError):
-                        await self._backend.release_xfer(handle)
+            await self._written(p, t, target, handle)
             if earlier:
                 await asyncio.wait(earlier)
             if p.ended:
                 return
-            _, (outcome,) = await write_notify(
+            epoch, (outcome,) = await write_notify(
                 self._peers.link, t.endpoint, p.consumer, t.rank, (notice,)
             )
+            await self._targets.saw(p.consumer, t.rank, epoch)
             if outcome is not WriteOutcome.ACCEPTED:
                 raise FailedPreconditionError(
                     f"consumer rank {t.rank} refused the chunk's confirmation: {outcome.name}"
                 )
         except KvSidecarError as exc:
             self._fail(p, _reason(exc), f"consumer rank {t.rank}: {exc}")
+
+    async def _written(
+        self, p: _Push, t: PushTarget, target: Target, handle: XferHandle | None
+    ) -> None:
+        """Until the WRITE ``handle`` ended; it counts in flight (its token is not quiet, its
+        target not released) until then. Past ``write_timeout_s`` the push fails and the WRITE
+        is awaited as long again; one that outlives that (or whose wait is cancelled) is
+        released, which does not stop it: its token is never reported quiet (``WriteTokens``)
+        and the error is logged."""
+        ended = handle is None
+        try:
+            if handle is None:
+                return
+            bound = self._config.write_timeout_s
+            try:
+                await self._completions.wait(handle, bound, what="a WRITE (write_timeout_s)")
+                ended = True
+            except DeadlineExceededError as exc:
+                self._fail(p, FailReason.DEADLINE_EXCEEDED, f"consumer rank {t.rank}: {exc}")
+                try:
+                    await self._completions.wait(handle, bound, what="an overdue WRITE")
+                    ended = True
+                except DeadlineExceededError:
+                    log.error(
+                        "a WRITE of push %r into consumer %r rank %d is still in flight after "
+                        "2 x write_timeout_s (%gs): released, but it may still land after the "
+                        "exposure its consumer reported; raise --push-write-timeout-s above the "
+                        "transport's own bound",
+                        p.request_id, p.consumer, t.rank, 2 * bound,
+                    )  # fmt: skip
+                except KvSidecarError:
+                    ended = True  # it failed: nothing more of it lands
+                raise exc from None
+            except KvSidecarError:
+                ended = True  # it failed (ERR)
+                raise
+        finally:
+            if handle is not None:
+                with contextlib.suppress(KvSidecarError):
+                    await self._backend.release_xfer(handle)
+            self._tokens.landed(t.token, ended=ended)
+            await self._targets.end(target)
 
     def _chunk_ended(self, p: _Push, _: asyncio.Task[None] | None) -> None:
         if p.ended or not p.last:
@@ -297,14 +345,23 @@ class Pusher:
             await asyncio.wait(tasks)
 
     async def revoke(self, engine_id: str, rank: int, token: str, timeout_s: float) -> int:
-        """RevokeGrant: refuse ``token`` from now on, end its pushes, wait for its WRITEs."""
-        local = self._peers.require_local()
-        local.check_serves(engine_id, rank)
+        """RevokeGrant: refuse ``token`` from now on, end its pushes, wait for its WRITEs (at
+        most ``timeout_s``, and the write timeout: DeadlineExceededError past it). Only then
+        NOT_FOUND if this sidecar does not serve ``engine_id`` rank ``rank`` (any more): its
+        WRITEs outlive the engine's registration, and any answer says they ended."""
         self._tokens.revoke(token)
         for p in self._pushes.values():
             if any(t.token == token for t in p.targets):
                 self._fail(p, FailReason.REVOKED, "the consumer revoked its grant")
-        return await self._tokens.quiet(token, min(timeout_s, self._config.write_timeout_s))
+        waited = await self._tokens.quiet(token, min(timeout_s, self._config.write_timeout_s))
+        local = self._peers.local
+        if local is None:
+            raise NotFoundError(
+                "no engine is registered here (any more): none of its WRITEs of "
+                "the grant is in flight"
+            )
+        local.check_serves(engine_id, rank)
+        return waited
 
     async def beats(self, engine_id: str, rank: int) -> AsyncIterator[int]:
         """WatchWriter: this registration's epoch now and every ``beat_s``; ends when the engine
@@ -325,15 +382,15 @@ class Pusher:
     # --- the end ----------------------------------------------------------------------------
 
     async def drop_all(self, reason: FailReason, why: str) -> None:
-        """The engine went or re-registered: fail every push (consumers told), release every
-        WRITE and target. Called before the engine's memory is deregistered."""
+        """The engine went or re-registered: fail every push (consumers told), wait until every
+        WRITE ended (at most twice ``write_timeout_s``: a cancelled wait or a release would not
+        stop one), release every target. Called before the engine's memory is deregistered."""
         tasks = []
         for p in self._pushes.values():
             tasks += [task for ts in p.chunks.values() for task in ts if not task.done()]
             self._fail(p, reason, why)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # their finally releases WRITEs
+        if tasks:  # failed pushes notify nobody: each task ends with its WRITE
+            await asyncio.wait(tasks)
         self._pushes.clear()
         self._tokens.clear()
         await self._targets.release_all()

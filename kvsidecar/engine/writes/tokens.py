@@ -1,10 +1,12 @@
 """Which grants a producer may still write, and which of their WRITEs are in flight (push mode).
 
 A WRITE is counted in flight (``begin``) *before* the revoke check that precedes its post
-(``check``), and uncounted once it ended (``landed``: done, failed, aborted or never posted). One
-event loop and no await between ``begin`` and ``check``: a RevokeGrant either makes the check
-fail or finds the WRITE counted and waits for it (``quiet``). Revoked tokens are refused for
-``REVOKED_KEEP_S`` (longer than any grant lives).
+(``check``), and uncounted once it ended (``landed``: the backend reported it done or failed, or
+it was never posted). One event loop and no await between ``begin`` and ``check``: a RevokeGrant
+either makes the check fail or finds the WRITE counted and waits for it (``quiet``). A WRITE given
+up on while still in flight (``landed(..., ended=False)``: released, which does not stop it)
+leaves its token never quiet again: a revoke is answered with the truth, not "stopped". Revoked
+and such tokens are remembered for ``REVOKED_KEEP_S`` (longer than any grant lives).
 """
 
 from __future__ import annotations
@@ -26,11 +28,16 @@ class WriteTokens:
         self._inflight: dict[str, int] = {}
         self._quiet: dict[str, asyncio.Event] = {}  # set when the token's count drops to 0
         self._revoked: dict[str, float] = {}  # token -> monotonic time it may be forgotten
+        self._abandoned: dict[str, float] = {}  # tokens with a WRITE given up on, likewise
 
     def begin(self, token: str) -> None:
         self._inflight[token] = self._inflight.get(token, 0) + 1
 
-    def landed(self, token: str) -> None:
+    def landed(self, token: str, *, ended: bool = True) -> None:
+        """A WRITE of ``token`` is no longer awaited: it ended, or (``ended`` False) it was
+        given up on while still in flight."""
+        if not ended:
+            self._abandoned[token] = time.monotonic() + REVOKED_KEEP_S
         left = self._inflight.get(token, 0) - 1
         if left > 0:
             self._inflight[token] = left
@@ -55,7 +62,8 @@ class WriteTokens:
         self._revoked[token] = time.monotonic() + REVOKED_KEEP_S
 
     async def quiet(self, token: str, bound_s: float) -> int:
-        """Wait until no WRITE of ``token`` is in flight (at most ``bound_s``); how many were."""
+        """Wait until no WRITE of ``token`` is in flight (at most ``bound_s``); how many were.
+        DeadlineExceededError past the bound, or if a WRITE of it was given up on in flight."""
         waited = self._inflight.get(token, 0)
         if waited:
             quiet = self._quiet.setdefault(token, asyncio.Event())
@@ -66,16 +74,23 @@ class WriteTokens:
                     f"{self._inflight.get(token, 0)} WRITEs of the grant still in flight after "
                     f"{bound_s:g}s"
                 ) from None
+        if token in self._abandoned:
+            raise DeadlineExceededError(
+                "a WRITE of the grant was given up on while still in flight (twice the write "
+                "timeout): it may still land"
+            )
         return waited
 
     def forget_old(self) -> None:
         now = time.monotonic()
-        for token, until in list(self._revoked.items()):
-            if now >= until:
-                del self._revoked[token]
+        for kept in (self._revoked, self._abandoned):
+            for token, until in list(kept.items()):
+                if now >= until:
+                    del kept[token]
 
     def clear(self) -> None:
-        """The engine went: nothing is in flight any more (its WRITEs were released)."""
+        """The engine went: none of its WRITEs is awaited any more (each ended, or was given up
+        on: its token stays not quiet)."""
         self._inflight.clear()
         for quiet in self._quiet.values():
             quiet.set()

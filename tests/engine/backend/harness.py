@@ -66,8 +66,8 @@ async def make_pair(kind: str) -> Pair:
     cleanup.insert(0, local.close)
     if kind == "fake":
         fabric = FakeFabric()
-        target = FakeBackend(fabric, name="target")
-        initiator: TransferBackend = FakeBackend(fabric, name="initiator")
+        target = FakeBackend(fabric)
+        initiator: TransferBackend = FakeBackend(fabric)
         await target.start()
         await initiator.start()
         src_mem = import_host_shm(HostShmSpec(path=src_path, size=SIZE))
@@ -87,9 +87,9 @@ async def make_pair(kind: str) -> Pair:
             local=local,
             target_metadata=md,
             target_base=src_mem.base_address,
-            target_name="target",
+            target_name=target.agent_name,
             source=src,
-            kill_target=lambda: fabric.disconnect("target"),
+            kill_target=lambda: fabric.disconnect(target.agent_name),
             target_notifications=fake_notifs,
             cleanup=cleanup,
             target_close=target.aclose,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from kvsidecar.engine.backend import (
     MemType,
     RemoteAgent,
     TransferBackend,
+    UcxTransports,
     XferHandle,
     XferState,
 )
@@ -24,6 +26,7 @@ from kvsidecar.errors import (
     BackendError,
     BackendInvalidParamError,
     BackendNotFoundError,
+    MetadataRefusedError,
     RemoteDisconnectedError,
 )
 from kvsidecar.testing.daemon.target_process import pattern, read_region
@@ -114,6 +117,18 @@ async def test_read_scattered_blocks_delivers_bytes_and_notification(pair: Pair)
     (state,) = await b.poll([x])  # a poller racing the release sees ERR, never an exception
     assert state is XferState.ERR
     assert isinstance(b.xfer_error(x), BackendNotFoundError)
+
+
+async def test_transports_is_a_snapshot_that_needs_no_ucx_set_up(pair: Pair) -> None:
+    """Without a UCX set-up of the process (``ucxenv``, made by ``kvsidecar serve``) a backend
+    reports nothing about transports, before and after a READ; the call never fails."""
+    b = pair.initiator
+    assert b.transports() == UcxTransports()
+    loc, rem, _ = await prepared(pair)
+    x = await b.post_read(loc, np.array([0]), rem, np.array([0]), b"")
+    assert await wait_state(b, x) is XferState.DONE
+    assert b.transports() == UcxTransports()
+    await b.release_xfer(x)
 
 
 async def test_contiguous_ids_read_whole_runs(pair: Pair) -> None:
@@ -238,6 +253,48 @@ async def test_metadata_naming_another_agent_is_refused(pair: Pair) -> None:
         await b.add_remote_agent(pair.target_metadata, "somebody-else")
     agent = await b.add_remote_agent(pair.target_metadata, pair.target_name)  # nothing left behind
     assert agent.name == pair.target_name
+
+
+async def test_check_remote_metadata_names_the_agent_and_loads_nothing(pair: Pair) -> None:
+    b = pair.initiator
+    assert b.agent_name == b.identity.agent_name
+    assert await b.check_remote_metadata(pair.target_metadata) == pair.target_name
+    for bad in (b"", pair.target_metadata[: len(pair.target_metadata) // 2]):
+        with pytest.raises(MetadataRefusedError) as refused:
+            await b.check_remote_metadata(bad)
+        assert refused.value.cause == "invalid"
+    agent = await b.add_remote_agent(pair.target_metadata, pair.target_name)  # nothing loaded
+    assert agent.name == pair.target_name
+
+
+def changed_copy(pair: Pair) -> bytes:
+    """The target's metadata with one memory descriptor's key changed (NIXL: a bit of the last
+    descriptor's remote key; fake: its region cut short): it still loads, under the same name."""
+    if pair.kind == "nixl":
+        out = bytearray(pair.target_metadata)
+        out[len(out) - 5] ^= 0x04
+        return bytes(out)
+    doc = json.loads(pair.target_metadata)
+    doc["regions"] = [[a, b - 1] for a, b in doc["regions"]]
+    return json.dumps(doc).encode()
+
+
+async def test_a_changed_copy_of_an_agent_does_not_block_its_real_metadata(pair: Pair) -> None:
+    """An agent loaded with other metadata under its name (a peer's altered copy, or an older
+    registration), then removed: its real metadata loads after it and the real agent is read,
+    byte for byte. (NIXL 1.5 refused the reload, NOT_ALLOWED, and kept refusing every later load
+    of that name, INVALID_PARAM, for the life of the process.)"""
+    b = pair.initiator
+    await b.register_memory(pair.local)
+    copy = changed_copy(pair)
+    assert await b.check_remote_metadata(copy) == pair.target_name
+    for _ in range(2):
+        agent = await b.add_remote_agent(copy, pair.target_name)
+        await b.remove_remote_agent(agent)
+        agent = await b.add_remote_agent(pair.target_metadata, pair.target_name)
+        got = await remote_bytes(pair, agent)
+        assert np.array_equal(got, pair.source)
+        await b.remove_remote_agent(agent)
 
 
 def _open_fds() -> int:

@@ -179,3 +179,48 @@ async def test_write_to_deregistered_memory_is_refused(setup: Setup) -> None:
     with pytest.raises(BackendNotFoundError, match="post_write: local memory was deregistered"):
         await a.post_write(loc, [0], rem, [0])
     await a.release_dlist(loc)  # no transfer holds it
+
+
+async def test_a_stalled_write_lands_when_told_even_after_its_release(setup: Setup) -> None:
+    """``stall``: a WRITE stays PROC until ``land_stalled``; with ``outlive_release`` neither its
+    release nor removing its remote agent stops it (UCX over TCP keeps sending a released WRITE),
+    but memory deregistered meanwhile at its destination is not written."""
+    _, a, b, src, dst = setup
+    loc, rem = await _dlists(a, b, src, dst)
+    dst.data[:] = 1
+    a.faults = FakeFaults(stall=True)
+    x = await a.post_write(loc, [0], rem, [0])
+    assert not x.done_at_post
+    assert await a.poll([x]) == (XferState.PROC,)
+    assert a.land_stalled() == 1
+    assert await a.poll([x]) == (XferState.DONE,)
+    assert int(src.data[0]) == 1
+    await a.release_xfer(x)
+    y = await a.post_write(loc, [1], rem, [1])
+    await a.release_xfer(y)  # a plain stall: the release stops it
+    assert a.land_stalled() == 0
+    assert int(src.data[256]) == 7
+    a.faults = FakeFaults(stall=True, outlive_release=True)
+    y = await a.post_write(loc, [1], rem, [1])
+    await a.release_xfer(y)
+    await a.post_write(loc, [2], rem, [2])
+    (agent,) = a._book.agents.values()
+    await a.remove_remote_agent(agent[0])  # releases it with the agent's lists: it runs on
+    assert a.land_stalled() == 2
+    assert int(src.data[256]) == int(src.data[512]) == 1
+    assert a.land_stalled() == 0  # each lands once
+
+
+async def test_a_stalled_write_into_deregistered_memory_lands_nothing(setup: Setup) -> None:
+    _, a, b, src, dst = setup
+    loc, rem = await _dlists(a, b, src, dst)
+    dst.data[:] = 1
+    a.faults = FakeFaults(stall=True, outlive_release=True)
+    x = await a.post_write(loc, [0], rem, [0])
+    y = await a.post_write(loc, [1], rem, [1])
+    await a.release_xfer(y)
+    await b.deregister_memory(next(iter(b._book.regs.values()))[0])
+    assert a.land_stalled() == 0
+    assert await a.poll([x]) == (XferState.ERR,)
+    assert isinstance(a.xfer_error(x), BackendNotFoundError)
+    assert int(src.data[0]) == int(src.data[256]) == 7

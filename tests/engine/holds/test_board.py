@@ -1,5 +1,5 @@
 """The hold board: where a live hold's marker is, that it goes when the hold ends, and what the
-marker binds (plan.board)."""
+marker binds (plan.hold.board)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from kvsidecar.engine.holds.board import HoldBoard
 from kvsidecar.engine.holds.producer import Producer
 from kvsidecar.engine.model import Hold
 from kvsidecar.engine.trace.ring import TraceRing
-from kvsidecar.plan.board import BUCKET_WORDS, bucket_of, marker_of
-from kvsidecar.plan.claims import read_claim
+from kvsidecar.plan.hold.board import BUCKET_WORDS, bucket_of, marker_of
+from kvsidecar.plan.hold.claims import read_claim
 from kvsidecar.wire.peer import NotificationKind, PeerNotification
 
 TOKEN = "t" * 24

@@ -1,4 +1,4 @@
-"""Staged holds on the board (``holds.board``, ``plan.board.locate``): the info word beside the
+"""Staged holds on the board (``holds.board``, ``plan.hold.board.locate``): the info word beside the
 marker, a marker that covers its info, and what a consumer finds in what it reads."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvsidecar.engine.holds.board import HoldBoard
-from kvsidecar.plan.board import BUCKET_WORDS, bucket_of, locate, marker_of
+from kvsidecar.plan.hold.board import BUCKET_WORDS, bucket_of, locate, marker_of
 
 TOKEN = "t" * 32
 HELD = ((3, 9, 10),)

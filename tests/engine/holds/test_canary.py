@@ -14,7 +14,7 @@ from kvsidecar.engine.holds.canary import check_canary, checker, held_views
 from kvsidecar.engine.holds.producer import Producer
 from kvsidecar.engine.model import Hold
 from kvsidecar.plan import EngineGeometry
-from kvsidecar.plan.canary import pack_ranges
+from kvsidecar.plan.hold.canary import pack_ranges
 from kvsidecar.plan.layouts import hnd_kv_views
 from kvsidecar.wire.peer import Canary, NotificationKind, Outcome, PeerNotification
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvsidecar.engine.holds.ledger import ConsumerId, ProducerLedger
 from kvsidecar.errors import AlreadyExistsError
-from kvsidecar.plan.board import marker_of
+from kvsidecar.plan.hold.board import marker_of
 
 TOKEN, NEW = "t" * 32, "n" * 32
 HELD = ((3, 9, 10),)

@@ -15,7 +15,7 @@ from kvsidecar.engine.holds.ledger import (
     ProducerLedger,
 )
 from kvsidecar.errors import AlreadyExistsError, InvalidArgumentError
-from kvsidecar.plan.claims import read_claim
+from kvsidecar.plan.hold.claims import read_claim
 from kvsidecar.types import SendDone
 
 COUNTED = NotificationOutcome.COUNTED

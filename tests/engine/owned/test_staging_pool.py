@@ -15,7 +15,7 @@ from kvsidecar.engine.owned.staging import StagingPool
 from kvsidecar.errors import FailedPreconditionError
 from kvsidecar.memory.types import MemType
 from kvsidecar.plan import EngineGeometry
-from kvsidecar.plan.staging import base_of, layout, slot_ids
+from kvsidecar.plan.hold.staging import base_of, layout, slot_ids
 from kvsidecar.testing import toy
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)

@@ -8,7 +8,7 @@ from kvsidecar.engine.holds.producer import Producer
 from kvsidecar.engine.model import Endpoints, Hold
 from kvsidecar.engine.trace.ring import TraceRing
 from kvsidecar.limits import MAX_TRACE_RECORDS
-from kvsidecar.plan.claims import read_claim
+from kvsidecar.plan.hold.claims import read_claim
 from kvsidecar.wire.peer import NotificationKind, Outcome, PeerNotification
 from kvsidecar.wire.trace import TraceState
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvsidecar.engine.writes.grants import ENDED_KEEP_S, Grant, GrantBook, Writer
 from kvsidecar.errors import AlreadyExistsError
-from kvsidecar.types import Event, FailReason, RecvDone, RecvFailed
+from kvsidecar.types import Event, FailReason, RecvDone, RecvFailed, Revoked
 from kvsidecar.wire.push import NoticeKind, WriteNotice, WriteOutcome
 
 EPOCH = 7
@@ -65,9 +65,59 @@ def _chunk(
 
 @pytest.fixture
 def book() -> tuple[GrantBook, list[Event], Clock]:
+    """A book whose failed grants settle at once, every writer quiet (the ``Granter`` asks them
+    first: tests/server/test_push_exposure.py)."""
     events: list[Event] = []
     clock = Clock()
-    return GrantBook(emit=events.append, clock=clock), events, clock
+
+    def settle_now(g: Grant) -> None:
+        b.settle(g, Revoked(quiet=True))
+
+    b = GrantBook(emit=events.append, failed=settle_now, clock=clock)
+    return b, events, clock
+
+
+def test_a_failure_is_reported_once_settled_with_its_exposure() -> None:
+    """A failed grant refuses notices at once, but its RECV_FAILED waits until the owner knows
+    from when its pages are safe, and carries that time; it is emitted once, and the grant is
+    remembered (not reaped) while it settles."""
+    events: list[Event] = []
+    failed: list[Grant] = []
+    clock = Clock()
+    b = GrantBook(emit=events.append, failed=failed.append, clock=clock)
+    g = _grant()
+    b.open(g)
+    assert b.notice(_chunk(0, (0, 0), (2, 0)), EPOCH) is WriteOutcome.ACCEPTED
+    assert b.fail(g, FailReason.ABORTED, "prefill failed", frozenset({1}))
+    assert failed == [g]
+    assert g.unreachable == {1}
+    assert events == []
+    assert b.notice(_chunk(0, (2, 0), (2, 0)), EPOCH) is WriteOutcome.GRANT_ENDED
+    clock.now += ENDED_KEEP_S + 1
+    b.reap()
+    assert b.get("r") is g  # not forgotten while it settles
+    exposure = Revoked(quiet=False, unconfirmed_ranks=(1,), exposed_until_unix_ns=123)
+    assert b.settle(g, exposure)
+    assert not b.settle(g, Revoked(quiet=True))
+    (event,) = events
+    assert isinstance(event, RecvFailed)
+    assert (event.reason, event.exposed_until_unix_ns) == (FailReason.ABORTED, 123)
+    assert g.exposure is exposure
+    b.reap()
+    assert b.get("r") is None
+
+
+def test_a_lost_writer_is_unreachable_unless_its_sidecar_still_answers() -> None:
+    failed: list[Grant] = []
+    b = GrantBook(emit=lambda _: None, failed=failed.append, clock=Clock())
+    b.open(_grant("a"))
+    b.open(_grant("b"))
+    assert b.writer_lost("host:1", "its engine went", reachable=True) == 2
+    assert [g.unreachable for g in failed] == [set(), set()]
+    b.open(_grant("c"))
+    assert b.writer_lost("host:0", "no beat for 4s", reachable=False) == 1
+    assert failed[-1].request_id == "c"
+    assert failed[-1].unreachable == {0}
 
 
 def test_done_only_when_every_writer_covered_everything_and_said_last(
@@ -157,7 +207,7 @@ def test_every_end_is_emitted_once(book: tuple[GrantBook, list[Event], Clock]) -
         writer_rank=1, message="prefill failed",
     )  # fmt: skip
     assert b.notice(aborted, EPOCH) is WriteOutcome.ACCEPTED
-    assert b.writer_lost("host:0", "gone") == 0
+    assert b.writer_lost("host:0", "gone", reachable=False) == 0
     clock.now += 5
     assert b.reap() == 0
     assert not b.fail(g, FailReason.REVOKED, "revoked")
@@ -174,7 +224,7 @@ def test_expiry_lost_writer_and_forgetting(book: tuple[GrantBook, list[Event], C
     b.open(_grant("b", ttl=100.0))
     clock.now += 1.0
     assert b.reap() == 1
-    assert b.writer_lost("host:1", "stream ended") == 1
+    assert b.writer_lost("host:1", "stream ended", reachable=False) == 1
     assert [(type(e), e.reason) for e in events if isinstance(e, RecvFailed)] == [
         (RecvFailed, FailReason.DEADLINE_EXCEEDED),
         (RecvFailed, FailReason.PEER_DISCONNECTED),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -40,15 +41,18 @@ from kvsidecar.engine.backend.nixl.support import (
     telemetry_from,
     translate_error,
 )
+from kvsidecar.engine.backend.nixl.ucxlog import PostWindows
 from kvsidecar.errors import BackendError, BackendInvalidParamError
 from kvsidecar.memory.cuda_ipc import make_current
 from kvsidecar.memory.types import MemoryRegion, MemType
+from kvsidecar.types import UcxOp
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _WATCH_MIN_S, _WATCH_MAX_S = 50e-6, 1e-3  # checking transfers in progress: 50 µs doubling to 1 ms
 PARKED_AGENTS = 64  # remote agents kept loaded without a handle (bounds their sockets)
+_READ, _WRITE = UcxOp.READ, UcxOp.WRITE  # an enum member looked up on its class costs ~1 µs
 
 
 class NixlAgent:
@@ -64,6 +68,13 @@ class NixlAgent:
         # UCX endpoint (and a socket) behind (ai-dynamo/nixl#2025), so a re-handshake with the
         # same agent reloads its metadata instead. The oldest beyond the bound are invalidated.
         self._parked: OrderedDict[str, None] = OrderedDict()
+        # The BLAKE2b of the metadata NIXL holds for each remote agent it has loaded (in use or
+        # parked). NIXL merges a reload into what it holds; a reload that conflicts with it (a
+        # memory descriptor whose key changed) fails *and* leaves the name unloadable for good
+        # (NIXL 1.5 drops its own record of the connection but not UCX's: every later load of
+        # that name fails INVALID_PARAM, invalidated or not; measured). So other metadata for a
+        # parked name is loaded only after the old is invalidated (a socket, see above).
+        self._loaded: dict[str, bytes] = {}
         # Remote agents a transfer or notification failed with: their endpoint may be broken (UCX
         # marks it failed: a reload is refused), so they are invalidated rather than parked. In
         # NIXL 1.5 that leaves the endpoint's connection open on both sides (a forced close that
@@ -72,6 +83,11 @@ class NixlAgent:
         # Transfers still in progress after their post, checked between calls by the agent thread
         # (``check_watched``) so that a completion reaches the loop without waiting for its poll.
         self.watched = Watched()
+        # When each remote agent's first READ and first WRITE was in flight: UCX selects their
+        # protocols then, which ties its protocol tables to a peer (``ucxlog``). Open windows by
+        # transfer id, closed when the transfer is seen complete or released.
+        self.windows = PostWindows()
+        self._open_windows: dict[int, int] = {}
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         """Call into NIXL, translating its exceptions into kvsidecar errors."""
@@ -126,11 +142,16 @@ class NixlAgent:
         self._run("deregisterMem", lambda: self._agent.deregisterMem(dlist, []))
 
     def add_agent(self, metadata: bytes, expected: str) -> RemoteAgent:
-        """Load a remote agent (``expected``: the name its sidecar advertised, "" if unknown). A
-        load that fails part-way leaves NIXL holding a broken entry for that name, which would
-        refuse every later load of the real agent: it is invalidated."""
+        """Load a remote agent (``expected``: the name its metadata names, as the checker found
+        it; "" if unknown). Never leaves NIXL holding a name a later load of the real agent
+        would be refused for: metadata other than what NIXL holds for a parked agent replaces
+        it (invalidated first), and a load that fails part-way is invalidated."""
         if expected and self._book.agent_named(expected) is not None:
             raise BackendInvalidParamError(f"remote agent {expected!r} is already loaded")
+        digest = hashlib.blake2b(metadata, digest_size=16).digest()
+        if expected and self._loaded.get(expected, digest) != digest:
+            self._parked.pop(expected, None)
+            _guard(functools.partial(self._invalidate, expected))
         try:
             raw = self._run("loadRemoteMD", lambda: self._agent.loadRemoteMD(metadata))
         except BackendError:
@@ -151,6 +172,7 @@ class NixlAgent:
         if self._book.agent_named(name) is not None:
             raise BackendInvalidParamError(f"remote agent {name!r} is already loaded")
         self._parked.pop(name, None)
+        self._loaded[name] = digest
         h = RemoteAgent(id=self._book.new_id(), name=name)
         self._book.agents[h.id] = (h, name)
         return h
@@ -173,6 +195,7 @@ class NixlAgent:
             self._invalidate(self._parked.popitem(last=False)[0])
 
     def _invalidate(self, name: str) -> None:
+        self._loaded.pop(name, None)  # first: NIXL forgets the name even when it complains
         self._run("invalidateRemoteMD", lambda: self._agent.invalidateRemoteMD(name))
 
     # --- descriptor lists ---------------------------------------------------------------------
@@ -216,13 +239,25 @@ class NixlAgent:
         b, book = self._b, self._book
         r = book.read_pair(local, local_ids, remote, remote_ids)
         nixl_op = b.NIXL_WRITE if op == "WRITE" else b.NIXL_READ
-        t0 = time.perf_counter()
-        raw = self._run(
-            "makeXferReq",
-            lambda: self._agent.makeXferReq(
-                nixl_op, r.local, r.local_ids, r.remote, r.remote_ids, notification, [], False
-            ),
+        kind = _WRITE if op == "WRITE" else _READ
+        # Opened before the post: the tail may read UCX's table before the post returns.
+        window = (
+            self.windows.open(r.remote_agent, kind, time.time())
+            if self.windows.wants(r.remote_agent, kind)
+            else None
         )
+        t0 = time.perf_counter()
+        try:
+            raw = self._run(
+                "makeXferReq",
+                lambda: self._agent.makeXferReq(
+                    nixl_op, r.local, r.local_ids, r.remote, r.remote_ids, notification, [], False
+                ),
+            )
+        except BaseException:
+            if window is not None:
+                self.windows.abandon(window, time.time())
+            raise
         n, nbytes = r.local_ids.size, r.num_bytes
         h = XferHandle(id=book.new_id(), remote_agent=r.remote_agent, num_descs=n, num_bytes=nbytes)
         book.xfers[h.id] = (h, int(raw), local.id, remote.id)
@@ -233,12 +268,19 @@ class NixlAgent:
                 raise BackendError(f"postXferReq returned {status}")
         except BaseException:
             self._suspect.add(r.remote_agent)
+            if window is not None:
+                self.windows.abandon(window, time.time())
             _guard(lambda: self.release_xfer(h))
             raise
         timed = ((PostPhase.MAKE, t1 - t0), (PostPhase.POST, time.perf_counter() - t1))
         # done_at_post: completed inside the post (same-host cma)
         h = dataclasses.replace(h, done_at_post=status == b.NIXL_SUCCESS, phases=timed)
         book.xfers[h.id] = (h, *book.xfers[h.id][1:])
+        if window is not None:
+            if h.done_at_post:
+                self.windows.close(window, time.time())
+            else:
+                self._open_windows[h.id] = window
         if not h.done_at_post:
             self.watched.add(h)
         return h
@@ -264,11 +306,19 @@ class NixlAgent:
                 out.append(XferState.DONE)
             elif status == b.NIXL_IN_PROG:
                 out.append(XferState.PROC)
+                continue
             else:
                 book.errors[x.id] = BackendError(f"transfer {x.id} failed with {status}")
                 self._suspect.add(x.remote_agent)
                 out.append(XferState.ERR)
+            if self._open_windows:
+                self._close_window(x.id)
         return tuple(out)
+
+    def _close_window(self, xfer_id: int) -> None:
+        window = self._open_windows.pop(xfer_id, None)
+        if window is not None:
+            self.windows.close(window, time.time())
 
     def xfer_error(self, xfer: XferHandle) -> BackendError | None:
         return self._book.errors.get(xfer.id)
@@ -278,6 +328,8 @@ class NixlAgent:
         RMA in flight): its remote agent becomes suspect, so that removing it tears its
         connection down (invalidated, never parked) and nothing of it lands afterwards."""
         self.watched.discard(h)
+        if self._open_windows:
+            self._close_window(h.id)
         raw = self._book.xfer(h)
         try:
             in_flight = self._agent.getXferStatus(raw) == self._b.NIXL_IN_PROG
@@ -316,7 +368,7 @@ def _guard(fn: Callable[[], None]) -> None:
     try:
         fn()
     except BackendError as exc:
-        log.error("NIXL release during close failed: %s", exc)
+        log.error("NIXL release failed: %s", exc)
 
 
 class Watched:

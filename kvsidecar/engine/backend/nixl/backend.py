@@ -5,7 +5,8 @@ directly: the ``nixl`` meta-package may import torch (~1 s) and its wrapper hard
 progress thread (see ``support.create_agent``). ``NixlBackend`` is the asyncio face: it checks
 arguments on the loop and runs each call of ``agent.NixlAgent`` (which owns the agent and its
 handles) on the dedicated agent thread, bounded by ``call_timeout_s``. Remote agent metadata is
-loaded first in the metadata checker process (``sandbox``), never straight into this one.
+loaded first in the metadata checker process (``sandbox``), never straight into this one. The
+agent's name is its ``AgentIdentity``'s (the key that proves it to peers).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import uuid
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TypeVar
@@ -37,18 +37,22 @@ from kvsidecar.engine.backend.contract import (
     XferTelemetry,
 )
 from kvsidecar.engine.backend.handles import StridedRows
+from kvsidecar.engine.backend.identity import AgentIdentity
 from kvsidecar.engine.backend.nixl.agent import NixlAgent, post_chain
 from kvsidecar.engine.backend.nixl.sandbox import MetadataSandbox, shared
 from kvsidecar.engine.backend.nixl.support import (
     variant_candidates,
 )
 from kvsidecar.engine.backend.nixl.thread import AgentThread, CallTiming
+from kvsidecar.engine.backend.nixl.ucxenv import UcxSetup
+from kvsidecar.engine.backend.nixl.ucxlog import UcxLogTail, UcxWatch
 from kvsidecar.errors import (
     BackendError,
     ConfigError,
     MetadataRefusedError,
 )
 from kvsidecar.memory.types import MemoryRegion, MemType
+from kvsidecar.types import UcxTransports
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,26 +86,33 @@ def load_bindings(variant: str | None = None) -> ModuleType:
 class NixlBackend:
     """``TransferBackend`` over one NIXL agent with the UCX backend.
 
-    ``poll_delay_us`` is the progress thread's sleep between polls (µs); ``call_timeout_s`` bounds
-    every wait for the agent thread; ``num_workers`` is UCX's worker count; ``variant`` forces a
-    NIXL wheel variant (``nixl_cu12``/``nixl_cu13``). Call ``start()`` then ``aclose()``.
+    ``identity`` names the agent (a fresh one by default); ``poll_delay_us`` is the progress
+    thread's sleep between polls (µs); ``call_timeout_s`` bounds every wait for the agent thread;
+    ``num_workers`` is UCX's worker count; ``variant`` forces a NIXL wheel variant
+    (``nixl_cu12``/``nixl_cu13``); ``ucx``: the process's UCX set-up (``ucxenv``; its log
+    directory is read every ``ucx_poll_s`` seconds for ``transports``, by one backend of the
+    process at a time), or ``None``. Call ``start()`` then ``aclose()``.
     """
 
     def __init__(
         self,
         *,
-        name: str | None = None,
+        identity: AgentIdentity | None = None,
         poll_delay_us: int = 1000,
         call_timeout_s: float = 30.0,
         num_workers: int = 1,
         variant: str | None = None,
+        ucx: UcxSetup | None = None,
+        ucx_poll_s: float = 1.0,
     ) -> None:
         if poll_delay_us < 0:
             raise ConfigError("nixl_poll_delay_us", f"{poll_delay_us} must be >= 0")
         if num_workers < 1:
             raise ConfigError("nixl_num_workers", f"{num_workers} must be >= 1")
-        # Random: the name travels in the metadata, and host names or pids are not a peer's business.
-        self._name = name or f"kvsidecar-{uuid.uuid4().hex[:16]}"
+        # A key's hash: the name travels in the metadata, and host names or pids are not a
+        # peer's business; only this process can prove it (``identity``).
+        self._identity = identity or AgentIdentity.generate()
+        self._name = self._identity.agent_name
         self._poll_delay_us = poll_delay_us
         self._num_workers = num_workers
         self._variant = variant
@@ -110,12 +121,19 @@ class NixlBackend:
         self._agent: NixlAgent | None = None
         self._closed = False
         self._sandbox: MetadataSandbox | None = None
+        self._ucx = ucx
+        self._ucx_poll_s = ucx_poll_s
+        self._watch: UcxWatch | None = None
         # BLAKE2b of metadata that loaded in the checker -> the agent name it names (LRU).
         self._checked: collections.OrderedDict[bytes, str] = collections.OrderedDict()
 
     @property
     def agent_name(self) -> str:
         return self._name
+
+    @property
+    def identity(self) -> AgentIdentity:
+        return self._identity
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -131,6 +149,11 @@ class NixlBackend:
         await self._sandbox.start()
         self._thread.start()
         self._agent = await self._thread.call(self._create, what="start")
+        if self._ucx is not None and self._ucx.log_dir is not None:
+            tail = UcxLogTail(self._ucx.log_dir, self._name, windows=self._agent.windows)
+            watch = UcxWatch(tail, interval_s=self._ucx_poll_s)
+            watch.start()
+            self._watch = watch
 
     def _create(self) -> NixlAgent:
         b = load_bindings(self._variant)
@@ -152,6 +175,21 @@ class NixlBackend:
         if self._sandbox is not None:
             sandbox, self._sandbox = self._sandbox, None
             await sandbox.release()
+        if self._watch is not None:  # last: what UCX logged while the agent closed is read
+            await self._watch.aclose()
+
+    def transports(self) -> UcxTransports:
+        """The UCX variables of ``ucx`` and the protocols UCX selected for this agent so far
+        (read from UCX's log; none when ``ucx`` has no log directory)."""
+        if self._ucx is None:
+            return UcxTransports()
+        watch = self._watch
+        return UcxTransports(
+            log=self._ucx.log,
+            variables=self._ucx.variables,
+            protocols=watch.protocols() if watch is not None else (),
+            dropped=watch.dropped if watch is not None else 0,
+        )
 
     def _require_agent(self, what: str) -> NixlAgent:
         agent = self._agent
@@ -174,10 +212,10 @@ class NixlBackend:
     async def deregister_memory(self, registration: MemoryRegistration) -> None:
         await self._call("deregister_memory", lambda a: a.deregister(registration))
 
-    async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
+    async def check_remote_metadata(self, metadata: bytes) -> str:
         if not metadata:
             raise MetadataRefusedError("invalid", "remote agent metadata is empty")
-        self._require_agent("add_remote_agent")
+        self._require_agent("check_remote_metadata")
         digest = hashlib.blake2b(metadata, digest_size=16).digest()
         named = self._checked.get(digest)
         if named is None:
@@ -189,11 +227,15 @@ class NixlBackend:
                 self._checked.popitem(last=False)
         else:
             self._checked.move_to_end(digest)
+        return named
+
+    async def add_remote_agent(self, metadata: bytes, name: str = "") -> RemoteAgent:
+        named = await self.check_remote_metadata(metadata)
         if name and named != name:
             raise MetadataRefusedError(
                 "invalid", f"remote agent metadata names agent {named!r}, its sidecar said {name!r}"
             )
-        return await self._call("add_remote_agent", lambda a: a.add_agent(metadata, name))
+        return await self._call("add_remote_agent", lambda a: a.add_agent(metadata, named))
 
     async def remove_remote_agent(self, agent: RemoteAgent) -> None:
         await self._call("remove_remote_agent", lambda a: a.remove_agent(agent))

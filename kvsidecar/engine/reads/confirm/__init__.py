@@ -9,5 +9,5 @@ consumer's half of the integrity canary (``canary``).
 
 May import: what ``reads/`` may (``peers/``, ``backend/``, the engine's leaves, ``local``) and the
 read side's values and book (``reads.state``, ``reads.book``). Never ``holds/``: the producer's
-board is known here only by its layout (``plan.board``).
+board is known here only by its layout (``plan.hold.board``).
 """

@@ -1,7 +1,7 @@
-"""The consumer's half of the integrity canary (``plan.canary``): which reads are canaries, armed
+"""The consumer's half of the integrity canary (``plan.hold.canary``): which reads are canaries, armed
 once their READs are done, and the CRC of the bytes each of their READs wrote (``read_canaries``).
 
-A read is a canary when ``plan.canary.sampled`` picks its request id at ``fraction`` (the
+A read is a canary when ``plan.hold.canary.sampled`` picks its request id at ``fraction`` (the
 ``--canary-fraction`` setting) and both its bytes can be read by the host (DRAM: ``reader`` is
 set) and it is confirmed. When its READs are done, per producer rank it read from, the CRC-32 of
 the local ranges the READs wrote (from the plan's descriptor pairs of the request) goes with the
@@ -16,7 +16,7 @@ from typing import Protocol
 
 from kvsidecar.engine.reads.state import InFlightRead
 from kvsidecar.limits import MAX_CANARY_RANGES
-from kvsidecar.plan.canary import (
+from kvsidecar.plan.hold.canary import (
     Reader,
     checksum,
     desc_ranges,

@@ -5,7 +5,7 @@ A consumer whose READs of a request are done needs to know that the request's ho
 bytes it read were the held ones (docs/architecture.md, "Why a board check confirms a read").
 Instead of asking each producer rank over PeerService (a round trip through both sidecars' event
 loops), it READs the hold's bucket of each rank's board into a landing slot of its own and looks
-for the marker (``plan.board``). A rank whose bucket does not show it is asked the old way.
+for the marker (``plan.hold.board``). A rank whose bucket does not show it is asked the old way.
 
 ``LandingSlots`` owns the landing memory's words and hands out slots (one bucket each);
 ``plan_checks`` plans one board READ per producer rank for reads that go together (posted
@@ -37,7 +37,7 @@ from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.state import InFlightRead, Phase, Xfer
 from kvsidecar.engine.tasks import shielded
 from kvsidecar.errors import KvSidecarError
-from kvsidecar.plan.board import BUCKET_WORDS, bucket_of, marker_of
+from kvsidecar.plan.hold.board import BUCKET_WORDS, bucket_of, marker_of
 from kvsidecar.plan.peer_plan import DESC_ID_DTYPE
 
 log = RateLimited(logging.getLogger(__name__))

@@ -26,7 +26,7 @@ from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.state import InFlightRead
 from kvsidecar.errors import DeadlineExceededError, KvSidecarError, PeerUnavailableError
 from kvsidecar.limits import MAX_NOTIFICATIONS
-from kvsidecar.plan.claims import ReadClaim
+from kvsidecar.plan.hold.claims import ReadClaim
 from kvsidecar.wire.peer import Canary, NotificationKind, Outcome, PeerNotification
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ pool is a geometry of its own (``staged_geometry``): same span keys, units and b
 the engine (plans are built the usual way), other offsets and strides, ``slots`` ids per group.
 
 What a consumer needs besides the geometry is a hold's base: the producer publishes it as the
-hold's *info* (``info_of``: base + 1, never 0) on its info board (``plan.board``). Pure
+hold's *info* (``info_of``: base + 1, never 0) on its info board (``plan.hold.board``). Pure
 (stdlib + numpy).
 """
 
@@ -23,8 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsidecar.errors import GeometryError
-
-from .geometry import EngineGeometry, Span, View, _held
+from kvsidecar.plan.geometry import EngineGeometry, Span, View, _held
 
 __all__ = [
     "STAGED_MEMORY",

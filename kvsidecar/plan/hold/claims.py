@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .tokens import remote_tail
+from kvsidecar.plan.tokens import remote_tail
 
 __all__ = ["DIGEST_BYTES", "ReadClaim", "held_digest", "read_claim"]
 

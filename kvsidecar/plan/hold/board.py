@@ -14,7 +14,7 @@ old and the new value) equals the marker only if every byte was read while the m
 The bucket index depends on the token and request id only. Both sides compute the same values
 from what they know; nothing here is secret but the token. Pure functions (stdlib + numpy).
 
-A producer that serves a hold from its staging pool (``plan.staging``) also keeps an *info
+A producer that serves a hold from its staging pool (``plan.hold.staging``) also keeps an *info
 board*, word for word beside the hold board: the word beside a staged hold's marker holds its
 *info* (where the hold's blocks sit in the pool), and the marker is then computed over the info
 too. A consumer reads both buckets before it READs (``locate``), and its confirmation afterwards
@@ -62,7 +62,7 @@ def marker_of(
 ) -> int:
     """The word that says "``request_id`` is held under ``token`` in registration ``epoch``,
     holding ``held`` (per group)", and with ``info`` != 0 "its bytes are where ``info`` says"
-    (``plan.staging``); never 0, every byte non-zero."""
+    (``plan.hold.staging``); never 0, every byte non-zero."""
     h = hashlib.blake2b(digest_size=8, person=b"kvsidecar.board")
     for part in (token.encode(), request_id.encode()):
         h.update(len(part).to_bytes(4, "little"))
