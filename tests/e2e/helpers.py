@@ -4,6 +4,9 @@ peer or a test that inspects what a producer serves would make one."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import grpc
 
 from kvsidecar.testing.cluster import PREFILL
@@ -37,3 +40,24 @@ async def get_agent(
         return await stub.GetAgent(
             peer_pb2.GetAgentRequest(engine_id=PREFILL, tp_rank=0), timeout=5
         )
+
+
+@contextlib.asynccontextmanager
+async def peer_service(
+    servicer: peer_pb2_grpc.PeerServiceServicer, certs: PeerCertificates
+) -> AsyncIterator[str]:
+    """Serve ``servicer`` as a PeerService on loopback with ``certs`` (mutual TLS, as a peer with
+    a valid certificate would); yields its ``host:port``, stopped on exit."""
+    server = grpc.aio.server()
+    peer_pb2_grpc.add_PeerServiceServicer_to_server(servicer, server)
+    creds = grpc.ssl_server_credentials(
+        [(certs.key.read_bytes(), certs.cert.read_bytes())],
+        root_certificates=certs.ca.read_bytes(),
+        require_client_auth=True,
+    )
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)

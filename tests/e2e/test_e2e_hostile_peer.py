@@ -16,7 +16,6 @@ import asyncio
 import random
 from collections.abc import AsyncIterator
 
-import grpc
 import pytest
 
 from kvsidecar import errors
@@ -24,7 +23,7 @@ from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import ClusterFactory, LocalCluster, request_ids, transfer
 from kvsidecar.testing.probes import metric
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-from tests.e2e.helpers import credentials, get_agent
+from tests.e2e.helpers import credentials, get_agent, peer_service
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 SEEDS = (1, 2, 3, 4)
@@ -75,19 +74,8 @@ async def hostile(
         assert certs is not None
         real = await get_agent(cluster.prefill[0].addresses["peer"], credentials(certs))
         servicer = Hostile(real)
-        server = grpc.aio.server()
-        peer_pb2_grpc.add_PeerServiceServicer_to_server(servicer, server)
-        creds = grpc.ssl_server_credentials(
-            [(certs.key.read_bytes(), certs.cert.read_bytes())],
-            root_certificates=certs.ca.read_bytes(),
-            require_client_auth=True,
-        )
-        port = server.add_secure_port("127.0.0.1:0", creds)
-        await server.start()
-        try:
-            yield cluster, servicer, f"127.0.0.1:{port}"
-        finally:
-            await server.stop(0)
+        async with peer_service(servicer, certs) as endpoint:
+            yield cluster, servicer, endpoint
 
 
 @pytest.mark.slow

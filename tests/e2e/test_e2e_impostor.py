@@ -28,7 +28,7 @@ from kvsidecar.testing.cluster import PREFILL, ClusterFactory, LocalCluster, req
 from kvsidecar.types import PeerState
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from kvsidecar.wire.peer import MAX_CHALLENGE_BYTES, agent_info_from_proto
-from tests.e2e.helpers import credentials, get_agent
+from tests.e2e.helpers import credentials, get_agent, peer_service
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 ROGUE = "rogue"
@@ -75,19 +75,8 @@ async def rogue(
         assert certs is not None
         real = await get_agent(cluster.prefill[0].addresses["peer"], credentials(certs))
         servicer = Rogue(real, flipped(real.nixl_agent_metadata, request.param))
-        server = grpc.aio.server()
-        peer_pb2_grpc.add_PeerServiceServicer_to_server(servicer, server)
-        creds = grpc.ssl_server_credentials(
-            [(certs.key.read_bytes(), certs.cert.read_bytes())],
-            root_certificates=certs.ca.read_bytes(),
-            require_client_auth=True,
-        )
-        port = server.add_secure_port("127.0.0.1:0", creds)
-        await server.start()
-        try:
-            yield cluster, servicer, f"127.0.0.1:{port}"
-        finally:
-            await server.stop(0)
+        async with peer_service(servicer, certs) as endpoint:
+            yield cluster, servicer, endpoint
 
 
 def _metric(cluster: LocalCluster, sample: str) -> float:
