@@ -106,6 +106,12 @@ class NotRegisteredError(FailedPreconditionError):
     """No engine is registered with this sidecar (or its registration was dropped)."""
 
 
+class StaleRegistrationError(FailedPreconditionError):
+    """A Step named a registration epoch (``registration_epoch``) that is not the sidecar's
+    current registration's: the engine it was built for re-registered or another one took the
+    sidecar. Nothing of the step applied."""
+
+
 class RegistrationError(FailedPreconditionError):
     """Memory the engine shared was imported but the transfer backend refused to register it
     (e.g. UCX without support for that memory kind); the message names the memory, its kind and

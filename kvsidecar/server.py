@@ -37,7 +37,7 @@ from kvsidecar.ops.ucx_metrics import UcxCollector
 from kvsidecar.peer_tls import PeerTlsFiles
 from kvsidecar.rpc.engine_service import EngineServicer
 from kvsidecar.rpc.handlers import service_handler
-from kvsidecar.rpc.lane import LaneServer
+from kvsidecar.rpc.lane import LaneServer, StepLaneServer
 from kvsidecar.rpc.peer_service import PeerServicer
 from kvsidecar.settings import (
     DiscoveryKind,
@@ -47,7 +47,7 @@ from kvsidecar.settings import (
     parse_host_port,
 )
 from kvsidecar.systemd import SystemdNotifier
-from kvsidecar.types import lane_path
+from kvsidecar.types import lane_path, steps_path
 from kvsidecar.v1 import engine_pb2, peer_pb2
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ class Sidecar:
         self._engine_server: grpc.aio.Server | None = None
         self._peer_server: grpc.aio.Server | None = None
         self._lane: LaneServer | None = None  # the engine's lane (rpc/lane.py)
+        self._steps: StepLaneServer | None = None  # the step lane (rpc/lane.py)
         self._http: HttpEndpoint | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._socket_path: Path | None = None
@@ -245,6 +246,7 @@ class Sidecar:
         )
         engine.add_generic_rpc_handlers((service_handler(servicer, engine_pb2, "EngineService"),))
         self._lane = LaneServer(Path(lane_path(str(s.engine_socket))), core, servicer)
+        self._steps = StepLaneServer(Path(steps_path(str(s.engine_socket))), servicer)
         peer.add_generic_rpc_handlers(
             (service_handler(PeerServicer(core, core.push_face), peer_pb2, "PeerService"),)
         )
@@ -279,6 +281,8 @@ class Sidecar:
 
         await engine.start()
         await self._lane.start()
+        assert self._steps is not None
+        await self._steps.start()
         await peer.start()
         metrics_host, metrics_port = parse_host_port(s.metrics_listen)
         self._http = HttpEndpoint(metrics_host, metrics_port, self.readiness, self.metrics.render)
@@ -342,9 +346,10 @@ class Sidecar:
 
     async def _close_listeners(self, grace_s: float) -> None:
         servers = [s for s in (self._engine_server, self._peer_server) if s is not None]
-        lane, self._lane = self._lane, None
+        lanes = tuple(x for x in (self._lane, self._steps) if x is not None)
+        self._lane = self._steps = None
         await asyncio.gather(
-            *(s.stop(grace_s) for s in servers), *([lane.aclose()] if lane else ()),
+            *(s.stop(grace_s) for s in servers), *(x.aclose() for x in lanes),
             return_exceptions=True,
         )  # fmt: skip
         self._engine_server = self._peer_server = None

@@ -48,6 +48,12 @@ def lane_path(engine_socket: str) -> str:
     return engine_socket + ".lane"
 
 
+def steps_path(engine_socket: str) -> str:
+    """The step lane's Unix socket next to the sidecar's EngineService socket (``rpc.lane``:
+    Step commands beside the engine's Session, e.g. from vLLM's scheduler)."""
+    return engine_socket + ".steps"
+
+
 class FailReason(enum.Enum):
     """Why a Read failed (``RecvFailed.Reason`` on the wire)."""
 

@@ -45,7 +45,12 @@ from kvsidecar.engine.reads.batch import ReadBatch, ReadOutcome
 from kvsidecar.engine.stats import CommandKind, EngineStats, ReadPhase, SessionCounters
 from kvsidecar.engine.tasks import shielded
 from kvsidecar.engine.writes.face import PushFace
-from kvsidecar.errors import KvSidecarError, NotFoundError, ShuttingDownError
+from kvsidecar.errors import (
+    KvSidecarError,
+    NotFoundError,
+    ShuttingDownError,
+    StaleRegistrationError,
+)
 from kvsidecar.types import Event, PeerInfo, ReadPosted, Registered, SidecarStatus
 from kvsidecar.wire.peer import AgentInfo, EngineDirectory, Outcome, PeerNotification, Staged
 from kvsidecar.wire.trace import Explanation
@@ -202,7 +207,14 @@ class EngineCore:
         return await self._consumer.read_batch(batch)
 
     async def step(self, cmd: StepCommand) -> Stepped:
-        """One engine scheduler step, on the Notify and ReadBatch paths (see ``_step``)."""
+        """One engine scheduler step, on the Notify and ReadBatch paths (see ``_step``); refused
+        whole (``StaleRegistrationError``) when it names another registration's epoch."""
+        epoch = cmd.registration_epoch
+        if epoch is not None and epoch != (current := self.require_local().epoch):
+            raise StaleRegistrationError(
+                f"registration_epoch={epoch} is not the current registration's (epoch {current}):"
+                " the step was built for a registration that has ended; nothing of it applied"
+            )
         return await _step(cmd, self._now, self.read_batch, self.notify)
 
     def rejected(self, code: str) -> None:

@@ -276,6 +276,8 @@ class StepCommand:
     reads: tuple[ReadCommand, ...] = ()  # one ReadBatch (a leaf imports no wing's batch value)
     consumed: tuple[Consumed, ...] = ()
     heartbeats: tuple[Heartbeat, ...] = ()
+    #: the registration it was built for (``None``: the current one); another one refuses it
+    registration_epoch: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -259,7 +259,12 @@ def step_command(
     consumed_, notified = _each("consumed", request.consumed, MAX_STEP_ITEMS, consumed)
     beats, beaten = _each("heartbeats", request.heartbeats, MAX_STEP_ITEMS, heartbeat)
     command = StepCommand(
-        holds=holds, releases=releases, reads=reads, consumed=consumed_, heartbeats=beats
+        holds=holds,
+        releases=releases,
+        reads=reads,
+        consumed=consumed_,
+        heartbeats=beats,
+        registration_epoch=request.registration_epoch or None,
     )
     return DecodedStep(
         command=command,

@@ -16,6 +16,13 @@ this is (``rpc.session.Session`` runs it: the same commands, bounds, ordering an
 A frame past ``limits.MAX_LANE_FRAME`` bytes or that does not decode ends the lane (INVALID_ARGUMENT). The
 socket is ``<engine socket>.lane`` (``types.lane_path``), mode 0600 in the engine socket's
 directory.
+
+The step lane (``StepLaneServer``, at ``types.steps_path``) carries Step commands alone, for a
+sender beside the engine's Session (vLLM's scheduler): the same frames, a ``SessionReply`` with id
+0 at once (it takes no liveness lock), then one reply per command, by id, as soon as its step is
+done (in any order); no events (they come on the engine's Session). Every step must name its
+registration (``registration_epoch``): one that names another is refused FAILED_PRECONDITION. A
+command that is not a step, or names no registration, is refused INVALID_ARGUMENT alone.
 """
 
 from __future__ import annotations
@@ -32,9 +39,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvsidecar.engine.core import EngineCore
-from kvsidecar.errors import KvSidecarError
+from kvsidecar.errors import InvalidArgumentError, KvSidecarError
 from kvsidecar.limits import MAX_LANE_FRAME
-from kvsidecar.rpc.session import Commands, Session
+from kvsidecar.rpc.session import MAX_SESSION_IN_FLIGHT, Commands, Session
 from kvsidecar.rpc.status import status_for, status_message
 from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.engine import EVENT_BATCHES, LANE_FRAME
@@ -142,5 +149,122 @@ class LaneServer:
         for lane in lanes:
             lane.cancel()
         await asyncio.gather(*lanes, return_exceptions=True)
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()
+
+
+async def _frames(reader: asyncio.StreamReader) -> AsyncIterator[engine_pb2.SessionCommand]:
+    """A step lane's commands until its end; a frame out of bounds or that does not decode ends
+    it (logged)."""
+    while True:
+        try:
+            (size,) = LANE_FRAME.unpack(await reader.readexactly(LANE_FRAME.size))
+            if size > MAX_LANE_FRAME:
+                raise ValueError(f"a frame of {size} bytes (at most {MAX_LANE_FRAME})")
+            command = engine_pb2.SessionCommand()
+            command.ParseFromString(await reader.readexactly(size))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        except (ValueError, DecodeError) as exc:
+            log.warning("step lane: %s; closing it", exc)
+            return
+        yield command
+
+
+def _refused(command_id: int, exc: BaseException) -> engine_pb2.SessionMessage:
+    return engine_pb2.SessionMessage(
+        reply=engine_pb2.SessionReply(
+            id=command_id, code=status_for(exc).value[0], message=status_message(exc)
+        )
+    )
+
+
+class StepLaneServer:
+    """Serves step lanes at ``path`` (module docstring); ``start`` once, ``aclose`` once. At most
+    ``max_in_flight`` steps per lane run at once (the lane is read no further meanwhile)."""
+
+    def __init__(
+        self, path: Path, commands: Commands, *, max_in_flight: int = MAX_SESSION_IN_FLIGHT
+    ) -> None:
+        self._path = path
+        self._commands = commands
+        self._max_in_flight = max_in_flight
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()  # a stale socket of an earlier sidecar (its directory is ours)
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self._path))
+        os.chmod(self._path, 0o600)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        self._tasks.add(me)
+        slots = asyncio.Semaphore(self._max_in_flight)
+
+        def send(message: engine_pb2.SessionMessage) -> None:
+            if not writer.is_closing():
+                writer.write(frame(message))
+
+        async def run(command_id: int, request: engine_pb2.StepRequest) -> None:
+            try:
+                response = await self._commands.step(request)
+                send(engine_pb2.SessionMessage(
+                    reply=engine_pb2.SessionReply(id=command_id, step=response)
+                ))  # fmt: skip
+            except KvSidecarError as exc:
+                send(_refused(command_id, exc))
+            except Exception as exc:  # a bug: the sender still gets its answer, and it is seen
+                log.exception("step lane: step %d failed unexpectedly", command_id)
+                send(_refused(command_id, exc))
+            finally:
+                slots.release()
+
+        try:
+            send(engine_pb2.SessionMessage(reply=engine_pb2.SessionReply(id=0)))
+            async for command in _frames(reader):
+                await slots.acquire()
+                if command.WhichOneof("command") != "step":
+                    slots.release()
+                    send(_refused(command.id, InvalidArgumentError(
+                        f"command {command.id}: a step lane carries steps only, not "
+                        f"{command.WhichOneof('command')!r}"
+                    )))  # fmt: skip
+                elif not command.step.registration_epoch:
+                    slots.release()
+                    send(_refused(command.id, InvalidArgumentError(
+                        f"command {command.id}: registration_epoch=0: a step on the step lane "
+                        "names the registration it was built for"
+                    )))  # fmt: skip
+                else:
+                    self._spawn(run(command.id, command.step))
+                await writer.drain()
+            # the sender went away: its steps in flight still finish (their reads end with an
+            # event on the engine's Session), their answers go nowhere
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._tasks.discard(me)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def aclose(self) -> None:
+        """Stop accepting, end every lane and the steps still running, unlink."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        tasks = tuple(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(FileNotFoundError):
             self._path.unlink()

@@ -1339,7 +1339,9 @@ class StepRequest(_message.Message):
     (its decoding included) never fails another item or the step. Only a list past its bound fails
     the whole Step (INVALID_ARGUMENT). While the sidecar drains, the holds and reads are refused
     with UNAVAILABLE (as Notify(hold) and ReadBatch are); releases, CONSUMEDs and HEARTBEATs still
-    apply.
+    apply. With registration_epoch set, a Step that reaches a sidecar whose registration has another
+    epoch (the engine re-registered, or another engine took the sidecar) is refused as a whole with
+    FAILED_PRECONDITION before anything applies.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1349,6 +1351,13 @@ class StepRequest(_message.Message):
     READS_FIELD_NUMBER: _builtins.int
     CONSUMED_FIELD_NUMBER: _builtins.int
     HEARTBEATS_FIELD_NUMBER: _builtins.int
+    REGISTRATION_EPOCH_FIELD_NUMBER: _builtins.int
+    registration_epoch: _builtins.int
+    """The epoch of the registration this step is meant for (RegisterEngineResponse.epoch); 0: whichever
+    registration is current (a Session's own steps: the stream is bound to its registration).
+    A sender beside the engine's Session (vLLM's scheduler, on the unary call or the step lane)
+    sets it, so that a step never lands under a registration it was not built for.
+    """
     @_builtins.property
     def holds(self) -> _containers.RepeatedCompositeFieldContainer[Global___Hold]:
         """Producer: keep blocks for consumers (each as Notify(hold)). At most 4096."""
@@ -1379,10 +1388,11 @@ class StepRequest(_message.Message):
         reads: _abc.Iterable[Global___ReadRequest] | None = ...,
         consumed: _abc.Iterable[Global___Consumed] | None = ...,
         heartbeats: _abc.Iterable[Global___Heartbeat] | None = ...,
+        registration_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed", b"consumed", "heartbeats", b"heartbeats", "holds", b"holds", "reads", b"reads", "releases", b"releases"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed", b"consumed", "heartbeats", b"heartbeats", "holds", b"holds", "reads", b"reads", "registration_epoch", b"registration_epoch", "releases", b"releases"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

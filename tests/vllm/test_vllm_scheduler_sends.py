@@ -51,13 +51,13 @@ from kvsidecar.integrations.vllm.connector import (  # noqa: E402
     KvSidecarWorkerMeta,
 )
 from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
-from kvsidecar.integrations.vllm.scheduler import Answer, Hold, Sent, StepWork  # noqa: E402
+from kvsidecar.integrations.vllm.scheduler import Answer, Hold, Load, Sent, StepWork  # noqa: E402
 from kvsidecar.integrations.vllm.sends import RankSidecar, SidecarSends  # noqa: E402
 from kvsidecar.integrations.vllm.worker import WorkerSide  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from kvsidecar.testing import toy  # noqa: E402
 from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
-from kvsidecar.types import SidecarStatus  # noqa: E402
+from kvsidecar.types import SidecarStatus, steps_path  # noqa: E402
 from tests.vllm import sched  # noqa: E402
 from tests.vllm.remote_worker import RemoteWorker  # noqa: E402
 
@@ -772,9 +772,85 @@ def test_channel_answers_each_item_of_holds_sent_together(
             for rid, b in (("A", 2), ("X", 3), ("B", 4))
         ]
         assert all(sends.submit(StepWork(holds=(h,))) for h in holds)
-        until("every call answered", lambda: sends.pending == 0)
-        assert sends.answers() == (Answer(rank=0, refused_holds=("X",)),)
+        got: list[Answer] = []  # on the step lane, answers are taken when asked for
+        until("every call answered", lambda: not got.extend(sends.answers()) and not sends.pending)
+        got.extend(sends.answers())
+        assert got == [Answer(rank=0, refused_holds=("X",))]
         assert sends.ready  # a refusal is an answer: the channel goes on sending
     finally:
         sends.close()
     assert status(sidecar).holds_active == 3  # X (the test's), A and B
+
+
+@pytest.mark.parametrize("route", ["lanes", "grpc"])
+def test_channel_steps_name_the_registration_on_either_route(
+    route: str, tmp_path: Path, remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """The channel writes on the sidecar's step lane, or calls Step over gRPC where the sidecar
+    has no step lane; either way a hold applies, and once the worker re-registered (another
+    epoch) the channel's next step applies nothing: refused whole, answered unsettled."""
+    sidecar = sidecar_proc.start(
+        tmp_path,
+        *sidecar_proc.default_args(tmp_path, "routes", sidecar_proc.certificates(tmp_path)),
+        "--shm-roots",
+        "/dev/shm",
+        name="routes",
+        timeout=60.0,
+    )
+    try:
+        if route == "grpc":  # as a sidecar without a step lane
+            Path(steps_path(sidecar.addresses["engine_socket"])).unlink()
+        worker = remote_workers(sidecar)
+        sends = SidecarSends(sched.ENGINE_ID, [worker.started.sidecar])
+        sends.start()
+        try:
+            until("the channel checked the registration", lambda: sends.ready)
+            assert sends.over_lanes is (route == "lanes")
+            first = Hold(request_id="A", block_ids=((2,),), token="t" * 24, lease_s=60)
+            assert sends.submit(StepWork(holds=(first,)))
+            got: list[Answer] = []
+            until("answered", lambda: not got.extend(sends.answers()) and not sends.pending)
+            assert got == []
+            assert status(sidecar).holds_active == 1
+            worker.close()  # the engine's registration ends; a new one takes the sidecar
+            again = remote_workers(sidecar)
+            assert again.started.sidecar.epoch != worker.started.sidecar.epoch
+            late = Hold(request_id="B", block_ids=((3,),), token="u" * 24, lease_s=60)
+            assert sends.submit(StepWork(holds=(late,)))
+            until("answered", lambda: bool(got.extend(sends.answers()) or got))
+            assert len(got) == 1
+            assert got[0].unsettled
+            assert "registration_epoch=" in got[0].unsettled
+            assert not sends.ready
+            assert status(sidecar).holds_active == 0  # A went with its registration, B never
+        finally:
+            sends.close()
+    finally:
+        sidecar.stop()
+
+
+def test_channel_writes_a_passes_loads_in_one_step(
+    sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """On the step lane, loads submitted one at a time (vLLM decides a scheduling pass's loads
+    request by request) are written together when the pass's metadata is built (``answers``):
+    the sidecar answers them in one step (one answer naming the three it refused: their local
+    blocks are out of range), not one step each."""
+    worker = remote_workers(sidecars["consumer"])
+    sends = SidecarSends(sched.ENGINE_ID, [worker.started.sidecar])
+    sends.start()
+    try:
+        until("the channel checked the registration", lambda: sends.ready)
+        assert sends.over_lanes
+        loads = [
+            Load(request_id=r, local_block_ids=((10**6,),), remote=remote_kv(r, "127.0.0.1:1"))
+            for r in ("a", "b", "c")
+        ]
+        assert all(sends.submit(StepWork(loads=(ld,))) for ld in loads)
+        assert sends.pending == 1  # kept for the pass's end
+        got: list[Answer] = []
+        until("answered", lambda: not got.extend(sends.answers()) and not sends.pending)
+        assert got == [Answer(rank=0, refused_loads=("a", "b", "c"))]
+        assert sends.ready  # refusals are answers
+    finally:
+        sends.close()

@@ -4,25 +4,32 @@ vLLM calls a worker's ``start_load_kv`` after the step's forward pass, and tells
 a request finished only after that request's step: a HOLD carried in the next step's metadata
 reached the sidecar one forward pass after the prefill's token had left, and a READ one forward
 pass after its blocks were allocated. The scheduler knows both the moment they are decided
-(``request_finished``, ``update_state_after_alloc``), so it sends them itself, from an I/O thread
-of its own: every rank's sidecar gets one unary ``Step`` call per wake-up of that thread, carrying
-every hold and load queued since the last one, beside the worker's Session stream (a second stream
-is refused: the Session is the engine's liveness lock; unary calls beside it are served, and their
-reads' events, RECV_DONE and RECV_FAILED, and the holds' SEND_DONE come on the worker's stream as
-for its own).
+(``request_finished``, ``update_state_after_alloc``), so it sends them itself, beside the worker's
+Session stream (a second stream is refused: the Session is the engine's liveness lock; steps
+beside it are served, and their reads' events, RECV_DONE and RECV_FAILED, and the holds' SEND_DONE
+come on the worker's stream as for its own).
 
-vLLM's scheduler thread only queues the work and rings a :class:`~.channel.Doorbell`
-(``submit``, never waiting); the I/O thread builds each call, sends it to every rank at once and
-keeps what the workers must act on (``answers``): holds and loads a sidecar refused, and calls
-that failed as a whole after they may have reached a sidecar (``Answer.unsettled``: the worker
-ends its stream and fences its sidecar, as for a step of its own that went unanswered).
-The scheduler polls them when it builds a step's metadata.
+Two routes, chosen once per engine. **Step lanes** (each sidecar's ``<socket>.steps``,
+``kvsidecar.rpc.lane``): vLLM's scheduler thread writes each decision's Step to every rank's lane
+with one non-blocking send (``submit``) and reads the answers with one non-blocking receive per
+rank when it builds a step's metadata (``answers``): no thread hand-over, so nothing waits for
+another thread to get a core or the interpreter lock (on a host whose cores the engines keep busy
+that hand-over cost 1-20 ms per decision, measured). **gRPC** (a sidecar without a step lane): the
+scheduler thread only queues the work and rings a :class:`~.channel.Doorbell`; an I/O thread sends
+one unary ``Step`` per rank per wake-up, carrying everything queued since the last one.
+
+Either way what the workers must act on is kept for ``answers``: holds and loads a sidecar
+refused, and steps that failed as a whole after they may have reached a sidecar
+(``Answer.unsettled``: the worker ends its stream and fences its sidecar, as for a step of its own
+that went unanswered), a step unanswered for ``timeout_s`` included.
 
 Before it sends anything the channel checks, once, that each socket reaches the sidecar holding
 the worker's registration (engine id, rank, epoch and NIXL agent as the worker's handshake
 metadata gave them): a scheduler that cannot reach the workers' sidecars (another host, another
 mount namespace) or reaches other ones sends nothing, and the work goes with the steps as
-before. After one unsettled call, or a worker saying its stream has ended, it sends nothing more.
+before. Every Step then names that registration (``registration_epoch``): a sidecar whose
+registration changed since refuses it whole (FAILED_PRECONDITION), nothing of it applied. After
+one unsettled step, or a worker saying its stream has ended, it sends nothing more.
 """
 
 from __future__ import annotations
@@ -32,14 +39,17 @@ import collections
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+import time
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 
 from kvsidecar.client import StepDone, requests
+from kvsidecar.client.lane import Lane
 from kvsidecar.errors import KvSidecarError, PeerUnavailableError
+from kvsidecar.types import steps_path
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire.engine import status_from_proto
 
@@ -55,6 +65,7 @@ __all__ = ["RankSidecar", "SendNow", "SidecarSends"]
 _Stub = Any
 
 CHECK_TIMEOUT_S = 5.0  # bound on the one Status call per rank that checks the registration
+LANE_OPEN_TIMEOUT_S = 2.0  # bound on opening one rank's step lane (then: the gRPC route)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,6 +161,12 @@ class SidecarSends:
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        # The step lanes, one per rank (set by the I/O thread once open; from then on driven by
+        # the scheduler's thread alone), and per rank the steps sent and not yet answered
+        # (command id -> (work, perf_counter when sent)).
+        self._lanes: tuple[Lane, ...] | None = None
+        self._unanswered: tuple[dict[int, tuple[StepWork, float]], ...] = ()
+        self._loads: list[Load] = []  # loads decided in this scheduling pass, not yet written
         self.stopped = ""  # why nothing more is sent ("" while sending or not yet started)
 
     # --- the scheduler's thread ---------------------------------------------------------------
@@ -157,31 +174,119 @@ class SidecarSends:
     @property
     def ready(self) -> bool:
         """Work is sent (every rank's registration checked, nothing unsettled)."""
-        return self._bell is not None and not self.stopped
+        return (self._lanes is not None or self._bell is not None) and not self.stopped
+
+    @property
+    def over_lanes(self) -> bool:
+        """The step lanes carry the work (else the I/O thread's gRPC calls, once ready)."""
+        return self._lanes is not None
 
     @property
     def pending(self) -> int:
-        """Calls submitted and not yet answered on every rank."""
+        """Steps submitted and not yet answered on every rank."""
+        if self._lanes is not None:
+            return max((len(u) for u in self._unanswered), default=0) + bool(self._loads)
         return self._submitted - self._answered
 
     def submit(self, work: StepWork) -> bool:
-        """Queue ``work`` for every rank's sidecar; False at once when not ready or
-        ``max_queued`` are unanswered (the caller sends it another way). Never waits."""
+        """Send ``work`` to every rank's sidecar (lanes: written now; gRPC: queued for the I/O
+        thread); False at once when not ready or ``max_queued`` are unanswered (the caller
+        sends it another way). Never waits."""
+        if self.stopped or self.pending >= self._max_queued:
+            return False
+        lanes = self._lanes
+        if lanes is not None:
+            if work.holds or not work.loads:
+                self._write(lanes, work)
+            else:  # written with the pass's other loads, one READ per rank for all (``flush``)
+                self._loads.extend(work.loads)
+            return True
         bell = self._bell
-        if bell is None or self.stopped or self.pending >= self._max_queued:
+        if bell is None:
             return False
         self._submitted += 1
         self._queue.append(work)
         bell.ring()
         return True
 
+    def _write(self, lanes: Sequence[Lane], work: StepWork) -> None:
+        command = step_command(work)  # built once; each rank's copy names its registration
+        now = time.perf_counter()
+        for rank, lane, unanswered in zip(self._ranks, lanes, self._unanswered, strict=True):
+            command.step.registration_epoch = rank.epoch
+            try:
+                unanswered[lane.send_command(command)] = (work, now)
+            except KvSidecarError as exc:  # the lane broke: whether it got the step is unknown
+                self._unsettle(rank.rank, f"its step lane broke: {exc}", ((work, now),))
+
+    def flush(self) -> None:
+        """Write the loads submitted since the last flush in one step (on the lanes; the gRPC
+        route coalesces on its I/O thread). vLLM decides a scheduling pass's loads one request at
+        a time and builds the step's metadata right after (``answers`` flushes first): one step
+        of N reads costs a sidecar far less than N steps of one (one READ per rank for all)."""
+        lanes, loads = self._lanes, self._loads
+        if lanes is not None and loads:
+            self._loads = []
+            self._write(lanes, StepWork(loads=tuple(loads)))
+
     def answers(self) -> tuple[Answer, ...]:
-        """What the sidecars answered since the last call that a worker must act on."""
+        """What the sidecars answered since the last call that a worker must act on (the loads
+        submitted since the last call are written first: ``flush``)."""
+        if self._lanes is not None:
+            self.flush()
+            self._poll(self._lanes)
         if not self._answers:  # read without the lock: a list's truth value is atomic
             return ()
         with self._lock:
             out, self._answers = tuple(self._answers), []
         return out
+
+    def _poll(self, lanes: Sequence[Lane]) -> None:
+        """Take every lane's answers; a lane that broke, or a step unanswered for ``timeout_s``,
+        leaves its steps unsettled."""
+        found: list[Answer] = []
+        now = time.perf_counter()
+        for rank, lane, unanswered in zip(self._ranks, lanes, self._unanswered, strict=True):
+            try:
+                messages = lane.poll() if unanswered else []  # also sends what it kept
+            except KvSidecarError as exc:
+                self._unsettle(rank.rank, f"its step lane broke: {exc}", unanswered.values())
+                unanswered.clear()
+                continue
+            for message in messages:
+                reply = message.reply
+                sent = unanswered.pop(reply.id, None) if message.HasField("reply") else None
+                if sent is None:
+                    continue  # the lane's opening (id 0), or an answer given up on
+                if reply.code:
+                    outcome: StepDone | KvSidecarError = requests.error_from_number(
+                        reply.code, reply.message
+                    )
+                else:
+                    outcome = lean_results(reply.step)
+                answer = _answer(rank.rank, sent[0], outcome)
+                if answer is not None:
+                    found.append(answer)
+                if isinstance(outcome, KvSidecarError):
+                    self.stop(f"a step to rank {rank.rank}'s sidecar failed: {outcome}")
+            late = [k for k, (_, at) in unanswered.items() if now - at > self._timeout_s]
+            if late:
+                self._unsettle(
+                    rank.rank,
+                    f"a step went unanswered for {self._timeout_s:g} s",
+                    [unanswered.pop(k) for k in late],
+                )
+        if found:
+            with self._lock:
+                self._answers.extend(found)
+
+    def _unsettle(self, rank: int, why: str, sent: Iterable[tuple[StepWork, float]]) -> None:
+        """Rank ``rank``'s worker fences its sidecar for ``sent`` (its steps may have applied)."""
+        if not tuple(sent):
+            return
+        with self._lock:
+            self._answers.append(Answer(rank=rank, unsettled=why))
+        self.stop(f"rank {rank}: {why}")
 
     def stop(self, why: str) -> None:
         """Send nothing more (a worker's stream ended, or a call was unsettled); work already
@@ -201,6 +306,11 @@ class SidecarSends:
         """Stop the thread, bounded; calls in flight are cancelled (their work may or may not
         have reached a sidecar: the engine is going away, and its workers' streams with it)."""
         self._closing = True
+        if self._lanes is not None and not self.stopped:
+            self.flush()  # what the workers were told is sent
+        lanes, self._lanes = self._lanes, None
+        for lane in lanes or ():
+            lane.close()
         loop, thread = self._loop, self._thread
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # already closed
@@ -240,6 +350,17 @@ class SidecarSends:
             if why:
                 self.stop(f"{why}; holds and loads go with the steps")
                 return
+            lanes = self._open_lanes()
+            if lanes is not None:
+                self._unanswered = tuple({} for _ in lanes)
+                self._lanes = lanes  # from here on, submit() writes to them
+                log.info(
+                    "kvsidecar: engine %s's scheduler sends holds and loads to its %d "
+                    "sidecar(s) on their step lanes",
+                    self._engine_id,
+                    len(self._ranks),
+                )
+                return
             bell = Doorbell(loop, self._woken)
             self._bell = bell  # from here on, submit() queues work
             log.info(
@@ -259,6 +380,22 @@ class SidecarSends:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             for channel in channels:
                 await channel.close()
+
+    def _open_lanes(self) -> tuple[Lane, ...] | None:
+        """Every rank's step lane, open; ``None`` when one does not open (a sidecar without
+        one: the gRPC route)."""
+        lanes: list[Lane] = []
+        for rank in self._ranks:
+            lane = Lane(steps_path(rank.socket))
+            try:
+                lane.open(timeout_s=LANE_OPEN_TIMEOUT_S)
+            except KvSidecarError as exc:
+                log.info("kvsidecar: rank %d's sidecar has no step lane (%s): gRPC", rank.rank, exc)
+                for opened in lanes:
+                    opened.close()
+                return None
+            lanes.append(lane)
+        return tuple(lanes)
 
     async def _check(self, stubs: Sequence[_Stub]) -> str:
         """Why the sockets do not reach the workers' registrations ("" when every one does)."""
@@ -306,8 +443,16 @@ class SidecarSends:
             loads=tuple(ld for w in works for ld in w.loads),
         )
         try:
-            request = step_command(work).step  # built once, sent to every rank
-            done = await asyncio.gather(*(self._step(stub, request) for stub in stubs))
+            request = step_command(work).step  # built once; each rank's names its registration
+            per_rank = []
+            for rank in self._ranks:
+                one = engine_pb2.StepRequest()
+                one.CopyFrom(request)
+                one.registration_epoch = rank.epoch
+                per_rank.append(one)
+            done = await asyncio.gather(
+                *(self._step(stub, one) for stub, one in zip(stubs, per_rank, strict=True))
+            )
             found = []
             for rank, outcome in zip(self._ranks, done, strict=True):
                 answer = _answer(rank.rank, work, outcome)
