@@ -291,7 +291,8 @@ class EngineCollector(Collector):
             )
         yield _labelled(
             "kvsidecar_session_commands",
-            "Commands received on engine Session streams, by kind (read, read_batch, notify, step).",
+            "Commands received on engine Session streams, by kind (read, read_batch, notify, step; "
+            "lane_step: Steps on step lanes beside them).",
             "kind",
             s.sessions.commands,
         )

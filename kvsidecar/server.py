@@ -246,7 +246,7 @@ class Sidecar:
         )
         engine.add_generic_rpc_handlers((service_handler(servicer, engine_pb2, "EngineService"),))
         self._lane = LaneServer(Path(lane_path(str(s.engine_socket))), core, servicer)
-        self._steps = StepLaneServer(Path(steps_path(str(s.engine_socket))), servicer)
+        self._steps = StepLaneServer(Path(steps_path(str(s.engine_socket))), core, servicer)
         peer.add_generic_rpc_handlers(
             (service_handler(PeerServicer(core, core.push_face), peer_pb2, "PeerService"),)
         )

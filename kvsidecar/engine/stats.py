@@ -104,12 +104,13 @@ class PhaseHistograms:
 
 
 class CommandKind(enum.Enum):
-    """What an engine sends on its Session stream."""
+    """What an engine sends on its Session stream (or, ``LANE_STEP``, on a step lane)."""
 
     READ = "read"
     READ_BATCH = "read_batch"
     NOTIFY = "notify"
     STEP = "step"
+    LANE_STEP = "lane_step"  #: a Step on a step lane (beside the Session: vLLM's scheduler)
 
 
 class SessionCounters:

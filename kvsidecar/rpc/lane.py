@@ -39,6 +39,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvsidecar.engine.core import EngineCore
+from kvsidecar.engine.stats import CommandKind
 from kvsidecar.errors import InvalidArgumentError, KvSidecarError
 from kvsidecar.limits import MAX_LANE_FRAME
 from kvsidecar.rpc.session import MAX_SESSION_IN_FLIGHT, Commands, Session
@@ -184,9 +185,15 @@ class StepLaneServer:
     ``max_in_flight`` steps per lane run at once (the lane is read no further meanwhile)."""
 
     def __init__(
-        self, path: Path, commands: Commands, *, max_in_flight: int = MAX_SESSION_IN_FLIGHT
+        self,
+        path: Path,
+        core: EngineCore,
+        commands: Commands,
+        *,
+        max_in_flight: int = MAX_SESSION_IN_FLIGHT,
     ) -> None:
         self._path = path
+        self._core = core  # counts the steps (``kvsidecar_session_commands{kind="lane_step"}``)
         self._commands = commands
         self._max_in_flight = max_in_flight
         self._server: asyncio.AbstractServer | None = None
@@ -245,6 +252,7 @@ class StepLaneServer:
                         "names the registration it was built for"
                     )))  # fmt: skip
                 else:
+                    self._core.session_ran(CommandKind.LANE_STEP)
                     self._spawn(run(command.id, command.step))
                 await writer.drain()
             # the sender went away: its steps in flight still finish (their reads end with an

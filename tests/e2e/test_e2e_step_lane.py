@@ -18,6 +18,7 @@ from kvsidecar.client import HoldSpec, ReadSpec, RecvDone, SendDone, StepSpec, r
 from kvsidecar.client.lane import Lane
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import PREFILL, ClusterFactory, Rank, request_ids
+from kvsidecar.testing.probes import metric
 from kvsidecar.types import steps_path
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 
@@ -25,6 +26,7 @@ SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=32)
 TIMEOUT_S = 30.0
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+LANE_STEPS = 'kvsidecar_session_commands_total{kind="lane_step"}'
 
 
 async def _reply(lane: Lane, command_id: int) -> engine_pb2.SessionReply:
@@ -87,6 +89,8 @@ async def test_steps_on_the_step_lane_apply_beside_the_engines_stream(
         sent = {rid: producer.expect(rid) for rid in pairs}
         read = await _reply(dlane, dlane.send(step=_step(StepSpec(reads=reads), depoch)))
         assert (read.code, [r.code for r in read.step.reads]) == (0, [0] * 3)
+        for rank in (producer, consumer):  # one step each, counted as the step lane's
+            assert await asyncio.to_thread(metric, rank.addresses["metrics"], LANE_STEPS) == 1
         for rid, fut in done.items():  # the events come on the engine's own stream
             event = await asyncio.wait_for(fut, TIMEOUT_S)
             assert isinstance(event, RecvDone), event

@@ -18,7 +18,9 @@ scheduler sent:
   (the consumer's worker told of its load after the load's event came), a refused HOLD, a
   preempted prefill, an abort while the read is in flight, a preempted decode request; a call
   whose outcome is unknown fences the sidecar before anything is given back; a socket that
-  does not reach the worker's registration sends nothing.
+  does not reach the worker's registration sends nothing; on the step lane and on gRPC (a
+  sidecar without a step lane) alike, a step for a registration that has ended applies nothing;
+  a scheduling pass's loads leave in one step.
 """
 
 from __future__ import annotations
@@ -505,8 +507,9 @@ def remote_steps_until(
 def test_channel_a_hand_over_whose_hold_and_read_left_from_the_schedulers(
     model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
 ) -> None:
-    """Producer and consumer workers each in a process of their own. The producer's HOLD is on
-    its sidecar when request_finished returns, before any later step; the consumer's READ is
+    """Producer and consumer workers each in a process of their own. The producer's HOLD leaves
+    with the scheduling pass right after request_finished (when its metadata is built), before
+    the workers run that step; the consumer's READ is
     posted inside schedule() and has completed (its RECV_DONE is on the worker's stream) before
     the worker hears of it from the step's metadata. The worker maps the event all the same,
     the bytes are the producer's, and the producer frees the blocks on SEND_DONE."""
@@ -523,8 +526,8 @@ def test_channel_a_hand_over_whose_hold_and_read_left_from_the_schedulers(
     _, _, outs = remote_step(sc_p, producer)
     params = outs["P"].kv_transfer_params
     assert params is not None
+    out = sc_p.schedule()  # the next pass: its metadata tells the workers, the hold leaves
     until("the hold", lambda: status(p_sidecar).counters["holds_published"] == held + 1)
-    out = sc_p.schedule()
     assert "P" in out.finished_req_ids
     assert meta(out).work.holds == ()
     assert [h.request_id for h in meta(out).sent.work.holds] == ["P"]
@@ -600,6 +603,7 @@ def test_channel_a_preempted_prefill_holds_once_when_it_finishes(
 
     remote_steps_until(sc, worker, finished)
     assert done["P"].kv_transfer_params is not None
+    sc.schedule()  # the pass after request_finished: the hold leaves with its metadata
     until(
         "one hold",
         lambda: (

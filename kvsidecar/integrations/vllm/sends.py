@@ -10,11 +10,12 @@ beside it are served, and their reads' events, RECV_DONE and RECV_FAILED, and th
 come on the worker's stream as for its own).
 
 Two routes, chosen once per engine. **Step lanes** (each sidecar's ``<socket>.steps``,
-``kvsidecar.rpc.lane``): vLLM's scheduler thread writes each decision's Step to every rank's lane
-with one non-blocking send (``submit``) and reads the answers with one non-blocking receive per
-rank when it builds a step's metadata (``answers``): no thread hand-over, so nothing waits for
-another thread to get a core or the interpreter lock (on a host whose cores the engines keep busy
-that hand-over cost 1-20 ms per decision, measured). **gRPC** (a sidecar without a step lane): the
+``kvsidecar.rpc.lane``): vLLM's scheduler thread keeps what it decides (``submit``) and, when it
+builds a step's metadata (``answers``), writes it all as one Step to every rank's lane with one
+non-blocking send and reads the answers with one non-blocking receive per rank: no thread
+hand-over, so nothing waits for another thread to get a core or the interpreter lock (on a host
+whose cores the engines keep busy that hand-over cost 1-20 ms per decision, measured), and one
+step of N items costs a sidecar far less than N steps of one. **gRPC** (a sidecar without a step lane): the
 scheduler thread only queues the work and rings a :class:`~.channel.Doorbell`; an I/O thread sends
 one unary ``Step`` per rank per wake-up, carrying everything queued since the last one.
 
@@ -166,7 +167,7 @@ class SidecarSends:
         # (command id -> (work, perf_counter when sent)).
         self._lanes: tuple[Lane, ...] | None = None
         self._unanswered: tuple[dict[int, tuple[StepWork, float]], ...] = ()
-        self._loads: list[Load] = []  # loads decided in this scheduling pass, not yet written
+        self._kept: list[StepWork] = []  # submitted since the last flush (lanes), not yet written
         self.stopped = ""  # why nothing more is sent ("" while sending or not yet started)
 
     # --- the scheduler's thread ---------------------------------------------------------------
@@ -185,21 +186,19 @@ class SidecarSends:
     def pending(self) -> int:
         """Steps submitted and not yet answered on every rank."""
         if self._lanes is not None:
-            return max((len(u) for u in self._unanswered), default=0) + bool(self._loads)
+            return max((len(u) for u in self._unanswered), default=0) + bool(self._kept)
         return self._submitted - self._answered
 
     def submit(self, work: StepWork) -> bool:
-        """Send ``work`` to every rank's sidecar (lanes: written now; gRPC: queued for the I/O
-        thread); False at once when not ready or ``max_queued`` are unanswered (the caller
-        sends it another way). Never waits."""
+        """Send ``work`` to every rank's sidecar (lanes: kept and written with the rest of the
+        scheduling pass's work by ``flush``; gRPC: queued for the I/O thread); False at once
+        when not ready or ``max_queued`` are unanswered (the caller sends it another way). Never
+        waits."""
         if self.stopped or self.pending >= self._max_queued:
             return False
         lanes = self._lanes
-        if lanes is not None:
-            if work.holds or not work.loads:
-                self._write(lanes, work)
-            else:  # written with the pass's other loads, one READ per rank for all (``flush``)
-                self._loads.extend(work.loads)
+        if lanes is not None:  # written with the rest of the pass's work (``flush``)
+            self._kept.append(work)
             return True
         bell = self._bell
         if bell is None:
@@ -220,18 +219,28 @@ class SidecarSends:
                 self._unsettle(rank.rank, f"its step lane broke: {exc}", ((work, now),))
 
     def flush(self) -> None:
-        """Write the loads submitted since the last flush in one step (on the lanes; the gRPC
-        route coalesces on its I/O thread). vLLM decides a scheduling pass's loads one request at
-        a time and builds the step's metadata right after (``answers`` flushes first): one step
-        of N reads costs a sidecar far less than N steps of one (one READ per rank for all)."""
-        lanes, loads = self._lanes, self._loads
-        if lanes is not None and loads:
-            self._loads = []
-            self._write(lanes, StepWork(loads=tuple(loads)))
+        """Write what was submitted since the last flush as one step (on the lanes; the gRPC
+        route coalesces on its I/O thread): holds first, then loads, each in submitted order.
+        vLLM decides holds (``request_finished``, as it takes a step's output) and loads
+        (``update_state_after_alloc``, in ``schedule()``) one request at a time, and builds the
+        next step's metadata right after either (``answers`` flushes first; a step that
+        finished requests is always followed by a scheduling pass that tells the workers). One
+        step of N reads costs a sidecar far less than N steps of one (one READ per rank for all,
+        one wake-up of a sidecar that shares the engines' cores)."""
+        lanes, kept = self._lanes, self._kept
+        if lanes is not None and kept:
+            self._kept = []
+            self._write(
+                lanes,
+                StepWork(
+                    holds=tuple(h for w in kept for h in w.holds),
+                    loads=tuple(ld for w in kept for ld in w.loads),
+                ),
+            )
 
     def answers(self) -> tuple[Answer, ...]:
-        """What the sidecars answered since the last call that a worker must act on (the loads
-        submitted since the last call are written first: ``flush``)."""
+        """What the sidecars answered since the last call that a worker must act on (what was
+        submitted since the last call is written first: ``flush``)."""
         if self._lanes is not None:
             self.flush()
             self._poll(self._lanes)
