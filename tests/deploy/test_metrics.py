@@ -75,6 +75,7 @@ def test_consumer_counters_read_back_from_the_scrape(transfer_scrapes: TransferS
         "read_batch": 0,
         "notify": 0,
         "step": 0,
+        "lane_step": 0,
     }
     assert s.value("kvsidecar_registered_bytes") > 0
     assert s.value("process_cpu_seconds_total") > 0
@@ -101,4 +102,5 @@ def test_producer_counters_read_back_from_the_scrape(transfer_scrapes: TransferS
         "read_batch": 0,
         "notify": done + 1,
         "step": 0,
+        "lane_step": 0,
     }
