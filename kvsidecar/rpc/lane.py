@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,27 @@ class _Context:
         return (EVENT_BATCHES,)
 
 
+async def _next(reader: asyncio.StreamReader, what: str) -> engine_pb2.SessionCommand | None:
+    """The next frame's command; ``None`` once the engine's end closed. A frame out of
+    bounds or that does not decode raises ``_BadFrame`` (logged)."""
+    try:
+        (size,) = LANE_FRAME.unpack(await reader.readexactly(LANE_FRAME.size))
+        if size > MAX_LANE_FRAME:
+            raise ValueError(f"a frame of {size} bytes (at most {MAX_LANE_FRAME})")
+        command = engine_pb2.SessionCommand()
+        command.ParseFromString(await reader.readexactly(size))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    except (ValueError, DecodeError) as exc:
+        log.warning("%s: %s; closing it", what, exc)
+        raise _BadFrame from None
+    return command
+
+
+class _BadFrame(Exception):
+    """A lane's frame was out of bounds or did not decode (logged): the lane ends."""
+
+
 async def _commands(
     reader: asyncio.StreamReader, context: _Context, lane: asyncio.Task[None]
 ) -> AsyncIterator[engine_pb2.SessionCommand]:
@@ -81,19 +102,41 @@ async def _commands(
     stream does when its client disconnects (``lane`` is cancelled)."""
     while True:
         try:
-            (size,) = LANE_FRAME.unpack(await reader.readexactly(LANE_FRAME.size))
-            if size > MAX_LANE_FRAME:
-                raise ValueError(f"a frame of {size} bytes (at most {MAX_LANE_FRAME})")
-            command = engine_pb2.SessionCommand()
-            command.ParseFromString(await reader.readexactly(size))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            lane.cancel()
-            return
-        except (ValueError, DecodeError) as exc:
-            log.warning("engine lane: %s; closing it", exc)
+            command = await _next(reader, "engine lane")
+        except _BadFrame:
             context.status = grpc.StatusCode.INVALID_ARGUMENT
             return
+        if command is None:
+            lane.cancel()
+            return
         yield command
+
+
+async def _listen(
+    path: Path,
+    serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> asyncio.AbstractServer:
+    """A Unix socket server at ``path`` (mode 0600), replacing a stale socket of an earlier
+    sidecar (its directory is ours)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    server = await asyncio.start_unix_server(serve, path=str(path))
+    os.chmod(path, 0o600)
+    return server
+
+
+async def _close(
+    server: asyncio.AbstractServer | None, tasks: set[asyncio.Task[None]], path: Path
+) -> None:
+    """Stop accepting, end every task (its lanes), unlink."""
+    if server is not None:
+        server.close()
+    running = tuple(tasks)
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 class LaneServer:
@@ -107,10 +150,7 @@ class LaneServer:
         self._lanes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()  # a stale socket of an earlier sidecar (its directory is ours)
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self._path))
-        os.chmod(self._path, 0o600)
+        self._server = await _listen(self._path, self._serve)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -143,33 +183,8 @@ class LaneServer:
 
     async def aclose(self) -> None:
         """Stop accepting, end every lane (as a stopping server ends its streams), unlink."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        lanes = tuple(self._lanes)
-        for lane in lanes:
-            lane.cancel()
-        await asyncio.gather(*lanes, return_exceptions=True)
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()
-
-
-async def _frames(reader: asyncio.StreamReader) -> AsyncIterator[engine_pb2.SessionCommand]:
-    """A step lane's commands until its end; a frame out of bounds or that does not decode ends
-    it (logged)."""
-    while True:
-        try:
-            (size,) = LANE_FRAME.unpack(await reader.readexactly(LANE_FRAME.size))
-            if size > MAX_LANE_FRAME:
-                raise ValueError(f"a frame of {size} bytes (at most {MAX_LANE_FRAME})")
-            command = engine_pb2.SessionCommand()
-            command.ParseFromString(await reader.readexactly(size))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return
-        except (ValueError, DecodeError) as exc:
-            log.warning("step lane: %s; closing it", exc)
-            return
-        yield command
+        server, self._server = self._server, None
+        await _close(server, self._lanes, self._path)
 
 
 def _refused(command_id: int, exc: BaseException) -> engine_pb2.SessionMessage:
@@ -200,10 +215,7 @@ class StepLaneServer:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()  # a stale socket of an earlier sidecar (its directory is ours)
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self._path))
-        os.chmod(self._path, 0o600)
+        self._server = await _listen(self._path, self._serve)
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
@@ -237,7 +249,7 @@ class StepLaneServer:
 
         try:
             send(engine_pb2.SessionMessage(reply=engine_pb2.SessionReply(id=0)))
-            async for command in _frames(reader):
+            while (command := await _next(reader, "step lane")) is not None:
                 await slots.acquire()
                 if command.WhichOneof("command") != "step":
                     slots.release()
@@ -257,7 +269,7 @@ class StepLaneServer:
                 await writer.drain()
             # the sender went away: its steps in flight still finish (their reads end with an
             # event on the engine's Session), their answers go nowhere
-        except (ConnectionError, asyncio.CancelledError):
+        except (_BadFrame, ConnectionError, asyncio.CancelledError):
             pass
         finally:
             self._tasks.discard(me)
@@ -267,12 +279,5 @@ class StepLaneServer:
 
     async def aclose(self) -> None:
         """Stop accepting, end every lane and the steps still running, unlink."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        tasks = tuple(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()
+        server, self._server = self._server, None
+        await _close(server, self._tasks, self._path)

@@ -40,23 +40,20 @@ import collections
 import contextlib
 import logging
 import threading
-import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 
 from kvsidecar.client import StepDone, requests
-from kvsidecar.client.lane import Lane
 from kvsidecar.errors import KvSidecarError, PeerUnavailableError
-from kvsidecar.types import steps_path
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire.engine import status_from_proto
 
 from .channel import CLOSE_TIMEOUT_S, MAX_QUEUED_STEPS, STEP_TIMEOUT_S, Doorbell
-from .lane import lean_results, step_command
-from .scheduler import Answer, Hold, Load, Route, StepWork
+from .lane import StepLanes, answer_of, lean_results, merged, step_command
+from .scheduler import Answer, Route, StepWork
 
 log = logging.getLogger(__name__)
 
@@ -162,12 +159,8 @@ class SidecarSends:
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
-        # The step lanes, one per rank (set by the I/O thread once open; from then on driven by
-        # the scheduler's thread alone), and per rank the steps sent and not yet answered
-        # (command id -> (work, perf_counter when sent)).
-        self._lanes: tuple[Lane, ...] | None = None
-        self._unanswered: tuple[dict[int, tuple[StepWork, float]], ...] = ()
-        self._kept: list[StepWork] = []  # submitted since the last flush (lanes), not yet written
+        # Set by the I/O thread once open; from then on driven by the scheduler's thread alone.
+        self._lanes: StepLanes | None = None
         self.stopped = ""  # why nothing more is sent ("" while sending or not yet started)
 
     # --- the scheduler's thread ---------------------------------------------------------------
@@ -186,19 +179,19 @@ class SidecarSends:
     def pending(self) -> int:
         """Steps submitted and not yet answered on every rank."""
         if self._lanes is not None:
-            return max((len(u) for u in self._unanswered), default=0) + bool(self._kept)
+            return self._lanes.pending
         return self._submitted - self._answered
 
     def submit(self, work: StepWork) -> bool:
         """Send ``work`` to every rank's sidecar (lanes: kept and written with the rest of the
-        scheduling pass's work by ``flush``; gRPC: queued for the I/O thread); False at once
+        scheduling pass's work by ``answers``; gRPC: queued for the I/O thread); False at once
         when not ready or ``max_queued`` are unanswered (the caller sends it another way). Never
         waits."""
         if self.stopped or self.pending >= self._max_queued:
             return False
         lanes = self._lanes
-        if lanes is not None:  # written with the rest of the pass's work (``flush``)
-            self._kept.append(work)
+        if lanes is not None:
+            lanes.keep(work)
             return True
         bell = self._bell
         if bell is None:
@@ -208,94 +201,21 @@ class SidecarSends:
         bell.ring()
         return True
 
-    def _write(self, lanes: Sequence[Lane], work: StepWork) -> None:
-        command = step_command(work)  # built once; each rank's copy names its registration
-        now = time.perf_counter()
-        for rank, lane, unanswered in zip(self._ranks, lanes, self._unanswered, strict=True):
-            command.step.registration_epoch = rank.epoch
-            try:
-                unanswered[lane.send_command(command)] = (work, now)
-            except KvSidecarError as exc:  # the lane broke: whether it got the step is unknown
-                self._unsettle(rank.rank, f"its step lane broke: {exc}", ((work, now),))
-
-    def flush(self) -> None:
-        """Write what was submitted since the last flush as one step (on the lanes; the gRPC
-        route coalesces on its I/O thread): holds first, then loads, each in submitted order.
-        vLLM decides holds (``request_finished``, as it takes a step's output) and loads
-        (``update_state_after_alloc``, in ``schedule()``) one request at a time, and builds the
-        next step's metadata right after either (``answers`` flushes first; a step that
-        finished requests is always followed by a scheduling pass that tells the workers). One
-        step of N reads costs a sidecar far less than N steps of one (one READ per rank for all,
-        one wake-up of a sidecar that shares the engines' cores)."""
-        lanes, kept = self._lanes, self._kept
-        if lanes is not None and kept:
-            self._kept = []
-            self._write(
-                lanes,
-                StepWork(
-                    holds=tuple(h for w in kept for h in w.holds),
-                    loads=tuple(ld for w in kept for ld in w.loads),
-                ),
-            )
-
     def answers(self) -> tuple[Answer, ...]:
         """What the sidecars answered since the last call that a worker must act on (what was
-        submitted since the last call is written first: ``flush``)."""
+        submitted since the last call is written first: ``StepLanes.take``)."""
         if self._lanes is not None:
-            self.flush()
-            self._poll(self._lanes)
+            found, why = self._lanes.take()
+            if found:
+                with self._lock:
+                    self._answers.extend(found)
+            if why:
+                self.stop(why)
         if not self._answers:  # read without the lock: a list's truth value is atomic
             return ()
         with self._lock:
             out, self._answers = tuple(self._answers), []
         return out
-
-    def _poll(self, lanes: Sequence[Lane]) -> None:
-        """Take every lane's answers; a lane that broke, or a step unanswered for ``timeout_s``,
-        leaves its steps unsettled."""
-        found: list[Answer] = []
-        now = time.perf_counter()
-        for rank, lane, unanswered in zip(self._ranks, lanes, self._unanswered, strict=True):
-            try:
-                messages = lane.poll() if unanswered else []  # also sends what it kept
-            except KvSidecarError as exc:
-                self._unsettle(rank.rank, f"its step lane broke: {exc}", unanswered.values())
-                unanswered.clear()
-                continue
-            for message in messages:
-                reply = message.reply
-                sent = unanswered.pop(reply.id, None) if message.HasField("reply") else None
-                if sent is None:
-                    continue  # the lane's opening (id 0), or an answer given up on
-                if reply.code:
-                    outcome: StepDone | KvSidecarError = requests.error_from_number(
-                        reply.code, reply.message
-                    )
-                else:
-                    outcome = lean_results(reply.step)
-                answer = _answer(rank.rank, sent[0], outcome)
-                if answer is not None:
-                    found.append(answer)
-                if isinstance(outcome, KvSidecarError):
-                    self.stop(f"a step to rank {rank.rank}'s sidecar failed: {outcome}")
-            late = [k for k, (_, at) in unanswered.items() if now - at > self._timeout_s]
-            if late:
-                self._unsettle(
-                    rank.rank,
-                    f"a step went unanswered for {self._timeout_s:g} s",
-                    [unanswered.pop(k) for k in late],
-                )
-        if found:
-            with self._lock:
-                self._answers.extend(found)
-
-    def _unsettle(self, rank: int, why: str, sent: Iterable[tuple[StepWork, float]]) -> None:
-        """Rank ``rank``'s worker fences its sidecar for ``sent`` (its steps may have applied)."""
-        if not tuple(sent):
-            return
-        with self._lock:
-            self._answers.append(Answer(rank=rank, unsettled=why))
-        self.stop(f"rank {rank}: {why}")
 
     def stop(self, why: str) -> None:
         """Send nothing more (a worker's stream ended, or a call was unsettled); work already
@@ -315,11 +235,11 @@ class SidecarSends:
         """Stop the thread, bounded; calls in flight are cancelled (their work may or may not
         have reached a sidecar: the engine is going away, and its workers' streams with it)."""
         self._closing = True
-        if self._lanes is not None and not self.stopped:
-            self.flush()  # what the workers were told is sent
         lanes, self._lanes = self._lanes, None
-        for lane in lanes or ():
-            lane.close()
+        if lanes is not None:
+            if not self.stopped:
+                lanes.flush()  # what the workers were told is sent
+            lanes.close()
         loop, thread = self._loop, self._thread
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # already closed
@@ -359,10 +279,15 @@ class SidecarSends:
             if why:
                 self.stop(f"{why}; holds and loads go with the steps")
                 return
-            lanes = self._open_lanes()
+            lanes = StepLanes.open(
+                [r.socket for r in self._ranks],
+                [r.rank for r in self._ranks],
+                [r.epoch for r in self._ranks],
+                timeout_s=self._timeout_s,
+                open_timeout_s=LANE_OPEN_TIMEOUT_S,
+            )
             if lanes is not None:
-                self._unanswered = tuple({} for _ in lanes)
-                self._lanes = lanes  # from here on, submit() writes to them
+                self._lanes = lanes  # from here on, submit() keeps work for them
                 log.info(
                     "kvsidecar: engine %s's scheduler sends holds and loads to its %d "
                     "sidecar(s) on their step lanes",
@@ -389,22 +314,6 @@ class SidecarSends:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             for channel in channels:
                 await channel.close()
-
-    def _open_lanes(self) -> tuple[Lane, ...] | None:
-        """Every rank's step lane, open; ``None`` when one does not open (a sidecar without
-        one: the gRPC route)."""
-        lanes: list[Lane] = []
-        for rank in self._ranks:
-            lane = Lane(steps_path(rank.socket))
-            try:
-                lane.open(timeout_s=LANE_OPEN_TIMEOUT_S)
-            except KvSidecarError as exc:
-                log.info("kvsidecar: rank %d's sidecar has no step lane (%s): gRPC", rank.rank, exc)
-                for opened in lanes:
-                    opened.close()
-                return None
-            lanes.append(lane)
-        return tuple(lanes)
 
     async def _check(self, stubs: Sequence[_Stub]) -> str:
         """Why the sockets do not reach the workers' registrations ("" when every one does)."""
@@ -447,10 +356,7 @@ class SidecarSends:
         """``works`` in one Step to every rank at once (holds first, then loads, each in the
         order submitted; at most ``max_queued`` items of each, far below a Step's 4096); what a
         worker must act on is kept for ``answers``."""
-        work = StepWork(
-            holds=tuple(h for w in works for h in w.holds),
-            loads=tuple(ld for w in works for ld in w.loads),
-        )
+        work = merged(works)
         try:
             request = step_command(work).step  # built once; each rank's names its registration
             per_rank = []
@@ -464,7 +370,7 @@ class SidecarSends:
             )
             found = []
             for rank, outcome in zip(self._ranks, done, strict=True):
-                answer = _answer(rank.rank, work, outcome)
+                answer = answer_of(rank.rank, work, outcome)
                 if answer is not None:
                     found.append(answer)
                 if isinstance(outcome, KvSidecarError):
@@ -487,29 +393,3 @@ class SidecarSends:
         except Exception as exc:  # e.g. the channel closed under it
             return PeerUnavailableError(f"Step call failed: {exc!r}")
         return lean_results(reply)
-
-
-def _answer(rank: int, work: StepWork, outcome: StepDone | KvSidecarError) -> Answer | None:
-    """What rank ``rank``'s worker must act on in ``outcome`` (None: nothing)."""
-    if isinstance(outcome, KvSidecarError):
-        return Answer(rank=rank, unsettled=str(outcome) or type(outcome).__name__)
-    holds = _refused(rank, "HOLD", work.holds, outcome.holds)
-    loads = _refused(rank, "read", work.loads, outcome.reads)
-    return Answer(rank=rank, refused_holds=holds, refused_loads=loads) if holds or loads else None
-
-
-def _refused(
-    rank: int, what: str, items: Sequence[Hold | Load], results: Sequence[object]
-) -> tuple[str, ...]:
-    out = []
-    for item, result in zip(items, results, strict=True):
-        if isinstance(result, Exception):
-            log.warning(
-                "kvsidecar: rank %d's sidecar refused the %s of %s: %s",
-                rank,
-                what,
-                item.request_id,
-                result,
-            )
-            out.append(item.request_id)
-    return tuple(out)
