@@ -42,6 +42,10 @@ What it reports:
 * Where the time goes: each hook's share of the N steps (the table names the largest at the
   largest N), and the decode sidecar's mean per Read phase over kvsidecar's single requests and
   over every measured read (``kvsidecar_read_phase_seconds``, see docs/operations.md).
+* Where a single request's decode TTFT goes, per connector (median ms per segment, from D's step
+  records beside the release and the first token: ``measure.SEGMENTS``): to the step that
+  carries its load, to the end of the step that reports it received, to the next step (its
+  forward), that step, and to the first token.
 
 CPU pinning, the same for both connectors: each engine's compute thread has a core of its own,
 ``VLLM_CPU_OMP_THREADS_BIND`` = ``--bind-p`` for P engines and ``--bind-d`` for D engines (default

@@ -36,6 +36,7 @@ class Submitted:
     outputs: list[Any]  # vLLM RequestOutputs, in prompt order
     ttft_s: list[float]  # per request: release to its first token
     wall_s: float  # release to the last request's end
+    released_at: float  # wall time just before the scheduler resumed
 
 
 def submit(engine: Engine, prompts: Sequence[list[int]], params: Sequence[Any]) -> Submitted:
@@ -74,7 +75,7 @@ def submit(engine: Engine, prompts: Sequence[list[int]], params: Sequence[Any]) 
         m = o.metrics
         latency = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
         ttft.append(m.arrival_time + latency - t0 if latency > 0 else wall)
-    return Submitted(outputs=ordered, ttft_s=ttft, wall_s=wall)
+    return Submitted(outputs=ordered, ttft_s=ttft, wall_s=wall, released_at=t0)
 
 
 def _bounded(what: str, timeout: float, call: Callable[[], object]) -> None:
@@ -130,6 +131,7 @@ class Handed:
     ttft_s: list[float]  # D, per request: release to its first token
     checked: int
     mismatches: list[str]
+    released_at: float  # D: wall time of the release
 
 
 def prefill_then_decode(pair: Pair, prompts: Sequence[list[int]]) -> Handed:
@@ -148,4 +150,10 @@ def prefill_then_decode(pair: Pair, prompts: Sequence[list[int]]) -> Handed:
                 f"{pair.connector}: prompt {i} ({len(prompts[i])} tokens): P's first token "
                 f"{want}, D's {got}"
             )
-    return Handed(wall_s=d.wall_s, ttft_s=d.ttft_s, checked=len(prompts), mismatches=mismatches)
+    return Handed(
+        wall_s=d.wall_s,
+        ttft_s=d.ttft_s,
+        checked=len(prompts),
+        mismatches=mismatches,
+        released_at=d.released_at,
+    )

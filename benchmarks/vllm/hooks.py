@@ -19,7 +19,8 @@ executor): there the scheduler's hooks are another process's time and the record
 
 A step runs from ``bind_connector_metadata`` to ``clear_connector_metadata``; at its end one
 JSON line goes to the file named by ``KVSIDECAR_BENCH_HOOKS`` (in the worker process, which
-inherits the engine's environment): ``{"t": wall time at bind, "s": worker hook seconds,
+inherits the engine's environment): ``{"t": wall time at bind, "te": wall time at the end,
+"recv": loads the step reported finished (``finished_recving``), "s": worker hook seconds,
 "sched_s": scheduler hook seconds since the previous step ended, "holds": n, "loads": n,
 "meta_holds": n, "meta_loads": n, "hooks": {name: seconds}}`` (scheduler hooks named
 ``sched.<hook>``). ``holds``/``loads``: the requests the scheduler decided since the previous step
@@ -159,6 +160,7 @@ class _Clock:
     def _reset(self) -> None:
         self._t = 0.0
         self._s = 0.0
+        self._recv = 0
         self._meta_holds = 0
         self._meta_loads = 0
         self._hooks: dict[str, float] = {}
@@ -180,7 +182,9 @@ class _Clock:
         self._depth += 1
         t0 = time.perf_counter()
         try:
-            return method(this, *args, **kw)
+            result = method(this, *args, **kw)
+            self._recv += _received(name, result)
+            return result
         finally:
             dt = time.perf_counter() - t0
             self._depth -= 1
@@ -193,6 +197,8 @@ class _Clock:
         sched_s, holds, loads, sched_hooks = _DECIDED.take()
         record = {
             "t": self._t,
+            "te": time.time(),
+            "recv": self._recv,
             "s": self._s,
             "sched_s": sched_s,
             # With the scheduler in another process (vLLM's multiprocess executor, which its CPU
@@ -210,6 +216,15 @@ class _Clock:
         if self._open:
             self._flush()
         self._file.close()
+
+
+def _received(name: str, result: Any) -> int:
+    """Loads a results hook reported finished (vLLM's ``finished_recving``), else 0."""
+    if name == "get_transfer_results":
+        return len(getattr(result, "finished_recving", None) or ())
+    if name == "get_finished" and isinstance(result, tuple) and len(result) == 2:
+        return len(result[1] or ())
+    return 0
 
 
 def _wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,12 +1,15 @@
 """What is measured: the connectors' hook time per scheduler step (the step records that
-``benchmarks.vllm.hooks`` writes), and the decode sidecar's Read phases (its metrics)."""
+``benchmarks.vllm.hooks`` writes), where a single request's decode TTFT goes (those records
+beside the release and the first token), and the decode sidecar's Read phases (its metrics)."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,31 @@ def thread_s(record: dict[str, Any]) -> float:
     """A step record's connector time on the model thread: the worker's hooks and the
     scheduler's since the previous step (the same thread in a single-process engine)."""
     return float(record["s"]) + float(record.get("sched_s", 0.0))
+
+
+# Where a single request's decode-side TTFT goes, on D: release -> the bind of the step that
+# carries its load -> the end of the step that reports it received (vLLM's finished_recving) ->
+# the bind of the next step (its forward) -> that step's end -> the first token (frontend).
+SEGMENTS = ("to load step", "load to received", "received to forward", "forward", "to token")
+
+
+def segments(
+    records: Sequence[dict[str, Any]], released_at: float, ttft_s: float
+) -> tuple[float, ...] | None:
+    """The ``SEGMENTS`` of one single request (seconds each, summing to ``ttft_s``) from D's step
+    records (wall clock, the frontend's too: one host); None when a step is missing (another
+    request's steps must not be in ``records`` between the release and the first token)."""
+    end = released_at + ttft_s
+    window = sorted((r for r in records if released_at <= r["t"] <= end), key=lambda r: r["t"])
+    load = next((i for i, r in enumerate(window) if r["loads"] > 0), None)
+    if load is None:
+        return None
+    got = next((i for i in range(load, len(window)) if window[i].get("recv", 0) > 0), None)
+    if got is None or got + 1 >= len(window):
+        return None
+    forward = window[got + 1]
+    points = (released_at, window[load]["t"], window[got]["te"], forward["t"], forward["te"], end)
+    return tuple(b - a for a, b in itertools.pairwise(points))
 
 
 @dataclass
@@ -125,6 +153,8 @@ class Collected:
     singles: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # seconds, in order
     batch_ttft: dict[str, list[list[float]]] = field(default_factory=dict)
     batch_wall: dict[str, list[float]] = field(default_factory=dict)
+    # single requests, per connector: (D's release wall time, its TTFT in seconds)
+    released: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     checked: int = 0
     mismatches: list[str] = field(default_factory=list)
 

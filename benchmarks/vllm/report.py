@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .measure import Collected, thread_s
+from .measure import SEGMENTS, Collected, segments, thread_s
 from .settings import CONNECTORS, LABEL, STEP_GOAL_US, TTFT_AIM, TTFT_GOAL, Settings
 
 
@@ -82,6 +82,9 @@ def build_report(
         "nixl_total_ms": _r(_ms(_median(walls["nixl"])), 2),
         "total_ratio": _ratios(walls["kvsidecar"], walls["nixl"])["ratio_of_medians"],
     }
+    ttft["segments"] = {
+        c: _segments(hooks.get(c, ([], []))[1], got.released.get(c, [])) for c in CONNECTORS
+    }
     report: dict[str, Any] = {
         "settings": {
             **asdict(s),
@@ -100,6 +103,18 @@ def build_report(
     }
     report["goals"] = goals(report)
     return report
+
+
+def _segments(
+    d_records: Sequence[dict[str, Any]], released: Sequence[tuple[float, float]]
+) -> dict[str, Any]:
+    """Median ms of each of ``SEGMENTS`` over the single requests whose steps were all found."""
+    found = [x for at, ttft in released if (x := segments(d_records, at, ttft)) is not None]
+    return {
+        "requests": len(found),
+        "of": len(released),
+        "ms": {name: _r(_ms(_median([x[i] for x in found])), 2) for i, name in enumerate(SEGMENTS)},
+    }
 
 
 def _ms(x: float | None) -> float | None:
@@ -241,6 +256,22 @@ def format_table(report: dict[str, Any], before: dict[str, Any] | None = None) -
         f"{'batch total (wall)':<22} {_fmt(b['kvsidecar_total_ms'], 2):>10} "
         f"{_fmt(b['nixl_total_ms'], 2):>10} {'':>7} {_fmt(b['total_ratio'], 3):>7}"
     )
+    segs = report["ttft"].get("segments") or {}
+    if segs:
+        lines += [
+            "",
+            "Where a single request's decode TTFT goes on D (ms, median over the requests whose "
+            "steps were found):",
+            f"{'connector':<14}" + "".join(f" {name:>19}" for name in SEGMENTS) + "   requests",
+        ]
+        for c in CONNECTORS:
+            row = segs.get(c) or {}
+            ms = row.get("ms") or {}
+            lines.append(
+                f"{LABEL[c]:<14}"
+                + "".join(f" {_fmt(ms.get(name), 2):>19}" for name in SEGMENTS)
+                + f"   {row.get('requests', 0)}/{row.get('of', 0)}"
+            )
     for which, label in (("singles", "single requests"), ("all", "every read")):
         means = report["sidecar_read_phases_us"].get(which) or {}
         if not means:

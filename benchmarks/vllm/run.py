@@ -37,6 +37,7 @@ def run_bench(s: Settings) -> dict[str, Any]:
             got.singles[c] = {n: [] for n in s.lengths}
             got.batch_ttft[c] = []
             got.batch_wall[c] = []
+            got.released[c] = []
         log("warming up (one request per prompt length and pair)")
         for c in CONNECTORS:
             for length in sorted({*s.lengths, s.batch_len, s.steps_len}):
@@ -60,6 +61,7 @@ def run_bench(s: Settings) -> dict[str, Any]:
                             pair, [prompt(f"r{r}-single{length}-{i}", length)]
                         )
                         got.singles[c][length].append(handed.ttft_s[0])
+                        got.released[c].append((handed.released_at, handed.ttft_s[0]))
                         got.take(handed)
                 if c == "kvsidecar":
                     _add_delta(phases["singles"], before, scrape_phases(sc_decode))

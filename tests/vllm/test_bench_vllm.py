@@ -107,6 +107,14 @@ def test_bench_vllm_tiny_report_has_every_figure(tmp_path: Path) -> None:
     assert ttft["singles"][str(TINY.lengths[0])]["requests"] == TINY.rounds * TINY.singles
     for key in ("kvsidecar_total_ms", "nixl_total_ms", "total_ratio"):
         assert _finite(ttft["batch"][key]), (key, ttft["batch"])
+    # each connector's single requests were found in D's step records (the load step, the step
+    # that reported it received, the forward after it), and their segments measured
+    singles = len(TINY.lengths) * TINY.singles * TINY.rounds
+    for c in CONNECTORS:
+        seg = ttft["segments"][c]
+        assert seg["of"] == singles, (c, seg)
+        assert seg["requests"] > 0, (c, seg)
+        assert all(_finite(v) and v >= 0 for v in seg["ms"].values()), (c, seg)
 
     # every request of every phase was checked: warm-up (one per prompt length and connector),
     # then per round and connector the N-step requests, the singles and the batch
