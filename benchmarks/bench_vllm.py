@@ -35,6 +35,8 @@ What it reports:
   requests one after another, ``--singles`` per prompt length and turn, and a batch of
   ``--batch`` requests of ``--batch-len`` tokens released together (per-request median, and the
   batch's time to its last first token). Each request is prefilled on P just before (one token).
+  The noise floor beside them: ``--singles`` requests per turn of the first prompt length on D
+  alone (no kv_transfer_params: no transfer, D prefills them), the same ratios.
   Ratios kvsidecar / NixlConnector: the median of per-request ratios (same prompt, same turn)
   and the ratio of the medians.
 * **Correctness.** D's first token must equal P's (greedy, same model and prompt); a mismatch

@@ -23,12 +23,12 @@ def prompt(seed: str, length: int) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(length)]
 
 
-def _params(kv: dict[str, Any]) -> Any:
+def _params(kv: dict[str, Any] | None) -> Any:
+    """Greedy, one token; ``kv``: the request's kv_transfer_params (None: none, no transfer)."""
     from vllm import SamplingParams
 
-    return SamplingParams(
-        temperature=0.0, max_tokens=1, ignore_eos=True, extra_args={"kv_transfer_params": kv}
-    )
+    extra = None if kv is None else {"kv_transfer_params": kv}
+    return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, extra_args=extra)
 
 
 @dataclass
@@ -157,3 +157,9 @@ def prefill_then_decode(pair: Pair, prompts: Sequence[list[int]]) -> Handed:
         mismatches=mismatches,
         released_at=d.released_at,
     )
+
+
+def local(pair: Pair, prompts: Sequence[list[int]]) -> Submitted:
+    """``prompts`` prefilled on D alone (no kv_transfer_params: no transfer), released together:
+    the TTFT of the same engines without a connector's work (the noise floor of a ratio)."""
+    return submit(pair.decode, prompts, [_params(None)] * len(prompts))

@@ -153,6 +153,7 @@ class Collected:
     singles: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # seconds, in order
     batch_ttft: dict[str, list[list[float]]] = field(default_factory=dict)
     batch_wall: dict[str, list[float]] = field(default_factory=dict)
+    no_transfer: dict[str, list[float]] = field(default_factory=dict)  # seconds, in order
     # single requests, per connector: (D's release wall time, its TTFT in seconds)
     released: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     checked: int = 0

@@ -82,6 +82,14 @@ def build_report(
         "nixl_total_ms": _r(_ms(_median(walls["nixl"])), 2),
         "total_ratio": _ratios(walls["kvsidecar"], walls["nixl"])["ratio_of_medians"],
     }
+    ours_n, theirs_n = (got.no_transfer.get(c, []) for c in CONNECTORS)
+    ttft["no_transfer"] = {
+        "prompt_len": s.lengths[0] if s.lengths else None,
+        "requests": len(ours_n),
+        "kvsidecar_ms": _r(_ms(_median(ours_n)), 2),
+        "nixl_ms": _r(_ms(_median(theirs_n)), 2),
+        **_ratios(ours_n, theirs_n),
+    }
     ttft["segments"] = {
         c: _segments(hooks.get(c, ([], []))[1], got.released.get(c, [])) for c in CONNECTORS
     }
@@ -256,6 +264,14 @@ def format_table(report: dict[str, Any], before: dict[str, Any] | None = None) -
         f"{'batch total (wall)':<22} {_fmt(b['kvsidecar_total_ms'], 2):>10} "
         f"{_fmt(b['nixl_total_ms'], 2):>10} {'':>7} {_fmt(b['total_ratio'], 3):>7}"
     )
+    floor = report["ttft"].get("no_transfer") or {}
+    if floor.get("requests"):
+        label = f"no transfer {floor['prompt_len']} x{floor['requests']}"
+        lines.append(
+            f"{label:<22} {_fmt(floor['kvsidecar_ms'], 2):>10} {_fmt(floor['nixl_ms'], 2):>10} "
+            f"{_fmt(floor['median_of_ratios'], 3):>7} {_fmt(floor['ratio_of_medians'], 3):>7}"
+            "   (noise floor: D alone, the same engines)"
+        )
     segs = report["ttft"].get("segments") or {}
     if segs:
         lines += [

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .drive import prefill_then_decode, prompt
+from .drive import local, prefill_then_decode, prompt
 from .engines import Pair, close_all, make_model, start_pairs
 from .measure import Collected, _add_delta, measure_steps, phase_means_us, read_steps, scrape_phases
 from .report import build_report
@@ -38,6 +38,7 @@ def run_bench(s: Settings) -> dict[str, Any]:
             got.batch_ttft[c] = []
             got.batch_wall[c] = []
             got.released[c] = []
+            got.no_transfer[c] = []
         log("warming up (one request per prompt length and pair)")
         for c in CONNECTORS:
             for length in sorted({*s.lengths, s.batch_len, s.steps_len}):
@@ -65,6 +66,9 @@ def run_bench(s: Settings) -> dict[str, Any]:
                         got.take(handed)
                 if c == "kvsidecar":
                     _add_delta(phases["singles"], before, scrape_phases(sc_decode))
+                for i in range(s.singles):  # the same engines, nothing to transfer
+                    plain = local(pair, [prompt(f"r{r}-local-{i}", s.lengths[0])])
+                    got.no_transfer[c].append(plain.ttft_s[0])
                 prompts = [prompt(f"r{r}-batch-{i}", s.batch_len) for i in range(s.batch)]
                 handed = prefill_then_decode(pair, prompts)
                 got.batch_ttft[c].append(handed.ttft_s)

@@ -107,6 +107,11 @@ def test_bench_vllm_tiny_report_has_every_figure(tmp_path: Path) -> None:
     assert ttft["singles"][str(TINY.lengths[0])]["requests"] == TINY.rounds * TINY.singles
     for key in ("kvsidecar_total_ms", "nixl_total_ms", "total_ratio"):
         assert _finite(ttft["batch"][key]), (key, ttft["batch"])
+    # the noise floor: the same D engines without a transfer, as many requests as singles per turn
+    floor = ttft["no_transfer"]
+    assert floor["requests"] == TINY.rounds * TINY.singles, floor
+    for key in ("kvsidecar_ms", "nixl_ms", "median_of_ratios", "ratio_of_medians"):
+        assert _finite(floor[key]), (key, floor)
     # each connector's single requests were found in D's step records (the load step, the step
     # that reported it received, the forward after it), and their segments measured
     singles = len(TINY.lengths) * TINY.singles * TINY.rounds
