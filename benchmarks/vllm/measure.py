@@ -74,7 +74,7 @@ def segments(
     load = next((i for i, r in enumerate(window) if r["loads"] > 0), None)
     if load is None:
         return None
-    got = next((i for i in range(load, len(window)) if window[i].get("recv", 0) > 0), None)
+    got = next((i for i in range(load, len(window)) if window[i]["recv"] > 0), None)
     if got is None or got + 1 >= len(window):
         return None
     forward = window[got + 1]

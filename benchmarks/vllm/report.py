@@ -63,32 +63,23 @@ def build_report(
     for length in s.lengths:
         ours = got.singles.get("kvsidecar", {}).get(length, [])
         theirs = got.singles.get("nixl", {}).get(length, [])
-        ttft["singles"][str(length)] = {
-            "requests": len(ours),
-            "kvsidecar_ms": _r(_ms(_median(ours)), 2),
-            "nixl_ms": _r(_ms(_median(theirs)), 2),
-            **_ratios(ours, theirs),
-        }
+        ttft["singles"][str(length)] = {"requests": len(ours), **_side_by_side(ours, theirs)}
     ours_b = [t for batch in got.batch_ttft.get("kvsidecar", []) for t in batch]
     theirs_b = [t for batch in got.batch_ttft.get("nixl", []) for t in batch]
     walls = {c: got.batch_wall.get(c, []) for c in CONNECTORS}
     ttft["batch"] = {
         "size": s.batch,
         "prompt_len": s.batch_len,
-        "kvsidecar_ms": _r(_ms(_median(ours_b)), 2),
-        "nixl_ms": _r(_ms(_median(theirs_b)), 2),
-        **_ratios(ours_b, theirs_b),
+        **_side_by_side(ours_b, theirs_b),
         "kvsidecar_total_ms": _r(_ms(_median(walls["kvsidecar"])), 2),
         "nixl_total_ms": _r(_ms(_median(walls["nixl"])), 2),
         "total_ratio": _ratios(walls["kvsidecar"], walls["nixl"])["ratio_of_medians"],
     }
-    ours_n, theirs_n = (got.no_transfer.get(c, []) for c in CONNECTORS)
+    ours_n = got.no_transfer.get("kvsidecar", [])
     ttft["no_transfer"] = {
         "prompt_len": s.lengths[0] if s.lengths else None,
         "requests": len(ours_n),
-        "kvsidecar_ms": _r(_ms(_median(ours_n)), 2),
-        "nixl_ms": _r(_ms(_median(theirs_n)), 2),
-        **_ratios(ours_n, theirs_n),
+        **_side_by_side(ours_n, got.no_transfer.get("nixl", [])),
     }
     ttft["segments"] = {
         c: _segments(hooks.get(c, ([], []))[1], got.released.get(c, [])) for c in CONNECTORS
@@ -111,6 +102,15 @@ def build_report(
     }
     report["goals"] = goals(report)
     return report
+
+
+def _side_by_side(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, float | None]:
+    """One TTFT row: each connector's median (ms) and the ratios (seconds in, same order)."""
+    return {
+        "kvsidecar_ms": _r(_ms(_median(ours)), 2),
+        "nixl_ms": _r(_ms(_median(theirs)), 2),
+        **_ratios(ours, theirs),
+    }
 
 
 def _segments(
