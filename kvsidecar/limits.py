@@ -38,6 +38,7 @@ MAX_GRACE_S = 3600.0  # DrainRequest.grace_s (as --grace-period-s)
 MAX_STATUS_EVENTS = 65536  # Status.max_events
 MAX_AGENT_METADATA = 64 << 20  # bytes of a peer's NIXL agent metadata
 MAX_LANE_FRAME = 64 << 20  # bytes of one frame on the engine's lane (rpc/lane.py)
+MAX_STEP_LANE_READS = 65536  # reads one step lane follows to their end (rpc/lane.py)
 MAX_DIGEST_BYTES = 64  # a READ_DONE's read_blocks_digest
 MAX_BOARD_BUCKETS = 1 << 24  # buckets of a producer's hold board (GetAgent.board_buckets)
 MAX_STAGED_SLOTS = 1 << 40  # slots of a producer's staging pool (GetAgent.staged.slots)
@@ -76,6 +77,7 @@ __all__ = [
     "MAX_STAGED_SLOTS",
     "MAX_STATUS_EVENTS",
     "MAX_STEP_ITEMS",
+    "MAX_STEP_LANE_READS",
     "MAX_TOKEN",
     "MAX_TOKEN_ROWS",
     "MAX_TP_SIZE",

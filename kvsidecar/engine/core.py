@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from kvsidecar.engine.backend.contract import TransferBackend
+from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import (
     Consumed,
@@ -113,6 +114,11 @@ class EngineCore:
     def board_memory(self) -> BoardMemory:
         """This sidecar's own registered memory (hold board, landing slots), for introspection."""
         return self._p.boards
+
+    @property
+    def events(self) -> EventHub:
+        """The engine's events, for listeners beside its stream (``EventHub.tap``)."""
+        return self._events
 
     @property
     def peers(self) -> PeerRegistry:

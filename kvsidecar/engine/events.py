@@ -2,6 +2,8 @@
 
 An event goes to the open Watch stream if there is one, otherwise into a buffer that ``Status``
 drains; both are bounded (``MAX_QUEUED_EVENTS``, oldest dropped and counted). At most one Watch stream is open at a time: it is the engine's liveness lock.
+Listeners (``tap``) see every event as it is emitted, beside that delivery (the step lanes send
+the outcomes of the reads their steps posted to the scheduler that posted them).
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsidecar.errors import WatchBusyError
 from kvsidecar.types import Event
+
+log = logging.getLogger(__name__)
 
 MAX_QUEUED_EVENTS = 65536  # per queue (drain buffer, Watch stream); the oldest is dropped past it
 
@@ -54,6 +59,7 @@ class EventHub:
             maxlen=max_buffered
         )
         self._subscriber: tuple[asyncio.Queue[Event | None], WatchBinding] | None = None
+        self._taps: list[Callable[[Event], None]] = []
         self.dropped = 0
         self.discarded = 0
 
@@ -94,7 +100,22 @@ class EventHub:
             if len(self._buffer) == self._buffer.maxlen:
                 self.dropped += 1
             self._buffer.append((self._epoch, event))
+        for listener in tuple(self._taps):
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not cost the engine its event
+                log.exception("an event listener failed on %s", type(event).__name__)
         return event
+
+    def tap(self, listener: Callable[[Event], None]) -> None:
+        """Call ``listener`` with every event emitted from now on (stamped, after its delivery
+        to the engine), on the emitter's thread, until ``untap``. It must not block."""
+        self._taps.append(listener)
+
+    def untap(self, listener: Callable[[Event], None]) -> None:
+        """Stop calling ``listener`` (nothing if it is not tapped)."""
+        if listener in self._taps:
+            self._taps.remove(listener)
 
     def drain(self, max_events: int = 0) -> tuple[Event, ...]:
         """Remove and return buffered events, oldest first (all of them when ``max_events`` is 0)."""

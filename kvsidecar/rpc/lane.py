@@ -20,7 +20,12 @@ directory.
 The step lane (``StepLaneServer``, at ``types.steps_path``) carries Step commands alone, for a
 sender beside the engine's Session (vLLM's scheduler): the same frames, a ``SessionReply`` with id
 0 at once (it takes no liveness lock), then one reply per command, by id, as soon as its step is
-done (in any order); no events (they come on the engine's Session). Every step must name its
+done (in any order), and the RECV_DONE or RECV_FAILED of each read its steps posted, as an
+``event`` message, once, as soon as it is emitted (every event still comes on the engine's
+Session too: the lane's copy lets the sender act on a read's end without waiting for the
+engine's worker). A read the sidecar refused (its result carries a code), or of a step refused
+whole, sends nothing; at most ``limits.MAX_STEP_LANE_READS`` reads per lane are followed (past
+it the oldest is forgotten: its end comes on the Session alone). Every step must name its
 registration (``registration_epoch``): one that names another is refused FAILED_PRECONDITION. A
 command that is not a step, or names no registration, is refused INVALID_ARGUMENT alone.
 """
@@ -31,7 +36,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +47,12 @@ from google.protobuf.message import DecodeError
 from kvsidecar.engine.core import EngineCore
 from kvsidecar.engine.stats import CommandKind
 from kvsidecar.errors import InvalidArgumentError, KvSidecarError
-from kvsidecar.limits import MAX_LANE_FRAME
+from kvsidecar.limits import MAX_LANE_FRAME, MAX_STEP_LANE_READS
 from kvsidecar.rpc.session import MAX_SESSION_IN_FLIGHT, Commands, Session
 from kvsidecar.rpc.status import status_for, status_message
+from kvsidecar.types import Event, RecvDone, RecvFailed
 from kvsidecar.v1 import engine_pb2
-from kvsidecar.wire.engine import EVENT_BATCHES, LANE_FRAME
+from kvsidecar.wire.engine import EVENT_BATCHES, LANE_FRAME, event_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -228,25 +235,39 @@ class StepLaneServer:
         assert me is not None
         self._tasks.add(me)
         slots = asyncio.Semaphore(self._max_in_flight)
+        reads = _Followed()  # the reads this lane's steps posted, until their end is sent
 
         def send(message: engine_pb2.SessionMessage) -> None:
             if not writer.is_closing():
                 writer.write(frame(message))
 
+        def ended(event: Event) -> None:  # an EventHub listener: on the event loop, no wait
+            if isinstance(event, RecvDone | RecvFailed) and reads.ends(event.request_id):
+                send(engine_pb2.SessionMessage(event=event_to_proto(event)))
+
         async def run(command_id: int, request: engine_pb2.StepRequest) -> None:
+            ids = [read.request_id for read in request.reads]
+            new = reads.follow(ids)  # first: a read may end before its step is answered
             try:
                 response = await self._commands.step(request)
+                # a refused read of an id followed before is that earlier read's: kept
+                reads.forget(
+                    i for i, r in zip(ids, response.reads, strict=False) if r.code and i in new
+                )
                 send(engine_pb2.SessionMessage(
                     reply=engine_pb2.SessionReply(id=command_id, step=response)
                 ))  # fmt: skip
             except KvSidecarError as exc:
+                reads.forget(new)
                 send(_refused(command_id, exc))
             except Exception as exc:  # a bug: the sender still gets its answer, and it is seen
+                reads.forget(new)
                 log.exception("step lane: step %d failed unexpectedly", command_id)
                 send(_refused(command_id, exc))
             finally:
                 slots.release()
 
+        self._core.events.tap(ended)
         try:
             send(engine_pb2.SessionMessage(reply=engine_pb2.SessionReply(id=0)))
             while (command := await _next(reader, "step lane")) is not None:
@@ -272,6 +293,7 @@ class StepLaneServer:
         except (_BadFrame, ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            self._core.events.untap(ended)
             self._tasks.discard(me)
             writer.close()
             with contextlib.suppress(Exception):
@@ -281,3 +303,27 @@ class StepLaneServer:
         """Stop accepting, end every lane and the steps still running, unlink."""
         server, self._server = self._server, None
         await _close(server, self._tasks, self._path)
+
+
+class _Followed:
+    """The request ids of one step lane's reads whose end it has not sent yet: at most
+    ``MAX_STEP_LANE_READS`` (the oldest forgotten past it; its end comes on the Session alone)."""
+
+    def __init__(self) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def follow(self, ids: list[str]) -> tuple[str, ...]:
+        """Follow ``ids``; returns those not followed before."""
+        new = tuple(i for i in ids if i not in self._ids)
+        self._ids.update(dict.fromkeys(new))
+        while len(self._ids) > MAX_STEP_LANE_READS:
+            self._ids.popitem(last=False)
+        return new
+
+    def forget(self, ids: Iterable[str]) -> None:
+        for request_id in ids:
+            self._ids.pop(request_id, None)
+
+    def ends(self, request_id: str) -> bool:
+        """Whether ``request_id``'s end is this lane's to send (then no longer followed)."""
+        return self._ids.pop(request_id, False) is None

@@ -1,8 +1,9 @@
 """The step lane (rpc/lane.py ``StepLaneServer``, ``types.steps_path``) with real `kvsidecar serve`
 processes and real NIXL: Step commands beside the engine's own stream (the sender vLLM's
-scheduler is), each naming its registration; their events come on the engine's stream. A step
-for another registration applies nothing (on the lane and on the unary Step call alike); what the
-lane does not carry is refused alone, a frame that does not decode ends only that lane."""
+scheduler is), each naming its registration; their events come on the engine's stream, and the
+end of each read a lane's steps posted on that lane too (once; a refused read sends nothing). A
+step for another registration applies nothing (on the lane and on the unary Step call alike); what
+the lane does not carry is refused alone, a frame that does not decode ends only that lane."""
 
 from __future__ import annotations
 
@@ -14,13 +15,23 @@ import time
 import grpc
 import pytest
 
-from kvsidecar.client import HoldSpec, ReadSpec, RecvDone, SendDone, StepSpec, requests
+from kvsidecar.client import (
+    Event,
+    HoldSpec,
+    ReadSpec,
+    RecvDone,
+    RecvFailed,
+    SendDone,
+    StepSpec,
+    requests,
+)
 from kvsidecar.client.lane import Lane
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import PREFILL, ClusterFactory, Rank, request_ids
 from kvsidecar.testing.probes import metric
 from kvsidecar.types import steps_path
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
+from kvsidecar.wire.engine import event_from_proto
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=32)
 TIMEOUT_S = 30.0
@@ -29,16 +40,35 @@ INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 LANE_STEPS = 'kvsidecar_session_commands_total{kind="lane_step"}'
 
 
-async def _reply(lane: Lane, command_id: int) -> engine_pb2.SessionReply:
-    """The reply to ``command_id`` (polled, never blocking; bounded)."""
+async def _reply(
+    lane: Lane, command_id: int, events: list[Event] | None = None
+) -> engine_pb2.SessionReply:
+    """The reply to ``command_id`` (polled, never blocking; bounded); the events that came
+    before it are added to ``events``."""
     deadline = time.monotonic() + TIMEOUT_S
     while True:
         for m in lane.poll():
-            assert m.HasField("reply"), f"a step lane carries replies only: {m}"
+            if m.HasField("event"):
+                assert events is not None, f"an event nothing on this lane posted a read for: {m}"
+                events.append(event_from_proto(m.event))
+                continue
+            assert m.HasField("reply"), f"a step lane carries replies and events only: {m}"
             if m.reply.id == command_id:
                 return m.reply
         assert time.monotonic() < deadline, f"no reply to command {command_id}"
         await asyncio.sleep(0.002)
+
+
+async def _events(lane: Lane, count: int, events: list[Event]) -> list[Event]:
+    """Poll ``lane`` until ``events`` holds ``count`` (bounded); nothing but events may come."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(events) < count:
+        for m in lane.poll():
+            assert m.HasField("event"), f"only events were due: {m}"
+            events.append(event_from_proto(m.event))
+        assert time.monotonic() < deadline, f"{len(events)} of {count} events: {events}"
+        await asyncio.sleep(0.002)
+    return events
 
 
 async def _open(rank: Rank) -> tuple[Lane, int]:
@@ -87,7 +117,8 @@ async def test_steps_on_the_step_lane_apply_beside_the_engines_stream(
         ]
         done = {rid: consumer.expect(f"{rid}@d") for rid in pairs}
         sent = {rid: producer.expect(rid) for rid in pairs}
-        read = await _reply(dlane, dlane.send(step=_step(StepSpec(reads=reads), depoch)))
+        on_lane: list[Event] = []
+        read = await _reply(dlane, dlane.send(step=_step(StepSpec(reads=reads), depoch)), on_lane)
         assert (read.code, [r.code for r in read.step.reads]) == (0, [0] * 3)
         for rank in (producer, consumer):  # one step each, counted as the step lane's
             assert await asyncio.to_thread(metric, rank.addresses["metrics"], LANE_STEPS) == 1
@@ -100,7 +131,57 @@ async def test_steps_on_the_step_lane_apply_beside_the_engines_stream(
                 local_ids=d, remote_ids=p,
             ) == event.bytes > 0  # fmt: skip
             assert isinstance(await asyncio.wait_for(sent[rid], TIMEOUT_S), SendDone)
+        # ... and on the lane whose step posted the reads, the same events, once each
+        ends = {e.request_id: e for e in await _events(dlane, 3, on_lane)}
+        assert ends == {f"{rid}@d": done[rid].result() for rid in pairs}
+        assert other.poll() == []  # not on the other lanes
+        assert plane.poll() == []
         for lane in (plane, dlane, other):
+            lane.close()
+
+
+async def test_the_step_lane_sends_the_end_of_each_read_it_posted_once(
+    local_cluster: ClusterFactory,
+) -> None:
+    """A read the producer rejects (a wrong token) ends RECV_FAILED on the lane as on the
+    engine's stream; a read the sidecar refuses at acceptance (a block past the memory) sends
+    nothing on the lane; neither does a step refused whole (another registration)."""
+    async with local_cluster(SHAPE, 1, 1) as cluster:
+        producer, consumer = cluster.prefill[0], cluster.decode[0]
+        plane, pepoch = await _open(producer)
+        dlane, depoch = await _open(consumer)
+        p, d = request_ids(SHAPE, [0, 1], [2, 3])
+        hold = HoldSpec(request_id="r", block_ids=p, token="h" * 32)
+        held = await _reply(plane, plane.send(step=_step(StepSpec(holds=[hold]), pepoch)))
+        assert [r.code for r in held.step.holds] == [0]
+
+        def read(rid: str, local: list[list[int]], token: str) -> ReadSpec:
+            return ReadSpec(
+                request_id=rid,
+                remote_engine_id=PREFILL,
+                remote_request_id="r",
+                local_block_ids=local,
+                remote_block_ids=p,
+                endpoints=cluster.prefill_endpoints,
+                token=token,
+            )
+
+        past = [[SHAPE.num_blocks + 5] * len(g) for g in d]  # no such block: refused at once
+        wrong = consumer.expect("wrong")
+        events: list[Event] = []
+        spec = StepSpec(reads=[read("past", past, "h" * 32), read("wrong", d, "x" * 32)])
+        reply = await _reply(dlane, dlane.send(step=_step(spec, depoch)), events)
+        codes = [r.code for r in reply.step.reads]
+        assert codes[0] != 0, codes
+        assert codes[1] == 0, codes
+        stale = await _reply(dlane, dlane.send(step=_step(spec, depoch + 1)), events)
+        assert stale.code == FAILED_PRECONDITION
+        failed = await asyncio.wait_for(wrong, TIMEOUT_S)
+        assert isinstance(failed, RecvFailed), failed
+        assert await _events(dlane, 1, events) == [failed]  # "wrong" alone, once
+        await asyncio.sleep(0.2)  # nothing more comes (an extra would show in this poll)
+        assert dlane.poll() == []
+        for lane in (plane, dlane):
             lane.close()
 
 

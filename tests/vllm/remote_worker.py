@@ -28,6 +28,16 @@ CALL_TIMEOUT_S = 60.0  # bound on one call into the child (its start-up: a loade
 
 
 @dataclass(frozen=True)
+class Stepped:
+    """A step's results, whether the worker's stream has ended, whether a load is pending (the
+    two the connector's ``build_connector_worker_meta`` sends)."""
+
+    results: StepResults
+    broken: bool
+    loads_pending: bool
+
+
+@dataclass(frozen=True)
 class Started:
     sidecar: RankSidecar
     peer_endpoint: str
@@ -60,7 +70,8 @@ def _serve(
                 _, sent, work, finished = call
                 worker.note_sent(sent)
                 worker.start_step(work)
-                conn.send((worker.take_results(finished), worker.broken))
+                results = worker.take_results(finished)
+                conn.send(Stepped(results, worker.broken, worker.loads_pending))
             elif call[0] == "verify":
                 _, seed_of, local, remote = call
                 conn.send(
@@ -118,13 +129,12 @@ class RemoteWorker:
             raise
         return cls(process, ours, started)
 
-    def step(self, sent: Sent, work: StepWork, finished: Iterable[str]) -> tuple[StepResults, bool]:
-        """``note_sent``, ``start_step``, ``take_results`` in the worker's process: (results,
-        whether its stream has ended)."""
+    def step(self, sent: Sent, work: StepWork, finished: Iterable[str]) -> Stepped:
+        """``note_sent``, ``start_step``, ``take_results`` in the worker's process."""
         self._conn.send(("step", sent, work, set(finished)))
         out = _answer(self._conn)
-        assert isinstance(out, tuple)
-        return out[0], out[1]
+        assert isinstance(out, Stepped)
+        return out
 
     def verify(
         self, seed: int, local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]]

@@ -61,7 +61,7 @@ from kvsidecar.testing import toy  # noqa: E402
 from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 from kvsidecar.types import SidecarStatus, steps_path  # noqa: E402
 from tests.vllm import sched  # noqa: E402
-from tests.vllm.remote_worker import RemoteWorker  # noqa: E402
+from tests.vllm.remote_worker import RemoteWorker, Stepped  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 2000 + 10 for i in range(80)]  # 3 blocks of 32
 LONG = [(5 * i + 1) % 1900 + 20 for i in range(150)]  # prefilled in 3 chunks of 64 tokens
@@ -479,14 +479,26 @@ def finish_remote_step(
     sc: Scheduler, worker: RemoteWorker, out: SchedulerOutput
 ) -> tuple[set[str], Outputs]:
     m = meta(out)
-    r, broken = worker.step(m.sent, m.work, out.finished_req_ids)
+    return update(sc, out, worker.step(m.sent, m.work, out.finished_req_ids))
+
+
+def update(sc: Scheduler, out: SchedulerOutput, stepped: Stepped) -> tuple[set[str], Outputs]:
+    """vLLM's scheduler takes the worker's output of ``out`` (its connector metadata as the
+    connector's ``build_connector_worker_meta`` builds it)."""
+    r = stepped.results
+    worker_meta = None
+    if stepped.broken:
+        worker_meta = KvSidecarWorkerMeta(broken_ranks=frozenset({0}))
+    elif stepped.loads_pending:
+        worker_meta = KvSidecarWorkerMeta()
     kv = sched.model_output(
         out,
         sending=r.sending,
         recving=r.recving,
         failed=r.failed,
+        invalid=r.invalid_block_ids,
         partial=sched.partial_prefills(sc, out),
-        worker_meta=KvSidecarWorkerMeta(broken_ranks=frozenset({0})) if broken else None,
+        worker_meta=worker_meta,
     )
     result = sc.update_from_output(out, kv)
     return r.failed, {o.request_id: o for eco in result.values() for o in eco.outputs}
@@ -687,6 +699,77 @@ def test_channel_a_request_preempted_after_its_load_reads_nothing_more(
     producer.close()
 
 
+@pytest.mark.parametrize("aborted", [False, True], ids=["running", "aborted"])
+def test_channel_the_scheduler_reports_a_load_its_sidecar_reported_done(
+    model: Path,
+    sidecars: dict[str, Any],
+    remote_workers: Callable[..., RemoteWorker],
+    aborted: bool,
+) -> None:
+    """The worker's output of the step that noted the load was taken before the read ended (its
+    producer's HOLD came later); the read's RECV_DONE reaches the scheduler on its step lane
+    before vLLM takes that output: the scheduler reports the load received itself, the request
+    runs in the next step (or, aborted meanwhile, its blocks are freed), the workers are told,
+    and the worker's own report of the same load, in a later output, is dropped (vLLM asserts
+    on a load reported for a running request, and on one it has let go of). Bytes verified."""
+    producer = remote_workers(sidecars["producer"], "prefill-early", seed=3)
+    consumer = remote_workers(sidecars["consumer"])
+    token = secrets.token_urlsafe(24)
+    kv = dataclasses.replace(
+        remote_kv("p-E", sidecars["producer"].addresses["peer"], token), engine_id="prefill-early"
+    )
+    reads = status(sidecars["consumer"]).counters["reads_done"]
+    sc = channel_scheduler(model, consumer)
+    free = sched.free_blocks(sc)
+    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="E", max_tokens=2))
+    out = sc.schedule()
+    local = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("E"))
+    assert [ld.request_id for ld in meta(out).sent.work.loads] == ["E"]
+    m = meta(out)
+    early = consumer.step(m.sent, m.work, out.finished_req_ids)  # before the read can end
+    assert early.results.recving == set()
+    assert early.loads_pending  # so vLLM calls update_connector_output for this output
+    with SidecarClient(sidecars["producer"].addresses["engine_socket"], timeout_s=10) as client:
+        client.hold("p-E", block_ids=[list(kv.block_ids[0])], token=token, lease_s=60)
+    until("the read done", lambda: status(sidecars["consumer"]).counters["reads_done"] == reads + 1)
+    if aborted:
+        sc.finish_requests("E", RequestStatus.FINISHED_ABORTED)
+    channel = sched.connector(sc)._sends
+    assert channel is not None
+    assert channel._sends is not None
+
+    def on_the_lane() -> bool:  # read as the scheduler reads it (its thread is this one)
+        assert channel._sends is not None
+        lanes = channel._sends._take()
+        return lanes is not None and "E" in lanes._received
+
+    until("the RECV_DONE on the step lane", on_the_lane)
+    update(sc, out, early)  # the worker reported nothing: the scheduler does
+    if aborted:
+        assert "E" not in sc.requests  # vLLM let go of it: its read has ended
+        assert sched.free_blocks(sc) == free
+    else:
+        assert "E" in sc.finished_recving_kv_req_ids
+    out = sc.schedule()
+    assert meta(out).sent.received == ("E",)
+    if not aborted:
+        assert out.num_scheduled_tokens.get("E") == 1  # runs now: the last prompt token
+    # the worker's own RECV_DONE came on its stream: it reports the load here or has; dropped
+    finish_remote_step(sc, consumer, out)
+    if not aborted:
+        remote_steps_until(sc, consumer, lambda *_: "E" not in sc.requests)
+    assert consumer.verify(3, local, kv.block_ids)
+    for _ in range(3):  # nothing more of it comes
+        _, failed, outs = remote_step(sc, consumer)
+        assert failed == set()
+        assert "E" not in outs
+    scheduler = sched.connector(sc)._scheduler
+    assert scheduler is not None
+    assert (scheduler._awaiting, scheduler._early, scheduler._settled) == (set(), set(), [])
+    assert sched.free_blocks(sc) == free
+    producer.close()
+
+
 def test_channel_an_unsettled_call_fences_the_sidecar_before_the_hold_is_given_back(
     tmp_path: Path, remote_workers: Callable[..., RemoteWorker]
 ) -> None:
@@ -720,12 +803,12 @@ def test_channel_an_unsettled_call_fences_the_sidecar_before_the_hold_is_given_b
         finally:
             sends.close()
         sent = Sent(work=StepWork(holds=(hold,)), answers=tuple(answers))
-        results, _ = worker.step(sent, StepWork(), {"H"})
+        results = worker.step(sent, StepWork(), {"H"}).results
         assert results.sending == set()  # not before the sidecar is fenced
         seen: list[int | None] = []
 
         def reported() -> bool:
-            r, _ = worker.step(Sent(), StepWork(), ())
+            r = worker.step(Sent(), StepWork(), ()).results
             if r.sending:
                 seen.append(sidecar.proc.poll())
             return bool(r.sending)

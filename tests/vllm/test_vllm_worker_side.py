@@ -1,10 +1,14 @@
 """The vLLM connector's worker half without vLLM: what it remembers between steps stays bounded,
-and a SEND_DONE is handed to vLLM only once vLLM named the request finished."""
+a SEND_DONE is handed to vLLM only once vLLM named the request finished, and a load the
+scheduler reported received ends received, once."""
 
 from __future__ import annotations
 
+from kvsidecar.integrations.vllm.book import WorkerBook
+from kvsidecar.integrations.vllm.params import RemoteKv
+from kvsidecar.integrations.vllm.scheduler import Load, StepWork
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide
-from kvsidecar.types import SendDone
+from kvsidecar.types import RecvDone, SendDone
 
 
 def test_finished_ids_of_requests_never_held_are_not_kept() -> None:
@@ -62,3 +66,56 @@ def test_the_lane_builds_the_same_step_as_the_client() -> None:
         ),
     )
     assert step_command(work).step == requests.step(step_spec(work))
+
+
+def _sent_load(request_id: str, blocks: tuple[int, ...]) -> StepWork:
+    remote = RemoteKv(
+        engine_id="prefill",
+        request_id=f"p-{request_id}",
+        block_ids=(blocks,),
+        endpoints=("127.0.0.1:1",),
+        token="t" * 32,
+        tp_size=1,
+        num_tokens=64,
+    )
+    return StepWork(loads=(Load(request_id=request_id, local_block_ids=(blocks,), remote=remote),))
+
+
+def test_a_load_the_scheduler_reported_received_is_not_failed_by_a_later_break() -> None:
+    """The scheduler reported D received (every rank's sidecar told it on its step lane); this
+    worker's stream broke before its own RECV_DONE came, and its fence failed every pending
+    load before the note reached it: D is received (its bytes landed), F, which no sidecar
+    reported, stays failed with its blocks invalid."""
+    book = WorkerBook()
+    book.note_sent(_sent_load("D", (3, 4)))
+    book.note_sent(_sent_load("F", (5, 6)))
+    book.released()
+    book.received(["D"])
+    r = book.take(())
+    assert (r.recving, r.failed, r.invalid_block_ids) == ({"D", "F"}, {"F"}, {5, 6})
+    counts = book.take_counts()
+    assert (counts["reads"], counts["reads_failed"]) == (2, 1)
+    book.received(["D"])  # a second note finds nothing more
+    assert book.take(()) == StepResults()
+
+
+def test_a_load_reported_received_by_the_scheduler_ends_once_whatever_comes_after() -> None:
+    """The note first: D ends received at once; its own RECV_DONE, which comes after on this
+    stream, is counted (bytes) and not kept as an early event of an unknown load. A load whose
+    RECV_DONE came first is reported once, by that event."""
+    book = WorkerBook()
+    book.note_sent(_sent_load("D", (3,)))
+    book.received(["D"])
+    assert book.take(()).recving == {"D"}
+    assert not book.loads_pending
+    book.evented(RecvDone(request_id="D", bytes=10, duration_s=0.01))
+    assert book.take(()) == StepResults()
+    assert (book._early, book._reported) == ({}, set())
+    assert book.take_counts()["bytes_read"] == 10
+    book.note_sent(_sent_load("G", (7,)))
+    assert book.loads_pending
+    book.evented(RecvDone(request_id="G", bytes=5, duration_s=0.01))
+    assert book.take(()).recving == {"G"}
+    book.received(["G"])
+    assert book.take(()) == StepResults()
+    assert book._reported == set()

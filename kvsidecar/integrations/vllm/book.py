@@ -58,6 +58,10 @@ class WorkerBook:
         self._finished_seen: set[str] = set()  # of those, the ones vLLM has named finished
         self._pending_sends: set[str] = set()
         self._early: dict[str, RecvDone | RecvFailed] = {}  # events of loads not noted yet
+        # Loads the scheduler reported received (``received``) before this stream's RECV_DONE
+        # came: their event, when it comes, is theirs (counted, not kept as early).
+        self._reported: set[str] = set()
+        self._failed_blocks: dict[str, set[int]] = {}  # failed since the last take: its blocks
         self._fenced = False  # the sidecar can no longer serve this engine (released())
         self._counts = dict.fromkeys(COUNTERS, 0)  # since the last take_counts
 
@@ -101,12 +105,36 @@ class WorkerBook:
             for request_id in answer.refused_loads:
                 self._ended(request_id, ok=False)
 
+    def received(self, request_ids: Iterable[str]) -> None:
+        """Loads the scheduler reported received to vLLM (every rank's sidecar reported their
+        read done on its step lane; the step's metadata says so, after the note of the load):
+        one still pending ends received now; one that failed since the last ``take`` (a break
+        before this note: the bytes had landed) is received instead; one already reported
+        is left alone (the scheduler drops that report)."""
+        with self._lock:
+            for request_id in request_ids:
+                if request_id in self._load_ids:
+                    self._ended(request_id, ok=True)
+                    if not self._fenced:  # its RECV_DONE still comes on this stream
+                        self._reported.add(request_id)
+                elif request_id in self._results.failed:
+                    self._results.failed.discard(request_id)
+                    self._results.invalid_block_ids -= self._failed_blocks.pop(request_id, set())
+                    self._counts["reads_failed"] -= 1
+
+    @property
+    def loads_pending(self) -> bool:
+        """Some load is noted and has not ended (read without the lock: a dict's truth value
+        is atomic)."""
+        return bool(self._load_ids)
+
     def take(self, finished_req_ids: Iterable[str]) -> StepResults:
         """Everything that finished since the last call. A SEND_DONE is reported once vLLM has
         named its request as finished (vLLM's contract for delayed frees)."""
         with self._lock:
             self._finished_seen.update(self._held.intersection(finished_req_ids))
             out, self._results = self._results, StepResults()
+            self._failed_blocks.clear()
             ready = self._pending_sends & self._finished_seen
             out.sending |= ready
             self._pending_sends -= ready
@@ -160,6 +188,7 @@ class WorkerBook:
                 self._ended(request_id, ok=False)
             self._quiet.clear()
             self._early.clear()
+            self._reported.clear()  # no more events come
             self._pending_sends |= self._held
 
     def evented(self, event: Event) -> None:
@@ -171,6 +200,10 @@ class WorkerBook:
             self._pending_sends.add(event.request_id)
             self._counts["sends_done"] += 1
             self._counts["leases_expired"] += int(event.expired)
+        elif isinstance(event, RecvDone | RecvFailed) and event.request_id in self._reported:
+            self._reported.discard(event.request_id)  # reported received already
+            if isinstance(event, RecvDone):
+                self._counts["bytes_read"] += event.bytes
         elif isinstance(event, RecvDone | RecvFailed) and not self._known(event.request_id):
             self._keep_early(event)
         elif isinstance(event, RecvDone):
@@ -204,4 +237,6 @@ class WorkerBook:
             self._counts["reads_failed"] += 1
             self._results.failed.add(request_id)
             groups = local if invalid is None else invalid
-            self._results.invalid_block_ids.update(int(b) for g in groups for b in g)
+            blocks = {int(b) for g in groups for b in g}
+            self._results.invalid_block_ids |= blocks
+            self._failed_blocks[request_id] = blocks

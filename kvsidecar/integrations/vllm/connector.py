@@ -91,7 +91,9 @@ class KvSidecarHandshake(KVConnectorHandshakeMetadata):
 class KvSidecarWorkerMeta(KVConnectorWorkerMetadata):
     """From the workers to the scheduler each step: the ranks whose sidecar stream has ended
     (the scheduler then stops sending to the sidecars: everything goes with the steps, which
-    fail at once on those ranks)."""
+    fail at once on those ranks). Sent, even empty, while a worker has a load pending: vLLM
+    calls ``update_connector_output`` only for a step whose connector output is not empty, and
+    that is where the scheduler reports the loads its sidecars told it of."""
 
     broken_ranks: frozenset[int] = frozenset()
 
@@ -99,6 +101,9 @@ class KvSidecarWorkerMeta(KVConnectorWorkerMetadata):
         if isinstance(other, KvSidecarWorkerMeta):
             return KvSidecarWorkerMeta(broken_ranks=self.broken_ranks | other.broken_ranks)
         return self
+
+
+_LOADS_PENDING = KvSidecarWorkerMeta()
 
 
 @dataclass
@@ -267,9 +272,11 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         worker = self._worker
-        if worker is None or not worker.broken:
+        if worker is None:
             return None
-        return KvSidecarWorkerMeta(broken_ranks=frozenset({worker.tp_rank}))
+        if worker.broken:
+            return KvSidecarWorkerMeta(broken_ranks=frozenset({worker.tp_rank}))
+        return _LOADS_PENDING if worker.loads_pending else None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # pull model: a request runs only once its whole KV has arrived
@@ -352,6 +359,9 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, KvSidecarWorkerMeta) and meta.broken_ranks and self._sends:
             ranks = sorted(meta.broken_ranks)
             self._sends.stop(f"the sidecar stream of rank(s) {ranks} has ended")
+        # Before vLLM reads it: the loads the sidecars reported done to the scheduler join it.
+        recving = self._s().received(connector_output.finished_recving)
+        connector_output.finished_recving = recving
 
     def request_finished(
         self, request: Request, block_ids: list[int]

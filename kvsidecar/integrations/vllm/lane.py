@@ -19,6 +19,10 @@ and written as one Step per scheduling pass (``take``), holds first, then loads,
 the rank's registration; answers are read with one non-blocking receive per rank. A step whose
 lane broke, or that went unanswered for ``timeout_s``, is unsettled (its work may have applied).
 ``merged`` and ``answer_of`` read step outcomes for both of the scheduler's routes (``sends``).
+Each lane also carries the end of every read its steps posted (``rpc.lane``): a request whose
+read every rank's sidecar reported RECV_DONE is ``received`` (the scheduler tells vLLM at once,
+without waiting for the workers' report: ``SchedulerSide.received``); one that failed on any
+rank is the workers' to report, as is everything once the sends stop.
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvsidecar.client import NotifyDone, ReadPosted, SidecarClient, StepDone, requests
+from kvsidecar.client import (
+    NotifyDone,
+    ReadPosted,
+    RecvDone,
+    RecvFailed,
+    SidecarClient,
+    StepDone,
+    requests,
+)
 from kvsidecar.client.lane import Lane, LaneClosedError
 from kvsidecar.errors import DeadlineExceededError, KvSidecarError, NotFoundError
 from kvsidecar.types import lane_path, steps_path
@@ -236,6 +248,8 @@ class StepLanes:
         self._kept: list[StepWork] = []  # kept since the last step written
         self._found: list[Answer] = []  # answers not yet taken
         self._why = ""  # why the sends must stop ("" while none)
+        self._done: dict[str, set[int]] = {}  # request id -> ranks whose read ended RECV_DONE
+        self._received: list[str] = []  # every rank's read ended RECV_DONE, not yet taken
 
     @classmethod
     def open(
@@ -299,12 +313,15 @@ class StepLanes:
         for i, lane in enumerate(self._lanes):
             unanswered = self._unanswered[i]
             try:
-                messages = lane.poll() if unanswered else []  # also sends what it kept
+                messages = lane.poll()  # answers, and the ends of reads (also sends what it kept)
             except KvSidecarError as exc:
                 self._unsettle(i, f"its step lane broke: {exc}", unanswered.values())
                 unanswered.clear()
                 continue
             for message in messages:
+                if message.HasField("event"):
+                    self._ended(i, event_from_proto(message.event))
+                    continue
                 reply = message.reply
                 sent = unanswered.pop(reply.id, None) if message.HasField("reply") else None
                 if sent is None:
@@ -326,9 +343,29 @@ class StepLanes:
         found, self._found = tuple(self._found), []
         return found, self._why
 
+    def take_received(self) -> tuple[str, ...]:
+        """Requests whose read every rank's sidecar reported done since the last call (read
+        from the lanes by ``take``); none once the sends stopped."""
+        out, self._received = tuple(self._received), []
+        return out
+
     def close(self) -> None:
         for lane in self._lanes:
             lane.close()
+
+    def _ended(self, i: int, event: object) -> None:
+        """Rank ``i``'s sidecar reported the end of a read a step of the scheduler's posted."""
+        if self._why or not isinstance(event, RecvDone | RecvFailed):
+            return
+        rid = event.request_id
+        if isinstance(event, RecvFailed):  # the workers report it (failed)
+            self._done.pop(rid, None)
+            return
+        ranks = self._done.setdefault(rid, set())
+        ranks.add(i)
+        if len(ranks) == len(self._lanes):
+            del self._done[rid]
+            self._received.append(rid)
 
     def _unsettle(self, i: int, why: str, sent: Iterable[_Sent]) -> None:
         """The worker of the ``i``-th rank fences its sidecar for ``sent`` (it may have
@@ -338,7 +375,10 @@ class StepLanes:
             self._stop(f"rank {self._ranks[i]}: {why}")
 
     def _stop(self, why: str) -> None:
+        """Nothing more is sent or reported received here: the workers report every read."""
         self._why = self._why or why
+        self._done.clear()
+        self._received.clear()
 
 
 def merged(works: Sequence[StepWork]) -> StepWork:

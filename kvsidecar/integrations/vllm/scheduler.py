@@ -5,7 +5,9 @@ decided (``request_finished``, ``update_state_after_alloc``) where its ``sender`
 to every TP rank's worker when all live in this process (vLLM's single-process executor: the
 worker's own stream), else to every rank's sidecar on the scheduler's own channel
 (:mod:`.sends`), and the next step's metadata tells the workers what was sent
-(:class:`Sent`: their streams carry its events) and what the sidecars refused. What neither
+(:class:`Sent`: their streams carry its events) and what the sidecars refused; a load whose
+read every rank's sidecar reported done on the scheduler's step lanes is reported received to vLLM
+by the scheduler itself (:meth:`SchedulerSide.received`), a step before the workers could. What neither
 takes travels in the step's :class:`StepWork` (``build_connector_meta``), which workers send in
 ``start_load_kv``, after the step's forward pass.
 
@@ -126,6 +128,10 @@ class Sent:
 
     work: StepWork = StepWork()
     answers: tuple[Answer, ...] = ()
+    #: loads the scheduler reported received to vLLM itself (every rank's sidecar reported their
+    #: read done on its step lane): each worker reports them now unless it has, and a break after
+    #: this cannot fail them (their bytes landed)
+    received: tuple[str, ...] = ()
 
 
 class Route(enum.Enum):
@@ -145,6 +151,10 @@ class Sender(Protocol):
     def answers(self) -> tuple[Answer, ...]:
         """The sidecars' answers to work sent (``Route.SIDECARS``) since the last call that a
         worker must act on."""
+
+    def received(self) -> tuple[str, ...]:
+        """Requests whose load, sent (``Route.SIDECARS``), every rank's sidecar reported done
+        since the last call (may be none until the workers report them)."""
 
 
 @dataclass
@@ -181,6 +191,9 @@ class SchedulerSide:
     _waiting: dict[str, _Waiting] = field(default_factory=dict)
     _sent_loads: list[Load] = field(default_factory=list)
     _sent_holds: list[Hold] = field(default_factory=list)
+    _awaiting: set[str] = field(default_factory=set)  # sent loads no one has reported yet
+    _early: set[str] = field(default_factory=set)  # reported here; the workers' report to drop
+    _settled: list[str] = field(default_factory=list)  # reported here; the workers to be told
     _last_heartbeat: float = 0.0
 
     # --- decode side ----------------------------------------------------------------------------
@@ -282,6 +295,34 @@ class SchedulerSide:
             self._loads[load.request_id] = load
         elif route is Route.SIDECARS:
             self._sent_loads.append(load)
+            if load.reported:
+                self._awaiting.add(load.request_id)
+
+    def received(self, reported: set[str] | None) -> set[str] | None:
+        """vLLM's ``finished_recving`` for a step's output (``update_connector_output``, before
+        vLLM reads it): the workers' report, plus the loads the scheduler sent whose read every
+        rank's sidecar reported done since (its sender's ``received``), less the workers'
+        report of loads already reported here. Each load reaches vLLM once: whichever side
+        reports it first, in one output or an earlier one, and the workers are told of those
+        reported here (:attr:`Sent.received`). Loads that failed on a rank are never reported
+        here (the workers report them, failed)."""
+        ready = self.sender.received() if self.sender is not None else ()
+        if not (ready or self._early or self._awaiting):
+            return reported
+        out = set(reported or ())
+        for rid in reported or ():
+            if rid in self._early:  # vLLM was told: the workers' report is the same load's
+                self._early.discard(rid)
+                out.discard(rid)
+            else:
+                self._awaiting.discard(rid)
+        for rid in ready:
+            if rid in self._awaiting:
+                self._awaiting.discard(rid)
+                self._early.add(rid)
+                self._settled.append(rid)
+                out.add(rid)
+        return out or None
 
     def _send(self, work: StepWork) -> Route:
         return Route.STEP if self.sender is None else self.sender.send(work)
@@ -364,12 +405,13 @@ class SchedulerSide:
         """What the scheduler's channel sent since the last call, and the answers the workers
         must act on (for the step's metadata, beside :meth:`take_step`); resets both."""
         answers = self.sender.answers() if self.sender is not None else ()
-        if not (self._sent_loads or self._sent_holds or answers):
+        if not (self._sent_loads or self._sent_holds or answers or self._settled):
             return _NOTHING_SENT
         work = StepWork(loads=tuple(self._sent_loads), holds=tuple(self._sent_holds))
         self._sent_loads.clear()
         self._sent_holds.clear()
-        return Sent(work=work, answers=answers)
+        received, self._settled = tuple(self._settled), []
+        return Sent(work=work, answers=answers, received=received)
 
     def _heartbeats(self) -> tuple[Heartbeat, ...]:
         interval = self.heartbeat_s or self.lease_s / 3

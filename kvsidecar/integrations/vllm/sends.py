@@ -116,6 +116,9 @@ class SendNow:
     def answers(self) -> tuple[Answer, ...]:
         return self._sends.answers() if self._sends is not None else ()
 
+    def received(self) -> tuple[str, ...]:
+        return self._sends.received() if self._sends is not None else ()
+
     def stop(self, why: str) -> None:
         """Send nothing more to the sidecars (a worker's stream has ended)."""
         if self._sends is not None:
@@ -204,18 +207,33 @@ class SidecarSends:
     def answers(self) -> tuple[Answer, ...]:
         """What the sidecars answered since the last call that a worker must act on (what was
         submitted since the last call is written first: ``StepLanes.take``)."""
-        if self._lanes is not None:
-            found, why = self._lanes.take()
-            if found:
-                with self._lock:
-                    self._answers.extend(found)
-            if why:
-                self.stop(why)
+        self._take()
         if not self._answers:  # read without the lock: a list's truth value is atomic
             return ()
         with self._lock:
             out, self._answers = tuple(self._answers), []
         return out
+
+    def received(self) -> tuple[str, ...]:
+        """Requests whose read, sent on the step lanes, every rank's sidecar reported done
+        since the last call. None on the gRPC route, nor once the sends stopped: the workers
+        report those."""
+        lanes = self._take()
+        received = lanes.take_received() if lanes is not None else ()
+        return () if self.stopped else received
+
+    def _take(self) -> StepLanes | None:
+        """Write what was submitted and read what came back (step lanes only)."""
+        lanes = self._lanes
+        if lanes is None:
+            return None
+        found, why = lanes.take()
+        if found:
+            with self._lock:
+                self._answers.extend(found)
+        if why:
+            self.stop(why)
+        return lanes
 
     def stop(self, why: str) -> None:
         """Send nothing more (a worker's stream ended, or a call was unsettled); work already

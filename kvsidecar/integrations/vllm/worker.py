@@ -16,7 +16,9 @@ Holds and loads the scheduler sent to the sidecar itself (:mod:`.sends`) reach t
 step's metadata (``note_sent``): they are noted like its own (their events come on this
 worker's stream, possibly before the metadata: the book keeps those until the load is noted),
 refusals the scheduler saw settle them, and a call of the scheduler's whose outcome is unknown
-ends the stream and fences the sidecar, as a step of the worker's own would.
+ends the stream and fences the sidecar, as a step of the worker's own would. Loads the scheduler
+reported received itself (``Sent.received``: every rank's sidecar told it on its step lane) end
+received here too, once, whatever this stream says of them later.
 
 Nothing is lost or leaked when the sidecar is slow or gone: a step that cannot be queued (too
 many unanswered), a HOLD the sidecar refuses and a load refused at acceptance fail at once (a
@@ -219,6 +221,8 @@ class WorkerSide:
                 self._abandon(answer.unsettled)
             else:
                 self._book.settle(answer)
+        if sent.received:
+            self._book.received(sent.received)
 
     def _abandon(self, why: str) -> None:
         """A call of the scheduler's to this sidecar failed as a whole after it may have reached
@@ -233,6 +237,12 @@ class WorkerSide:
                 channel.abandon(error)
         else:
             channel.abandon(error)
+
+    @property
+    def loads_pending(self) -> bool:
+        """Some load is noted and has not ended (vLLM must then call the scheduler's
+        ``update_connector_output`` every step: ``build_connector_worker_meta``)."""
+        return self._book.loads_pending
 
     @property
     def tp_rank(self) -> int:
