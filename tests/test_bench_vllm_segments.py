@@ -12,8 +12,16 @@ from benchmarks.vllm.measure import SEGMENTS, segments
 T0 = 1_000.0
 
 
-def _step(t: float, te: float, *, loads: int = 0, recv: int = 0) -> dict[str, Any]:
-    return {"t": T0 + t, "te": T0 + te, "loads": loads, "recv": recv, "holds": 0, "s": 0.0}
+def _step(t: float, te: float, *, loads: int = 0, recv: int = 0, told: int = 0) -> dict[str, Any]:
+    return {
+        "t": T0 + t,
+        "te": T0 + te,
+        "loads": loads,
+        "recv": recv,
+        "told": told,
+        "holds": 0,
+        "s": 0.0,
+    }
 
 
 def test_each_segment_ends_at_its_own_step() -> None:
@@ -37,6 +45,18 @@ def test_a_load_received_in_its_own_step() -> None:
     """NixlConnector on one host: the copy ends inside the step that starts it."""
     records = [_step(0.001, 0.003, loads=1, recv=1), _step(0.005, 0.015)]
     assert segments(records, T0, 0.02) == pytest.approx((0.001, 0.002, 0.002, 0.010, 0.005))
+
+
+def test_a_load_the_scheduler_reported_received() -> None:
+    """kvsidecar's scheduler reported the load received after the step that ends at 0.005 (its
+    sidecar told it on its step lane): the next step, the forward, says so in its metadata; the
+    worker's own report comes later still and does not move the boundary."""
+    records = [
+        _step(0.002, 0.003, loads=1),
+        _step(0.004, 0.005),  # vLLM is told after this step (no report of the worker's)
+        _step(0.006, 0.016, recv=1, told=1),  # the forward; the worker's report, dropped
+    ]
+    assert segments(records, T0, 0.02) == pytest.approx((0.002, 0.003, 0.001, 0.010, 0.004))
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,9 @@ executor): there the scheduler's hooks are another process's time and the record
 A step runs from ``bind_connector_metadata`` to ``clear_connector_metadata``; at its end one
 JSON line goes to the file named by ``KVSIDECAR_BENCH_HOOKS`` (in the worker process, which
 inherits the engine's environment): ``{"t": wall time at bind, "te": wall time at the end,
-"recv": loads the step reported finished (``finished_recving``), "s": worker hook seconds,
+"recv": loads the step reported finished (``finished_recving``), "told": loads the step's metadata
+says the scheduler reported received itself (kvsidecar's ``Sent.received``: vLLM was told after
+the previous step), "s": worker hook seconds,
 "sched_s": scheduler hook seconds since the previous step ended, "holds": n, "loads": n,
 "meta_holds": n, "meta_loads": n, "hooks": {name: seconds}}`` (scheduler hooks named
 ``sched.<hook>``). ``holds``/``loads``: the requests the scheduler decided since the previous step
@@ -161,6 +163,7 @@ class _Clock:
         self._t = 0.0
         self._s = 0.0
         self._recv = 0
+        self._told = 0
         self._meta_holds = 0
         self._meta_loads = 0
         self._hooks: dict[str, float] = {}
@@ -176,9 +179,9 @@ class _Clock:
                 self._flush()
             self._open = True
             self._t = time.time()
-            self._meta_holds, self._meta_loads = step_counts(
-                args[0] if args else kw.get("connector_metadata")
-            )
+            meta = args[0] if args else kw.get("connector_metadata")
+            self._meta_holds, self._meta_loads = step_counts(meta)
+            self._told = len(getattr(getattr(meta, "sent", None), "received", ()) or ())
         self._depth += 1
         t0 = time.perf_counter()
         try:
@@ -199,6 +202,7 @@ class _Clock:
             "t": self._t,
             "te": time.time(),
             "recv": self._recv,
+            "told": self._told,
             "s": self._s,
             "sched_s": sched_s,
             # With the scheduler in another process (vLLM's multiprocess executor, which its CPU

@@ -74,8 +74,17 @@ def segments(
     load = next((i for i, r in enumerate(window) if r["loads"] > 0), None)
     if load is None:
         return None
-    got = next((i for i in range(load, len(window)) if window[i]["recv"] > 0), None)
-    if got is None or got + 1 >= len(window):
+    # vLLM learns it is received from the step's output: the workers' (``recv``), or the
+    # scheduler's own report after it, which the next step's metadata tells (``told``)
+    got = next(
+        (
+            i
+            for i in range(load, len(window) - 1)
+            if window[i]["recv"] > 0 or window[i + 1]["told"] > 0
+        ),
+        None,
+    )
+    if got is None:
         return None
     forward = window[got + 1]
     points = (released_at, window[load]["t"], window[got]["te"], forward["t"], forward["te"], end)
