@@ -17,7 +17,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from kvsidecar.engine.backend.contract import TransferBackend
-from kvsidecar.engine.events import EventHub
 from kvsidecar.engine.local import LocalEngine
 from kvsidecar.engine.model import (
     Consumed,
@@ -115,10 +114,13 @@ class EngineCore:
         """This sidecar's own registered memory (hold board, landing slots), for introspection."""
         return self._p.boards
 
-    @property
-    def events(self) -> EventHub:
-        """The engine's events, for listeners beside its stream (``EventHub.tap``)."""
-        return self._events
+    def tap_events(self, listener: Callable[[Event], None]) -> None:
+        """Call ``listener`` with every event from now on, beside the engine's stream, until
+        ``untap_events`` (``EventHub.tap``)."""
+        self._events.tap(listener)
+
+    def untap_events(self, listener: Callable[[Event], None]) -> None:
+        self._events.untap(listener)
 
     @property
     def peers(self) -> PeerRegistry:

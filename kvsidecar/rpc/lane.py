@@ -267,7 +267,7 @@ class StepLaneServer:
             finally:
                 slots.release()
 
-        self._core.events.tap(ended)
+        self._core.tap_events(ended)
         try:
             send(engine_pb2.SessionMessage(reply=engine_pb2.SessionReply(id=0)))
             while (command := await _next(reader, "step lane")) is not None:
@@ -293,7 +293,7 @@ class StepLaneServer:
         except (_BadFrame, ConnectionError, asyncio.CancelledError):
             pass
         finally:
-            self._core.events.untap(ended)
+            self._core.untap_events(ended)
             self._tasks.discard(me)
             writer.close()
             with contextlib.suppress(Exception):

@@ -595,7 +595,12 @@ class SessionMessage(_message.Message):
     @_builtins.property
     def reply(self) -> Global___SessionReply: ...
     @_builtins.property
-    def event(self) -> Global___Event: ...
+    def event(self) -> Global___Event:
+        """On a Session (and the engine's lane): every event of the engine's. On a step lane (a
+        sender beside the Session, docs/architecture.md): the RECV_DONE or RECV_FAILED of each read
+        that lane's steps posted and the sidecar accepted, once (the Session gets it too).
+        """
+
     @_builtins.property
     def events(self) -> Global___EventBatch:
         """Several events in one message, in order: sent only to an engine that opened the Session
