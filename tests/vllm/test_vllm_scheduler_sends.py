@@ -55,7 +55,7 @@ from kvsidecar.integrations.vllm.connector import (  # noqa: E402
 from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
 from kvsidecar.integrations.vllm.scheduler import Answer, Hold, Load, Sent, StepWork  # noqa: E402
 from kvsidecar.integrations.vllm.sends import RankSidecar, SidecarSends  # noqa: E402
-from kvsidecar.integrations.vllm.worker import WorkerSide  # noqa: E402
+from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from kvsidecar.testing import toy  # noqa: E402
 from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
@@ -767,6 +767,72 @@ def test_channel_the_scheduler_reports_a_load_its_sidecar_reported_done(
     assert scheduler is not None
     assert (scheduler._awaiting, scheduler._early, scheduler._settled) == (set(), set(), [])
     assert sched.free_blocks(sc) == free
+    producer.close()
+
+
+def test_channel_the_scheduler_reports_its_loads_once_none_is_in_flight(
+    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """Two loads in flight: the first one's read ends on every rank (its RECV_DONE on the step
+    lane) while the second's still waits; the scheduler reports neither (the worker may); once
+    the second ends too, the scheduler reports what no one has, together."""
+    producer = remote_workers(sidecars["producer"], "prefill-group", seed=3)
+    consumer = remote_workers(sidecars["consumer"])
+    kvs = {
+        rid: dataclasses.replace(
+            remote_kv(
+                f"p-{rid}", sidecars["producer"].addresses["peer"], secrets.token_urlsafe(24)
+            ),
+            engine_id="prefill-group",
+            block_ids=(tuple(range(first, first + 3)),),
+        )
+        for rid, first in (("A", 40), ("B", 50))
+    }
+    reads = status(sidecars["consumer"]).counters["reads_done"]
+    sc = channel_scheduler(model, consumer)
+    for rid, kv in kvs.items():
+        sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id=rid))
+    out = sc.schedule()
+    assert sorted(ld.request_id for ld in meta(out).sent.work.loads) == ["A", "B"]
+    m = meta(out)
+    early = consumer.step(m.sent, m.work, out.finished_req_ids)  # before either read can end
+    channel = sched.connector(sc)._sends
+    assert channel is not None
+    assert channel._sends is not None
+
+    def lane_reported(rid: str) -> Callable[[], bool]:
+        def seen() -> bool:  # read as the scheduler reads it (its thread is this one)
+            assert channel._sends is not None
+            lanes = channel._sends._take()
+            return lanes is not None and rid in lanes._received
+
+        return seen
+
+    def hold(rid: str) -> None:
+        kv = kvs[rid]
+        with SidecarClient(sidecars["producer"].addresses["engine_socket"], timeout_s=10) as c:
+            c.hold(kv.request_id, block_ids=[list(kv.block_ids[0])], token=kv.token, lease_s=60)
+
+    hold("A")
+    until("A's RECV_DONE on the step lane", lane_reported("A"))
+    update(sc, out, early)
+    assert "A" not in sc.finished_recving_kv_req_ids  # B is still in flight
+    hold("B")
+    until("B's RECV_DONE on the step lane", lane_reported("B"))
+    out = sc.schedule()
+    assert meta(out).sent.received == ()
+    update(sc, out, Stepped(results=StepResults(), broken=False, loads_pending=True))
+    assert {"A", "B"} <= sc.finished_recving_kv_req_ids  # together, by the scheduler
+    assert status(sidecars["consumer"]).counters["reads_done"] == reads + 2
+    out = sc.schedule()
+    assert sorted(meta(out).sent.received) == ["A", "B"]
+    assert set(out.num_scheduled_tokens) == {"A", "B"}
+    m = meta(out)
+    update(sc, out, consumer.step(m.sent, m.work, out.finished_req_ids))  # its report: dropped
+    remote_steps_until(sc, consumer, lambda *_: not sc.requests)
+    scheduler = sched.connector(sc)._scheduler
+    assert scheduler is not None
+    assert (scheduler._awaiting, scheduler._done, scheduler._early) == (set(), set(), set())
     producer.close()
 
 
