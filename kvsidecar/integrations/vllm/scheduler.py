@@ -307,10 +307,10 @@ class SchedulerSide:
         first, in one output or an earlier one, and the workers are told of those reported here
         (:attr:`Sent.received`). Loads that failed on a rank are never reported here (the
         workers report them, failed). The scheduler reports its loads only once none of them is
-        still in flight, all together: a request that runs while other reads still copy takes
-        the cores the copy needs on a CPU host and splits a batch's forward passes (measured:
-        reporting each at once made a batch of 32's last first token 1.12-1.51x NixlConnector's,
-        against 0.94-1.15x; docs/vllm.md); a single request is reported at once."""
+        still in flight, all together (a single request at once): a request that runs while
+        other reads still copy takes the cores the copy needs on a CPU host and splits a
+        batch's forward passes (docs/vllm.md, "The scheduler reports the load": reporting each
+        at once, a batch of 32's last first token came 1.12-1.51x NixlConnector's)."""
         ready = self.sender.received() if self.sender is not None else ()
         if not (ready or self._early or self._awaiting):
             return reported
