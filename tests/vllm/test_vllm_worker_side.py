@@ -119,3 +119,36 @@ def test_a_load_reported_received_by_the_scheduler_ends_once_whatever_comes_afte
     book.received(["G"])
     assert book.take(()) == StepResults()
     assert book._reported == set()
+
+
+def test_a_read_is_received_once_every_ranks_sidecar_reported_it_done() -> None:
+    """The scheduler's step lanes at TP 2: a load is received when both ranks' sidecars have
+    reported its read done (in either order), never when one rank's failed, and nothing is
+    kept for it once reported; after the sends stop nothing is reported here."""
+    from kvsidecar.client.lane import Lane
+    from kvsidecar.integrations.vllm.lane import StepLanes
+    from kvsidecar.types import FailReason, RecvFailed
+
+    lanes = StepLanes([Lane("/nonexistent-0"), Lane("/nonexistent-1")], (0, 1), (1, 1), 60.0)
+
+    def done(request_id: str) -> RecvDone:
+        return RecvDone(request_id=request_id, bytes=1, duration_s=0.0)
+
+    lanes._ended(1, done("a"))
+    lanes._ended(0, done("b"))
+    assert lanes.take_received() == ()
+    lanes._ended(0, done("a"))
+    assert lanes.take_received() == ("a",)
+    failed = RecvFailed(
+        request_id="b", reason=FailReason.TRANSFER_ERROR, message="x", invalid_block_ids=()
+    )
+    lanes._ended(1, failed)
+    lanes._ended(1, done("c"))
+    lanes._ended(0, done("c"))
+    assert lanes.take_received() == ("c",)  # b failed on rank 1: the workers report it
+    assert lanes._done == {}
+    lanes._ended(0, done("d"))
+    lanes._stop("a worker's stream ended")
+    lanes._ended(1, done("d"))
+    assert lanes.take_received() == ()
+    assert lanes._done == {}
