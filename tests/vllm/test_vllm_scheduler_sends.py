@@ -699,6 +699,20 @@ def test_channel_a_request_preempted_after_its_load_reads_nothing_more(
     producer.close()
 
 
+def on_the_lane(sc: Scheduler, rid: str) -> Callable[[], bool]:
+    """Whether ``rid``'s RECV_DONE has reached the scheduler's step lanes from every rank, read
+    as the scheduler reads them (its thread is the test's)."""
+    channel = sched.connector(sc)._sends
+    assert channel is not None
+
+    def seen() -> bool:
+        assert channel._sends is not None
+        lanes = channel._sends._take()
+        return lanes is not None and rid in lanes._received
+
+    return seen
+
+
 @pytest.mark.parametrize("aborted", [False, True], ids=["running", "aborted"])
 def test_channel_the_scheduler_reports_a_load_its_sidecar_reported_done(
     model: Path,
@@ -734,16 +748,7 @@ def test_channel_the_scheduler_reports_a_load_its_sidecar_reported_done(
     until("the read done", lambda: status(sidecars["consumer"]).counters["reads_done"] == reads + 1)
     if aborted:
         sc.finish_requests("E", RequestStatus.FINISHED_ABORTED)
-    channel = sched.connector(sc)._sends
-    assert channel is not None
-    assert channel._sends is not None
-
-    def on_the_lane() -> bool:  # read as the scheduler reads it (its thread is this one)
-        assert channel._sends is not None
-        lanes = channel._sends._take()
-        return lanes is not None and "E" in lanes._received
-
-    until("the RECV_DONE on the step lane", on_the_lane)
+    until("the RECV_DONE on the step lane", on_the_lane(sc, "E"))
     update(sc, out, early)  # the worker reported nothing: the scheduler does
     if aborted:
         assert "E" not in sc.requests  # vLLM let go of it: its read has ended
@@ -796,17 +801,6 @@ def test_channel_the_scheduler_reports_its_loads_once_none_is_in_flight(
     assert sorted(ld.request_id for ld in meta(out).sent.work.loads) == ["A", "B"]
     m = meta(out)
     early = consumer.step(m.sent, m.work, out.finished_req_ids)  # before either read can end
-    channel = sched.connector(sc)._sends
-    assert channel is not None
-    assert channel._sends is not None
-
-    def lane_reported(rid: str) -> Callable[[], bool]:
-        def seen() -> bool:  # read as the scheduler reads it (its thread is this one)
-            assert channel._sends is not None
-            lanes = channel._sends._take()
-            return lanes is not None and rid in lanes._received
-
-        return seen
 
     def hold(rid: str) -> None:
         kv = kvs[rid]
@@ -814,11 +808,11 @@ def test_channel_the_scheduler_reports_its_loads_once_none_is_in_flight(
             c.hold(kv.request_id, block_ids=[list(kv.block_ids[0])], token=kv.token, lease_s=60)
 
     hold("A")
-    until("A's RECV_DONE on the step lane", lane_reported("A"))
+    until("A's RECV_DONE on the step lane", on_the_lane(sc, "A"))
     update(sc, out, early)
     assert "A" not in sc.finished_recving_kv_req_ids  # B is still in flight
     hold("B")
-    until("B's RECV_DONE on the step lane", lane_reported("B"))
+    until("B's RECV_DONE on the step lane", on_the_lane(sc, "B"))
     out = sc.schedule()
     assert meta(out).sent.received == ()
     update(sc, out, Stepped(results=StepResults(), broken=False, loads_pending=True))
