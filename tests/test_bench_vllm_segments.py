@@ -41,6 +41,16 @@ def test_each_segment_ends_at_its_own_step() -> None:
     assert sum(got) == pytest.approx(0.021)
 
 
+def test_a_load_its_own_step_computes_on() -> None:
+    """kvsidecar's FORWARD load: the step that carries it waits in start_load_kv (1.5 ms) and
+    then runs the forward; 'received to forward' is 0."""
+    step = _step(0.002, 0.014, loads=1)
+    step["fwd"] = 1
+    step["hooks"] = {"start_load_kv": 0.0015}
+    records = [_step(0.001, 0.0015), step, _step(0.015, 0.016)]
+    assert segments(records, T0, 0.02) == pytest.approx((0.002, 0.0015, 0.0, 0.0105, 0.006))
+
+
 def test_a_load_received_in_its_own_step() -> None:
     """NixlConnector on one host: the copy ends inside the step that starts it."""
     records = [_step(0.001, 0.003, loads=1, recv=1), _step(0.005, 0.015)]

@@ -22,7 +22,8 @@ JSON line goes to the file named by ``KVSIDECAR_BENCH_HOOKS`` (in the worker pro
 inherits the engine's environment): ``{"t": wall time at bind, "te": wall time at the end,
 "recv": loads the step reported finished (``finished_recving``), "told": loads the step's metadata
 says the scheduler reported received itself (kvsidecar's ``Sent.received``: vLLM was told after
-the previous step), "s": worker hook seconds,
+the previous step), "fwd": loads the step's forward computes on (kvsidecar's FORWARD loads:
+``start_load_kv`` waits for them), "s": worker hook seconds,
 "sched_s": scheduler hook seconds since the previous step ended, "holds": n, "loads": n,
 "meta_holds": n, "meta_loads": n, "hooks": {name: seconds}}`` (scheduler hooks named
 ``sched.<hook>``). ``holds``/``loads``: the requests the scheduler decided since the previous step
@@ -164,6 +165,7 @@ class _Clock:
         self._s = 0.0
         self._recv = 0
         self._told = 0
+        self._fwd = 0
         self._meta_holds = 0
         self._meta_loads = 0
         self._hooks: dict[str, float] = {}
@@ -182,6 +184,7 @@ class _Clock:
             meta = args[0] if args else kw.get("connector_metadata")
             self._meta_holds, self._meta_loads = step_counts(meta)
             self._told = len(getattr(getattr(meta, "sent", None), "received", ()) or ())
+            self._fwd = len(getattr(meta, "forward", ()) or ())
         self._depth += 1
         t0 = time.perf_counter()
         try:
@@ -203,6 +206,7 @@ class _Clock:
             "te": time.time(),
             "recv": self._recv,
             "told": self._told,
+            "fwd": self._fwd,
             "s": self._s,
             "sched_s": sched_s,
             # With the scheduler in another process (vLLM's multiprocess executor, which its CPU

@@ -59,7 +59,9 @@ def thread_s(record: dict[str, Any]) -> float:
 
 # Where a single request's decode-side TTFT goes, on D: release -> the bind of the step that
 # carries its load -> the end of the step that reports it received (vLLM's finished_recving) ->
-# the bind of the next step (its forward) -> that step's end -> the first token (frontend).
+# the bind of the next step (its forward) -> that step's end -> the first token (frontend). A load
+# its own step computes on (kvsidecar's FORWARD): received when that step's start_load_kv
+# returns, its forward the rest of that step ("received to forward" 0).
 SEGMENTS = ("to load step", "load to received", "received to forward", "forward", "to token")
 
 
@@ -74,6 +76,11 @@ def segments(
     load = next((i for i, r in enumerate(window) if r["loads"] > 0), None)
     if load is None:
         return None
+    step = window[load]
+    if step.get("fwd", 0) > 0:  # a load its step computes on: received when start_load_kv returns
+        got_at = step["t"] + step["hooks"].get("start_load_kv", 0.0)
+        points = (released_at, step["t"], got_at, got_at, step["te"], end)
+        return tuple(b - a for a, b in itertools.pairwise(points))
     # vLLM learns it is received from the step's output: the workers' (``recv``), or the
     # scheduler's own report after it, which the next step's metadata tells (``told``)
     got = next(

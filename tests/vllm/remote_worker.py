@@ -35,6 +35,10 @@ class Stepped:
     results: StepResults
     broken: bool
     loads_pending: bool
+    #: bytes verified (``step(check=...)``: toy.verify, which raises on a mismatch), when
+    #: ``await_forward`` returned, before take_results
+    checked: int | None = None
+    counts: dict[str, int] | None = None  # the worker's counters since the previous step
 
 
 @dataclass(frozen=True)
@@ -49,13 +53,14 @@ def _serve(
     engine_id: str,
     num_blocks: int,
     seed: int | None,
+    options: dict[str, float],
 ) -> None:
     shape = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=num_blocks)
     views = toy.build_views(shape, 1)
     memory = SharedMemoryExport.create(
         f"/dev/shm/kvsidecar-test-{uuid.uuid4().hex}", toy.memory_size(views)
     )
-    worker = WorkerSide(socket=socket, engine_id=engine_id, tp_rank=0, tp_size=1)
+    worker = WorkerSide(socket=socket, engine_id=engine_id, tp_rank=0, tp_size=1, **options)
     try:
         if seed is not None:
             toy.fill(memory.array, views, tp_size=1, rank=0, seed=seed)
@@ -67,11 +72,32 @@ def _serve(
         while True:
             call = conn.recv()
             if call[0] == "step":
-                _, sent, work, finished = call
+                _, sent, work, finished, forward, deadline_s, check = call
                 worker.note_sent(sent)
                 worker.start_step(work)
+                worker.await_forward(forward, deadline_s)
+                checked = None
+                if check is not None:  # the bytes as the step's forward would find them
+                    seed_of, local, remote = check
+                    checked = toy.verify(
+                        memory.array,
+                        views,
+                        tp_size=1,
+                        rank=0,
+                        seed=seed_of,
+                        local_ids=local,
+                        remote_ids=remote,
+                    )
                 results = worker.take_results(finished)
-                conn.send(Stepped(results, worker.broken, worker.loads_pending))
+                conn.send(
+                    Stepped(
+                        results,
+                        worker.broken,
+                        worker.loads_pending,
+                        checked=checked,
+                        counts=worker.take_counts(),
+                    )
+                )
             elif call[0] == "verify":
                 _, seed_of, local, remote = call
                 conn.send(
@@ -108,13 +134,20 @@ class RemoteWorker:
 
     @classmethod
     def start(
-        cls, socket: str, engine_id: str, *, num_blocks: int, seed: int | None = None
+        cls,
+        socket: str,
+        engine_id: str,
+        *,
+        num_blocks: int,
+        seed: int | None = None,
+        options: dict[str, float] | None = None,
     ) -> RemoteWorker:
+        """``options``: WorkerSide's keyword arguments (its bounds)."""
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe()
         process = ctx.Process(
             target=_serve,
-            args=(theirs, socket, engine_id, num_blocks, seed),
+            args=(theirs, socket, engine_id, num_blocks, seed, options or {}),
             name=f"worker-{engine_id}",
             daemon=True,
         )
@@ -129,9 +162,20 @@ class RemoteWorker:
             raise
         return cls(process, ours, started)
 
-    def step(self, sent: Sent, work: StepWork, finished: Iterable[str]) -> Stepped:
-        """``note_sent``, ``start_step``, ``take_results`` in the worker's process."""
-        self._conn.send(("step", sent, work, set(finished)))
+    def step(
+        self,
+        sent: Sent,
+        work: StepWork,
+        finished: Iterable[str],
+        *,
+        forward: Sequence[str] = (),
+        deadline_s: float = 0.0,
+        check: tuple[int, Sequence[Sequence[int]], Sequence[Sequence[int]]] | None = None,
+    ) -> Stepped:
+        """``note_sent``, ``start_step``, ``await_forward(forward, deadline_s)`` (as the
+        connector's ``start_load_kv`` calls them), ``check``: the bytes verified then (seed,
+        local ids, remote ids), and ``take_results``, in the worker's process."""
+        self._conn.send(("step", sent, work, set(finished), tuple(forward), deadline_s, check))
         out = _answer(self._conn)
         assert isinstance(out, Stepped)
         return out

@@ -95,9 +95,15 @@ def vllm_config(
             engine_id=ENGINE_ID,
             # By default the step path (what a multi-process executor uses): a worker these
             # tests register in this process would otherwise get the scheduler's holds and
-            # loads at once (tests/vllm/test_vllm_scheduler_sends.py covers that path).
+            # loads at once (tests/vllm/test_vllm_scheduler_sends.py covers that path); and
+            # asynchronous loads (tests/vllm/test_vllm_forward_loads.py covers FORWARD ones).
             kv_connector_extra_config=(
-                {"peer_endpoints": [PEER], "lease_s": 30, "scheduler_sends": False}
+                {
+                    "peer_endpoints": [PEER],
+                    "lease_s": 30,
+                    "scheduler_sends": False,
+                    "forward_load_deadline_s": 0,
+                }
                 if extra is None
                 else extra
             ),

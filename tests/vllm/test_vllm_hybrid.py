@@ -45,7 +45,7 @@ from kvsidecar.integrations.vllm.connector import KvSidecarConnector  # noqa: E4
 from kvsidecar.integrations.vllm.geometry import ConvLayout, UnsupportedLayerError  # noqa: E402
 from kvsidecar.integrations.vllm.hybrid import StateGroups  # noqa: E402
 from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
-from kvsidecar.integrations.vllm.scheduler import Load, StepWork  # noqa: E402
+from kvsidecar.integrations.vllm.scheduler import Load, LoadKind, StepWork  # noqa: E402
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
 from kvsidecar.plan import build_peer_plan  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
@@ -255,7 +255,7 @@ def test_local_prefix_hit_on_the_decode_engine(
     else:
         assert calls[0] == (64, (0, False))
         assert load.local_block_ids == ((), ())  # releases the producer; vLLM waits for nothing
-        assert not load.reported
+        assert load.kind is LoadKind.RELEASE
         assert out.num_scheduled_tokens == {"D": 1}  # token 65 from its own cached state
     assert finish(consumer, "D").finish_reason == FinishReason.LENGTH
 
@@ -295,7 +295,7 @@ def test_an_unusable_producer_state_is_computed_here(model: Path, case: str) -> 
             request_id="D",
             local_block_ids=((), ()),
             remote=RemoteKv.from_params(params),
-            reported=False,  # only ends the producer's hold
+            kind=LoadKind.RELEASE,  # only ends the producer's hold
         ),
     )
     assert finish(consumer, "D").finish_reason == FinishReason.LENGTH
@@ -338,8 +338,8 @@ def test_aborts_before_and_while_loading(model: Path) -> None:
     _, work, _ = step(consumer)
     loads = {load.request_id: load for load in work.loads}
     assert loads["early"].local_block_ids == ((), ())  # releases the producer at once
-    assert not loads["early"].reported
-    assert loads["loading"].reported
+    assert loads["early"].kind is LoadKind.RELEASE
+    assert loads["loading"].kind is LoadKind.ASYNC
     consumer.finish_requests("loading", RequestStatus.FINISHED_ABORTED)
     for kv in ({"recving": {"loading"}}, {}, {}):  # the read ends later: reported, then nothing
         out, work, _ = step(consumer, **kv)

@@ -9,7 +9,7 @@ Checked, step by step through ``schedule()`` / ``update_from_output()``:
 * decode (``do_remote_prefill``): the request is parked in ``WAITING_FOR_REMOTE_KVS`` with one
   ``Load`` into its allocated blocks (tail-aligned with the remote ones), and runs once
   ``finished_recving`` arrives; a partial local prefix hit loads only the uncached tail; no external
-  tokens, or an abort before scheduling, only release the producer (``reported=False``);
+  tokens, or an abort before scheduling, only release the producer (``LoadKind.RELEASE``);
 * a failed read, from a real ``kvsidecar serve`` through the worker-side connector, under both of
   vLLM's ``kv_load_failure_policy`` values ("fail": the request finishes with an error;
   "recompute": it is computed locally);
@@ -46,7 +46,7 @@ from kvsidecar.integrations.vllm.connector import (  # noqa: E402
     KvSidecarHandshake,
 )
 from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
-from kvsidecar.integrations.vllm.scheduler import Hold, Load, StepWork  # noqa: E402
+from kvsidecar.integrations.vllm.scheduler import Hold, Load, LoadKind, StepWork  # noqa: E402
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from kvsidecar.testing import toy  # noqa: E402
@@ -264,7 +264,7 @@ def decode(sc: Scheduler, request_id: str, prompt: list[int], kv: RemoteKv) -> L
     (load,) = work.loads
     assert load.request_id == request_id
     assert load.remote == kv
-    assert load.reported
+    assert load.kind is LoadKind.ASYNC
     return load
 
 
@@ -355,7 +355,10 @@ def test_prefill_holds_its_blocks_until_finished_sending(
 
 
 def test_prefill_endpoints_from_the_workers_handshake_metadata(model: Path) -> None:
-    sc = sched.scheduler(sched.vllm_config(model, extra={"lease_s": 30}), sched.kv_cache_config())
+    sc = sched.scheduler(
+        sched.vllm_config(model, extra={"lease_s": 30, "forward_load_deadline_s": 0}),
+        sched.kv_cache_config(),
+    )
     sched.connector(sc).set_xfer_handshake_metadata(
         {0: KvSidecarHandshake(peer_endpoint="10.1.2.3:7100")}
     )
@@ -368,7 +371,10 @@ def test_prefill_endpoints_from_the_workers_handshake_metadata(model: Path) -> N
 def test_prefill_without_known_endpoints_holds_nothing(
     model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sc = sched.scheduler(sched.vllm_config(model, extra={"lease_s": 30}), sched.kv_cache_config())
+    sc = sched.scheduler(
+        sched.vllm_config(model, extra={"lease_s": 30, "forward_load_deadline_s": 0}),
+        sched.kv_cache_config(),
+    )
     calls = spy_finished(sc, monkeypatch)
     free = sched.free_blocks(sc)
     sc.add_request(sched.request(sc, PROMPT, params={"do_remote_decode": True}, request_id="P"))
@@ -457,7 +463,9 @@ def test_decode_without_external_tokens_releases_the_producer_and_is_not_parked(
         )
     )
     out, work, _ = step(sc)
-    assert work.loads == (Load(request_id="D", local_block_ids=((),), remote=kv, reported=False),)
+    assert work.loads == (
+        Load(request_id="D", local_block_ids=((),), remote=kv, kind=LoadKind.RELEASE),
+    )
     assert out.num_scheduled_tokens == {"D": len(PROMPT)}  # computed here, not parked
     assert sc.requests["D"].status == RequestStatus.RUNNING
     _, work, _ = step(sc)
@@ -471,7 +479,9 @@ def test_decode_aborted_before_scheduling_releases_the_producer(model: Path) -> 
     sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="D"))
     sc.finish_requests("D", RequestStatus.FINISHED_ABORTED)
     out, work, _ = step(sc)
-    assert work.loads == (Load(request_id="D", local_block_ids=((),), remote=kv, reported=False),)
+    assert work.loads == (
+        Load(request_id="D", local_block_ids=((),), remote=kv, kind=LoadKind.RELEASE),
+    )
     assert out.num_scheduled_tokens == {}
     assert "D" not in sc.requests
     assert sched.free_blocks(sc) == free
@@ -725,7 +735,7 @@ def test_full_prefix_hit_finishes_on_decode_whatever_its_notification_does(
     out, failed, invalid, _ = worker_step(sc, conn)
     (load,) = sched.work(out).loads
     assert load.local_block_ids == ((),)  # notify only: the producer's hold ends, nothing read
-    assert not load.reported  # vLLM does not wait for it
+    assert load.kind is LoadKind.RELEASE  # vLLM does not wait for it
     assert out.num_scheduled_tokens == {"B": len(PROMPT)}  # computed here at once, not parked
     assert (failed, invalid) == (set(), set())
     outs: Outputs = {}

@@ -20,7 +20,12 @@ scheduler sent:
   whose outcome is unknown fences the sidecar before anything is given back; a socket that
   does not reach the worker's registration sends nothing; on the step lane and on gRPC (a
   sidecar without a step lane) alike, a step for a registration that has ended applies nothing;
-  a scheduling pass's loads leave in one step.
+  a scheduling pass's loads leave in one step;
+* FORWARD loads (``forward_load_deadline_s``): the step that allocates the blocks computes the
+  last prompt token on them, its worker's ``start_load_kv`` returning only once the read is
+  confirmed (bytes checked then; a trailing HOLD holds it back), on either route; a failed one
+  reports its blocks invalid and vLLM computes the prompt here; a hung sidecar is fenced before
+  the forward runs.
 """
 
 from __future__ import annotations
@@ -187,7 +192,10 @@ def engines() -> Iterator[Callable[..., Engine]]:
 def scheduler(model: Path, *, budget: int = 0) -> Scheduler:
     """vLLM's Scheduler with the connector sending at once (the default); ``budget``: tokens per
     step (chunked prefill) when not 0."""
-    config = sched.vllm_config(model, extra={"peer_endpoints": [sched.PEER], "lease_s": 30})
+    config = sched.vllm_config(
+        model,
+        extra={"peer_endpoints": [sched.PEER], "lease_s": 30, "forward_load_deadline_s": 0},
+    )
     if budget:
         config.scheduler_config.max_num_batched_tokens = budget
     return sched.scheduler(config, sched.kv_cache_config())
@@ -388,6 +396,47 @@ def test_a_request_preempted_after_its_load_reads_nothing_more(
     assert status.reads_in_flight == 0
 
 
+def test_a_forward_load_handed_to_the_worker_in_this_process(
+    model: Path, sidecars: dict[str, Any], engines: Callable[..., Engine]
+) -> None:
+    """vLLM's single-process executor: the scheduler hands the FORWARD load to the worker at
+    allocation, and the worker's wait (``start_load_kv``, before the forward) ends with the
+    producer's bytes in the blocks; nothing is reported finished receiving."""
+    producer = engines(sidecars["producer"], engine_id="prefill-fwd-uni", seed=4)
+    consumer = engines(sidecars["consumer"], engine_id="decode-fwd-uni")
+    token = secrets.token_urlsafe(24)
+    kv = dataclasses.replace(
+        remote_kv("p-U", producer.sidecar.addresses["peer"], token), engine_id="prefill-fwd-uni"
+    )
+    with SidecarClient(producer.sidecar.addresses["engine_socket"], timeout_s=10) as client:
+        client.hold("p-U", block_ids=[list(kv.block_ids[0])], token=token, lease_s=60)
+    config = sched.vllm_config(
+        model,
+        extra={"peer_endpoints": [sched.PEER], "lease_s": 30, "forward_load_deadline_s": 5},
+    )
+    config.kv_transfer_config.engine_id = "decode-fwd-uni"
+    sc = sched.scheduler(config, sched.kv_cache_config())
+    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="U", max_tokens=2))
+    out = sc.schedule()
+    m = out.kv_connector_metadata
+    assert isinstance(m, KvSidecarMetadata)
+    assert m.forward == ("U",)
+    assert m.work.loads == m.sent.work.loads == ()  # handed to the worker inside schedule()
+    local = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("U"))
+    consumer.worker.await_forward(m.forward, 5.0)
+    assert toy.verify(
+        consumer.memory.array,
+        consumer.views,
+        tp_size=1,
+        rank=0,
+        seed=4,
+        local_ids=[list(local[0])],
+        remote_ids=[list(kv.block_ids[0])],
+    )
+    r = consumer.worker.take_results(out.finished_req_ids)
+    assert (r.recving, r.failed, r.invalid_block_ids) == (set(), set(), set())
+
+
 # --- the scheduler's own channel: the worker in a process of its own ----------------------------
 
 
@@ -400,12 +449,14 @@ def remote_workers() -> Iterator[Callable[..., RemoteWorker]]:
         engine_id: str = sched.ENGINE_ID,
         *,
         seed: int | None = None,
+        options: dict[str, float] | None = None,
     ) -> RemoteWorker:
         worker = RemoteWorker.start(
             sidecar.addresses["engine_socket"],
             engine_id,
             num_blocks=sched.NUM_BLOCKS,
             seed=seed,
+            options=options,
         )
         made.append(worker)
         return worker
@@ -437,10 +488,17 @@ def channel_scheduler(
     engine_id: str = sched.ENGINE_ID,
     peer: str = sched.PEER,
     budget: int = 0,
+    forward_s: float = 0.0,
+    failure_policy: str = "fail",
 ) -> Scheduler:
     """vLLM's Scheduler whose connector learnt the worker's registration from its handshake
-    metadata (as EngineCore hands it over) and checked it: its channel sends."""
-    config = sched.vllm_config(model, extra={"peer_endpoints": [peer], "lease_s": 30})
+    metadata (as EngineCore hands it over) and checked it: its channel sends. ``forward_s``:
+    the connector's ``forward_load_deadline_s`` (0: asynchronous loads)."""
+    config = sched.vllm_config(
+        model,
+        extra={"peer_endpoints": [peer], "lease_s": 30, "forward_load_deadline_s": forward_s},
+        failure_policy=failure_policy,
+    )
     config.kv_transfer_config.engine_id = engine_id
     if budget:
         config.scheduler_config.max_num_batched_tokens = budget
@@ -1001,3 +1059,200 @@ def test_channel_writes_a_passes_loads_in_one_step(
         assert sends.ready  # refusals are answers
     finally:
         sends.close()
+
+
+# --- FORWARD loads: the step that allocates the blocks computes on them -------------------------
+
+FORWARD_S = 5.0  # the loads' read deadline (forward_load_deadline_s)
+
+
+def held_kv(
+    producer: RemoteWorker, sidecar: sidecar_proc.SidecarProcess, rid: str, *, hold: bool = True
+) -> RemoteKv:
+    """The producer (seeded bytes) holds three blocks for ``rid`` under a fresh token (``hold``
+    False: not yet, :func:`hold_now`)."""
+    token = secrets.token_urlsafe(24)
+    kv = dataclasses.replace(
+        remote_kv(rid, sidecar.addresses["peer"], token), engine_id="prefill-fwd"
+    )
+    if hold:
+        hold_now(sidecar, kv)
+    return kv
+
+
+def hold_now(sidecar: sidecar_proc.SidecarProcess, kv: RemoteKv) -> None:
+    with SidecarClient(sidecar.addresses["engine_socket"], timeout_s=10) as client:
+        client.hold(kv.request_id, block_ids=[list(kv.block_ids[0])], token=kv.token, lease_s=60)
+
+
+def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
+    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """vLLM schedules the request's last prompt token in the pass that allocates its blocks
+    (a synchronous load), the scheduler posts the READ there, and the worker's
+    ``start_load_kv`` returns only once the bytes are the producer's: checked at that moment,
+    before the step's forward would run. Nothing is reported finished receiving (vLLM never
+    waited), the request's token comes from that step, and the producer frees the blocks."""
+    p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
+    producer = remote_workers(p_sidecar, "prefill-fwd", seed=5)
+    consumer = remote_workers(d_sidecar, "decode-fwd")
+    sc = channel_scheduler(model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S)
+    kv = held_kv(producer, p_sidecar, "p-F")
+    reads = status(d_sidecar).counters["reads_done"]
+    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="F", max_tokens=2))
+    out = sc.schedule()
+    assert out.num_scheduled_tokens == {"F": 1}  # the last prompt token, in this step
+    assert out.has_sync_kv_loads
+    assert sc.requests["F"].status == RequestStatus.RUNNING
+    m = meta(out)
+    assert m.forward == ("F",)
+    assert m.work.loads == ()  # the scheduler posted it
+    (load,) = m.sent.work.loads
+    assert load.deadline_s == FORWARD_S
+    local = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("F"))
+    assert load.local_block_ids == local  # every block of the prompt (none from a local hit)
+    stepped = consumer.step(
+        m.sent,
+        m.work,
+        out.finished_req_ids,
+        forward=m.forward,
+        deadline_s=FORWARD_S,
+        check=(5, local, kv.block_ids),
+    )
+    assert stepped.checked  # bytes verified as the forward would find them (a mismatch raises)
+    assert consumer.verify(5, local, kv.block_ids)
+    r = stepped.results
+    assert (r.recving, r.failed, r.invalid_block_ids) == (set(), set(), set())
+    _, outs = update(sc, out, stepped)
+    assert outs["F"].new_token_ids  # the first token, from the step that loaded
+    assert status(d_sidecar).counters["reads_done"] == reads + 1
+    remote_steps_until(sc, consumer, lambda *_: "F" not in sc.requests)
+    until("the producer's hold ended", lambda: status(p_sidecar).holds_active == 0)
+
+
+def test_channel_a_forward_load_that_fails_is_recomputed_from_its_first_block(
+    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """The producer refuses the read (another token: RECV_FAILED STALE). The worker's
+    ``start_load_kv`` returns once the read ended; the load's blocks are reported invalid, and
+    only that (vLLM never waited: a finished or failed receive would be one it does not know);
+    vLLM drops the step's token of the request and computes its prompt here (policy
+    'recompute'), reading nothing more."""
+    p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
+    producer = remote_workers(p_sidecar, "prefill-fwd", seed=5)
+    consumer = remote_workers(d_sidecar, "decode-fwd")
+    sc = channel_scheduler(
+        model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S, failure_policy="recompute"
+    )
+    kv = dataclasses.replace(held_kv(producer, p_sidecar, "p-X"), token="not-the-token-" * 2)
+    reads = status(d_sidecar).counters
+    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="X", max_tokens=2))
+    out = sc.schedule()
+    m = meta(out)
+    assert m.forward == ("X",)
+    local = {b for g in sc.kv_cache_manager.get_block_ids("X") for b in g}
+    stepped = consumer.step(
+        m.sent, m.work, out.finished_req_ids, forward=m.forward, deadline_s=FORWARD_S
+    )
+    r = stepped.results
+    assert (r.recving, r.failed) == (set(), set())
+    assert r.invalid_block_ids == local
+    assert stepped.counts is not None
+    assert stepped.counts["reads_failed"] == 1
+    _, outs = update(sc, out, stepped)
+    assert "X" not in outs  # the token of a forward on blocks that did not load is dropped
+    assert sc.requests["X"].num_computed_tokens == 0
+    out = sc.schedule()
+    assert out.num_scheduled_tokens == {"X": len(PROMPT)}  # computed here
+    assert meta(out).forward == ()
+    finish_remote_step(sc, consumer, out)
+    remote_steps_until(sc, consumer, lambda *_: "X" not in sc.requests)
+    after = status(d_sidecar).counters
+    assert after["reads_failed"] == reads["reads_failed"] + 1
+    assert after["reads_done"] == reads["reads_done"]  # nothing read again
+
+
+def test_channel_a_forward_load_of_a_hung_sidecar_fences_it_before_the_forward(
+    model: Path, tmp_path: Path, remote_workers: Callable[..., RemoteWorker], dead_peer: str
+) -> None:
+    """The consumer's sidecar stops (SIGSTOP) with the FORWARD load posted: no event will come.
+    The worker waits the read's deadline and its grace, ends the stream and fences the sidecar
+    (killed: stopped, it cannot let go), and only then lets the forward run, the load's blocks
+    reported invalid (no READ can land in them any more)."""
+    sidecar = sidecar_proc.start(
+        tmp_path,
+        *sidecar_proc.default_args(tmp_path, "hung", sidecar_proc.certificates(tmp_path)),
+        "--shm-roots",
+        "/dev/shm",
+        name="hung",
+        timeout=60.0,
+    )
+    try:
+        consumer = remote_workers(sidecar, options={"forward_grace_s": 0.5})
+        sc = channel_scheduler(model, consumer, forward_s=1.0)
+        kv = remote_kv("p-H", dead_peer)  # the handshake would hang: the read stays pending
+        sc.add_request(
+            sched.request(sc, PROMPT, params=kv.to_params(), request_id="H", max_tokens=2)
+        )
+        out = sc.schedule()
+        m = meta(out)
+        assert m.forward == ("H",)
+        until("the read posted", lambda: status(sidecar).reads_handshaking == 1)
+        sidecar.proc.send_signal(signal.SIGSTOP)
+        local = {b for g in sc.kv_cache_manager.get_block_ids("H") for b in g}
+        stepped = consumer.step(m.sent, m.work, out.finished_req_ids, forward=m.forward,
+                                deadline_s=1.0)  # fmt: skip
+        assert sidecar.proc.poll() == -signal.SIGKILL  # fenced before start_load_kv returned
+        assert stepped.broken
+        assert stepped.results.invalid_block_ids == local
+        assert stepped.counts is not None
+        assert stepped.counts["forward_stalls"] == 1
+    finally:
+        if sidecar.proc.poll() is None:
+            sidecar.proc.send_signal(signal.SIGCONT)
+            sidecar.stop(signal.SIGKILL)
+
+
+def test_channel_a_forward_load_holds_the_forward_until_its_read_is_confirmed(
+    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """The producer's HOLD comes after the consumer's READ (as a trailing hold may): the read
+    stays unconfirmed (PENDING, asked again) until it does, and the worker's ``start_load_kv``
+    does not return before that; once the HOLD is applied it returns with the bytes in place
+    and nothing failed."""
+    p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
+    producer = remote_workers(p_sidecar, "prefill-fwd", seed=5)
+    consumer = remote_workers(d_sidecar, "decode-fwd")
+    sc = channel_scheduler(model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S)
+    kv = held_kv(producer, p_sidecar, "p-L", hold=False)
+    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="L", max_tokens=2))
+    out = sc.schedule()
+    m = meta(out)
+    assert m.forward == ("L",)
+    local = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("L"))
+    stepped: list[Stepped] = []
+    step = threading.Thread(
+        target=lambda: stepped.append(
+            consumer.step(
+                m.sent,
+                m.work,
+                out.finished_req_ids,
+                forward=m.forward,
+                deadline_s=FORWARD_S,
+                check=(5, local, kv.block_ids),
+            )
+        )
+    )
+    step.start()
+    try:
+        step.join(0.5)
+        assert not stepped  # still waiting: the read is not confirmed
+        hold_now(p_sidecar, kv)
+    finally:
+        step.join(WAIT_S)
+    (done,) = stepped
+    assert done.checked  # bytes verified as the forward would find them (a mismatch raises)
+    assert consumer.verify(5, local, kv.block_ids)
+    assert (done.results.recving, done.results.invalid_block_ids) == (set(), set())
+    _, outs = update(sc, out, done)
+    assert outs["L"].new_token_ids

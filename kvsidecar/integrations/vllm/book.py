@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kvsidecar.client import Event, RecvDone, RecvFailed, SendDone, StepDone
 
-from .scheduler import Answer, StepWork
+from .scheduler import Answer, Load, LoadKind, StepWork
 
 __all__ = ["COUNTERS", "MAX_EARLY_EVENTS", "StepResults", "WorkerBook"]
 
@@ -43,6 +43,7 @@ COUNTERS = (
     "leases_expired",
     "unfenced",  # a broken sidecar that could not be fenced: its blocks are kept
     "early_events_dropped",  # events of loads never noted (see MAX_EARLY_EVENTS)
+    "forward_stalls",  # a load the forward needed outlived its deadline: the sidecar was fenced
 )
 
 
@@ -51,8 +52,10 @@ class WorkerBook:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._ended_cond = threading.Condition(self._lock)  # a FORWARD load ended
         self._results = StepResults()
         self._quiet: set[str] = set()  # loads vLLM does not wait for (full hits, aborts)
+        self._forward: set[str] = set()  # pending FORWARD loads (the model thread waits)
         self._load_ids: dict[str, tuple[tuple[int, ...], ...]] = {}  # request id -> local ids
         self._held: set[str] = set()  # holds issued and not yet reported sent
         self._finished_seen: set[str] = set()  # of those, the ones vLLM has named finished
@@ -70,10 +73,15 @@ class WorkerBook:
         with self._lock:
             self._held.update(h.request_id for h in work.holds)
             for load in work.loads:
-                if load.reported:
-                    self._load_ids[load.request_id] = load.local_block_ids
-                else:
-                    self._quiet.add(load.request_id)
+                self._note(load)
+
+    def _note(self, load: Load) -> None:
+        if load.kind is LoadKind.RELEASE:
+            self._quiet.add(load.request_id)
+            return
+        self._load_ids[load.request_id] = load.local_block_ids
+        if load.kind is LoadKind.FORWARD:
+            self._forward.add(load.request_id)
 
     def note_sent(self, work: StepWork) -> None:
         """Loads and holds the scheduler sent to the sidecar itself (the step's metadata says
@@ -89,10 +97,7 @@ class WorkerBook:
             self._held.update(ids)
             self._finished_seen.update(ids)
             for load in work.loads:
-                if load.reported:
-                    self._load_ids[load.request_id] = load.local_block_ids
-                else:
-                    self._quiet.add(load.request_id)
+                self._note(load)
                 event = self._early.pop(load.request_id, None)
                 if event is not None:
                     self._evented(event)
@@ -121,6 +126,16 @@ class WorkerBook:
                     self._results.failed.discard(request_id)
                     self._results.invalid_block_ids -= self._failed_blocks.pop(request_id, set())
                     self._counts["reads_failed"] -= 1
+
+    def wait_forward(self, request_ids: Iterable[str], timeout_s: float) -> frozenset[str]:
+        """Wait (at most ``timeout_s``) until none of the FORWARD loads ``request_ids`` is
+        pending; returns those still pending (empty: every one ended, received or with its
+        blocks among the invalid ones). Ids the book does not hold as pending are not waited
+        for (ended already)."""
+        wanted = frozenset(request_ids)
+        with self._ended_cond:
+            self._ended_cond.wait_for(lambda: not (wanted & self._forward), timeout_s)
+            return wanted & self._forward
 
     @property
     def loads_pending(self) -> bool:
@@ -174,9 +189,8 @@ class WorkerBook:
     def _failed(self, work: StepWork) -> None:
         self._pending_sends.update(hold.request_id for hold in work.holds)
         for load in work.loads:
-            self._load_ids.setdefault(load.request_id, load.local_block_ids)
-            if not load.reported:
-                self._quiet.add(load.request_id)
+            if not self._known(load.request_id):
+                self._note(load)
             self._ended(load.request_id, ok=False)
 
     def released(self) -> None:
@@ -232,6 +246,17 @@ class WorkerBook:
         if local is None:
             return
         self._counts["reads"] += 1
+        if request_id in self._forward:
+            # vLLM scheduled the request's forward on these blocks: a failure is its blocks
+            # only (vLLM recomputes them and drops the step's output of the request); a load
+            # reported finished receiving would be one vLLM never waited for.
+            self._forward.discard(request_id)
+            self._ended_cond.notify_all()
+            if not ok:
+                self._counts["reads_failed"] += 1
+                groups = local if invalid is None else invalid
+                self._results.invalid_block_ids |= {int(b) for g in groups for b in g}
+            return
         self._results.recving.add(request_id)
         if not ok:
             self._counts["reads_failed"] += 1

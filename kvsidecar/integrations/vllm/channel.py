@@ -354,6 +354,7 @@ def step_spec(work: StepWork) -> StepSpec:
                 remote_block_ids=load.remote.block_ids,
                 endpoints=load.remote.endpoints,
                 token=load.remote.token,
+                deadline_s=load.deadline_s,
             )
             for load in work.loads
         ],

@@ -15,7 +15,12 @@ Load it with ``kv_connector="KvSidecarConnector"`` and
 * ``scheduler_sends``: send a hold when the request finishes and a load when its blocks are
   allocated, from the scheduler (to the workers where they run in its process, else to every
   rank's sidecar on the scheduler's own channel), instead of with the next step's
-  ``start_load_kv`` (default true; docs/vllm.md).
+  ``start_load_kv`` (default true; docs/vllm.md);
+* ``forward_load_deadline_s``: load a request's KV for the step that allocates its blocks, which
+  then computes its last prompt token (vLLM's synchronous load: the first token comes a step
+  earlier; the workers wait for the read before that step's forward), with this read deadline
+  in seconds (default 5; 0: every load is asynchronous, reported a step later). Only for
+  single-group models that need no zeroing of new blocks; others load asynchronously.
 
 This module imports vLLM; nothing else in kvsidecar does.
 """
@@ -65,6 +70,7 @@ log = logging.getLogger(__name__)
 __all__ = ["KvSidecarConnector"]
 
 DEFAULT_LEASE_S = 30.0
+DEFAULT_FORWARD_LOAD_DEADLINE_S = 5.0
 
 
 @dataclass
@@ -74,6 +80,8 @@ class KvSidecarMetadata(KVConnectorMetadata):
 
     work: StepWork
     sent: Sent = field(default_factory=Sent)
+    #: the step's FORWARD loads (request ids): the workers wait for them before the forward
+    forward: tuple[str, ...] = ()
 
 
 @dataclass
@@ -183,6 +191,14 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self._engine_id = str(transfer.engine_id)
         tp_rank, tp_size = _tp(vllm_config, role)
         lease_s = float(self._extra.get("lease_s", DEFAULT_LEASE_S))
+        self._forward_deadline_s = float(
+            self._extra.get("forward_load_deadline_s", DEFAULT_FORWARD_LOAD_DEADLINE_S)
+        )
+        if not 0 <= self._forward_deadline_s <= 3600:
+            raise ValueError(
+                "kv_connector_extra_config.forward_load_deadline_s="
+                f"{self._forward_deadline_s} is outside [0, 3600] s"
+            )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._sends: SendNow | None = None
@@ -203,6 +219,7 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
                 sender=self._sends,
                 loads_now=len(kv_cache_config.kv_cache_groups) == 1
                 and not getattr(kv_cache_config, "needs_kv_cache_zeroing", True),
+                forward_deadline_s=self._forward_deadline_s,
             )
         else:
             socket = str(self._extra.get("sidecar_socket", ""))
@@ -269,6 +286,8 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self._w()
         worker.note_sent(meta.sent)  # first: the step's own work may follow it
         worker.start_step(meta.work)
+        # The forward computes on the blocks of this step's FORWARD loads: their bytes first.
+        worker.await_forward(meta.forward, self._forward_deadline_s)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         worker = self._worker
@@ -352,7 +371,9 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduler = self._s()
-        return KvSidecarMetadata(work=scheduler.take_step(), sent=scheduler.take_sent())
+        return KvSidecarMetadata(
+            work=scheduler.take_step(), sent=scheduler.take_sent(), forward=scheduler.take_forward()
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

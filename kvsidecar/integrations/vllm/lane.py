@@ -187,6 +187,7 @@ def step_command(work: StepWork) -> engine_pb2.SessionCommand:
             remote_engine_id=r.engine_id,
             remote_request_id=r.request_id,
             remote_token=r.token,
+            deadline_s=load.deadline_s,
         )
         read.remote_endpoints.extend(r.endpoints)
         for ids in load.local_block_ids:

@@ -16,8 +16,11 @@ takes travels in the step's :class:`StepWork` (``build_connector_meta``), which 
   generated here; the returned ``kv_transfer_params`` tell the decode engine where they are. An
   aborted prefill holds nothing. The blocks are freed when the sidecar reports SEND_DONE (every
   consumer confirmed, or the lease expired).
-* Decode (``do_remote_prefill``): the uncomputed prompt tokens are loaded asynchronously; the
-  workers Read them. A full local prefix hit, or a request aborted before it was scheduled, still
+* Decode (``do_remote_prefill``): the uncomputed prompt tokens are loaded; the workers Read
+  them. Where a load may be posted at allocation, all but the last prompt token load for the
+  step that allocates the blocks, which computes that token on them (``LoadKind.FORWARD``, vLLM's
+  synchronous load: the workers wait for the read before the forward); elsewhere the load is
+  asynchronous and the request runs once it is reported finished receiving. A full local prefix hit, or a request aborted before it was scheduled, still
   Reads with no local blocks so that the producer's hold ends at once (not at lease expiry).
 * Requests waiting in the queue with remote KV are heartbeated so their producer leases last.
 * Models with state layers (:mod:`.hybrid`): the prefill engine computes the prompt but its last
@@ -54,6 +57,7 @@ __all__ = [
     "Heartbeat",
     "Hold",
     "Load",
+    "LoadKind",
     "Route",
     "SchedulerSide",
     "Sender",
@@ -65,16 +69,36 @@ __all__ = [
 _COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
+class LoadKind(enum.Enum):
+    """Who waits for a load, and how its end reaches vLLM."""
+
+    #: vLLM waits for the request (``WAITING_FOR_REMOTE_KVS``) until the load is reported
+    #: finished receiving (failed: with its blocks), a step after its blocks were allocated
+    ASYNC = "async"
+    #: the step that allocated its blocks computes the request's last prompt token on them: the
+    #: workers wait for the load before that step's forward; a failure is reported as invalid
+    #: blocks only (vLLM recomputes them; the step's output of the request is dropped)
+    FORWARD = "forward"
+    #: nothing waits (a full local hit, or an abort): the read only ends the producer's hold
+    RELEASE = "release"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Load:
     """Read ``remote``'s blocks into ``local_block_ids`` (per group; tail-aligned with the remote
-    lists). ``reported``: vLLM waits for the request (False: a full hit or an abort, whose read
-    only releases the producer's hold)."""
+    lists). ``kind``: who waits for it; ``deadline_s``: the read's deadline (0: the sidecar's
+    default; a FORWARD load's is the connector's ``forward_load_deadline_s``)."""
 
     request_id: str
     local_block_ids: tuple[tuple[int, ...], ...]
     remote: RemoteKv
-    reported: bool = True
+    kind: LoadKind = LoadKind.ASYNC
+    deadline_s: float = 0.0
+
+    @property
+    def reported(self) -> bool:
+        """vLLM waits for this load (ASYNC or FORWARD)."""
+        return self.kind is not LoadKind.RELEASE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,6 +210,11 @@ class SchedulerSide:
     # it just allocated before the step's forward (no zeroing of new blocks, as for Mamba layers
     # or mixed-precision caches; no copy-on-write of a partial prefix hit, checked per request).
     loads_now: bool = False
+    # The read deadline of a load the step allocating its blocks computes on (LoadKind.FORWARD:
+    # the workers wait for it before that forward, a step earlier than an ASYNC load's first
+    # token); 0: every load is ASYNC. Only where loads_now holds and the model has no state
+    # layers (a FORWARD load is posted when its blocks are allocated, like any other).
+    forward_deadline_s: float = 0.0
     _loads: dict[str, Load] = field(default_factory=dict)
     _holds: dict[str, Hold] = field(default_factory=dict)
     _waiting: dict[str, _Waiting] = field(default_factory=dict)
@@ -195,6 +224,9 @@ class SchedulerSide:
     _done: set[str] = field(default_factory=set)  # of those, every rank's sidecar reported done
     _early: set[str] = field(default_factory=set)  # reported here; the workers' report to drop
     _settled: list[str] = field(default_factory=list)  # reported here; the workers to be told
+    # Matched FORWARD and not yet allocated: the (block-aligned) local hit they load after.
+    _forward_ok: dict[str, int] = field(default_factory=dict)
+    _forward: list[str] = field(default_factory=list)  # this step's FORWARD loads
     _last_heartbeat: float = 0.0
 
     # --- decode side ----------------------------------------------------------------------------
@@ -243,17 +275,36 @@ class SchedulerSide:
             return 0
         return tokens
 
+    @property
+    def forward_loads(self) -> bool:
+        """Loads are FORWARD where they can be (see ``forward_deadline_s``)."""
+        return (
+            self.forward_deadline_s > 0
+            and self.loads_now
+            and self.block_size > 0
+            and not self.states.has_state
+        )
+
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens to load for a decode request, asynchronously: the uncomputed prompt tokens up to
-        the ones settled in :meth:`on_new_request` (all of them, or with state layers exactly
-        those whose state the producer holds, leaving the last to compute here)."""
+        """Tokens to load for a decode request: the uncomputed prompt tokens up to the ones
+        settled in :meth:`on_new_request` (all of them, or with state layers exactly those whose
+        state the producer holds, leaving the last to compute here), asynchronously; or, as a
+        FORWARD load (:attr:`forward_loads`), all but the last prompt token, which the step
+        that allocates the blocks computes (vLLM's synchronous load: ``False``)."""
+        rid = request.request_id
+        self._forward_ok.pop(rid, None)
         if wants_remote_prefill(request.kv_transfer_params):
-            waiting = self._waiting.get(request.request_id)
-            if waiting is not None:
-                count = waiting.tokens - num_computed_tokens
-            else:
-                count = self.states.tokens_to_load(len(request.prompt_token_ids or ()), 0)
-                count -= num_computed_tokens
+            waiting = self._waiting.get(rid)
+            prompt = len(request.prompt_token_ids or ())
+            tokens = (
+                waiting.tokens if waiting is not None else self.states.tokens_to_load(prompt, 0)
+            )
+            count = tokens - num_computed_tokens
+            if count > 0 and self.forward_loads:
+                count = min(tokens, prompt - 1) - num_computed_tokens
+                if count > 0:
+                    self._forward_ok[rid] = num_computed_tokens
+                    return count, False
             if count > 0:
                 return count, True
         return 0, False
@@ -270,13 +321,26 @@ class SchedulerSide:
         except ParamsError as exc:
             log.warning("request %s: %s", request.request_id, exc)
             return
+        hit = self._forward_ok.pop(request.request_id, None)
         if num_external_tokens > 0:
-            local = self.states.clip(blocks.get_unhashed_block_ids_all_groups())
+            if hit is None:
+                local = self.states.clip(blocks.get_unhashed_block_ids_all_groups())
+            else:  # vLLM hashed the blocks it allocated for a synchronous load already
+                local = self._forward_blocks(request, blocks, hit)
             # Local lists are tail-aligned with the blocks the remote ones fill (.blocks).
             ratio = block_ratio(self.block_size, remote.block_size)
             local = align_local_ids(local, remote.block_ids, ratio)
             self._check_state_slots(request.request_id, local, remote)
-            load = Load(request_id=request.request_id, local_block_ids=local, remote=remote)
+            forward = hit is not None
+            load = Load(
+                request_id=request.request_id,
+                local_block_ids=local,
+                remote=remote,
+                kind=LoadKind.FORWARD if forward else LoadKind.ASYNC,
+                deadline_s=self.forward_deadline_s if forward else 0.0,
+            )
+            if forward:
+                self._forward.append(request.request_id)
             # A local hit ending inside a block gets a copy-on-write block that the worker fills
             # before the forward: the READ must not land first.
             self._load(
@@ -288,6 +352,14 @@ class SchedulerSide:
         else:  # full local prefix hit: read nothing, release the producer now
             self._load(_release(request.request_id, remote))
 
+    def _forward_blocks(self, request: Any, blocks: Any, hit: int) -> tuple[tuple[int, ...], ...]:
+        """The blocks a FORWARD load fills: the request's blocks after its local hit of ``hit``
+        tokens (block-aligned) up to the prompt's last block (vLLM allocated them for the
+        loaded tokens and the last prompt token, which the step computes; lookahead slots,
+        if any, come after and are not the producer's)."""
+        end = -(-len(request.prompt_token_ids or ()) // self.block_size)
+        return tuple(tuple(ids[hit // self.block_size : end]) for ids in blocks.get_block_ids())
+
     def _load(self, load: Load, *, now: bool = True) -> None:
         """Start ``load`` now (the blocks are allocated and vLLM writes nothing into them before
         the READ) or with the next step's ``start_load_kv``."""
@@ -296,7 +368,7 @@ class SchedulerSide:
             self._loads[load.request_id] = load
         elif route is Route.SIDECARS:
             self._sent_loads.append(load)
-            if load.reported:
+            if load.kind is LoadKind.ASYNC:  # the only kind vLLM is told of as received
                 self._awaiting.add(load.request_id)
 
     def received(self, reported: set[str] | None) -> set[str] | None:
@@ -359,6 +431,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         rid = request.request_id
         waiting = self._waiting.pop(rid, None)
+        self._forward_ok.pop(rid, None)
         if wants_remote_prefill(params):  # aborted before it was scheduled
             params["do_remote_prefill"] = False
             if waiting is not None:
@@ -409,6 +482,12 @@ class SchedulerSide:
         self._holds.clear()
         return StepWork(loads=loads, holds=holds, heartbeats=self._heartbeats())
 
+    def take_forward(self) -> tuple[str, ...]:
+        """This step's FORWARD loads (for the step's metadata: the workers wait for them before
+        the forward); resets them."""
+        out, self._forward = tuple(self._forward), []
+        return out
+
     def take_sent(self) -> Sent:
         """What the scheduler's channel sent since the last call, and the answers the workers
         must act on (for the step's metadata, beside :meth:`take_step`); resets both."""
@@ -456,5 +535,5 @@ def _release(request_id: str, remote: RemoteKv) -> Load:
         request_id=request_id,
         local_block_ids=tuple(() for _ in remote.block_ids),
         remote=remote,
-        reported=False,
+        kind=LoadKind.RELEASE,
     )

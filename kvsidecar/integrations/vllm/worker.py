@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvsidecar.client import Event, RecvFailed, SidecarClient, StepDone
@@ -54,6 +55,14 @@ from .scheduler import Sent, StepWork
 from .sends import RankSidecar
 
 log = logging.getLogger(__name__)
+
+# A FORWARD load still pending this long after its read's deadline: the sidecar (which ends every
+# read within its deadline and sends the event at once) is hung or its stream stalled.
+FORWARD_GRACE_S = 5.0
+# Bound on fencing a hung sidecar (SidecarFence: 2 s to show it let go, then SIGKILL and 5 s
+# for the exit) before the worker gives up on a FORWARD load and stops the engine.
+FENCE_WAIT_S = 15.0
+LANE_POLL_S = 0.0005  # how often a FORWARD load's wait reads the lane (its events' only reader)
 
 __all__ = ["COUNTERS", "StepResults", "WorkerSide", "in_this_process"]
 
@@ -86,10 +95,15 @@ class WorkerSide:
         max_queued_steps: int = MAX_QUEUED_STEPS,
         step_timeout_s: float = STEP_TIMEOUT_S,
         lane: bool = False,
+        forward_grace_s: float = FORWARD_GRACE_S,
+        fence_wait_s: float = FENCE_WAIT_S,
     ) -> None:
         """``max_queued_steps``: steps sent and not yet answered before a step fails at once;
         ``step_timeout_s``: how long a step's reply may take before the stream is ended;
-        ``lane``: use the sidecar's lane where it serves one (else the I/O thread's stream)."""
+        ``lane``: use the sidecar's lane where it serves one (else the I/O thread's stream);
+        ``forward_grace_s``, ``fence_wait_s``: :meth:`await_forward`'s bounds."""
+        self._forward_grace_s = forward_grace_s
+        self._fence_wait_s = fence_wait_s
         self._use_lane = lane
         self._socket = socket
         self._engine_id = engine_id
@@ -237,6 +251,54 @@ class WorkerSide:
                 channel.abandon(error)
         else:
             channel.abandon(error)
+
+    def await_forward(self, request_ids: Sequence[str], deadline_s: float) -> None:
+        """Wait until each of this step's FORWARD loads ``request_ids`` has ended, before vLLM's
+        forward computes on its blocks (vLLM's model thread; ``start_load_kv``). A load that
+        failed ends with its blocks among the invalid ones (vLLM recomputes them). Bounded: the
+        sidecar ends every read within its deadline (``deadline_s``, the loads' own); one
+        still pending ``forward_grace_s`` after that means the sidecar is hung, so the stream
+        is ended and the sidecar fenced (its pending loads then fail: no byte lands after
+        that); one a fence could not end within ``fence_wait_s`` stops the engine (a
+        RuntimeError: vLLM would otherwise compute on, and later reuse, blocks a READ may still
+        write)."""
+        if not request_ids:
+            return
+        bound = deadline_s + self._forward_grace_s
+        left = self._wait_forward(request_ids, bound)
+        if not left:
+            return
+        self._book.count("forward_stalls")
+        why = (
+            f"{len(left)} load(s) the forward needs (e.g. {min(left)}) are still pending "
+            f"{bound:.1f} s after the step began"
+        )
+        log.error("kvsidecar: %s: ending the stream and fencing sidecar %s", why, self._socket)
+        self._abandon(why)
+        left = self._wait_forward(left, self._fence_wait_s)
+        if left:
+            raise RuntimeError(
+                f"kvsidecar: sidecar {self._socket} could not be fenced within "
+                f"{self._fence_wait_s:.0f} s while {len(left)} load(s) this step computes on "
+                f"were in flight (e.g. {min(left)}): stopping rather than computing on blocks a "
+                "READ may still write"
+            )
+
+    def _wait_forward(self, request_ids: Iterable[str], timeout_s: float) -> frozenset[str]:
+        """The book's ``wait_forward``; on the lane, whose events come only when this thread
+        reads it, reading it every ``LANE_POLL_S`` meanwhile."""
+        channel = self._channel
+        if not isinstance(channel, LaneChannel):
+            return self._book.wait_forward(request_ids, timeout_s)
+        end = time.monotonic() + timeout_s
+        while True:
+            with self._submitting:
+                channel.poll()
+            left = self._book.wait_forward(
+                request_ids, min(LANE_POLL_S, max(0.0, end - time.monotonic()))
+            )
+            if not left or time.monotonic() >= end:
+                return left
 
     @property
     def loads_pending(self) -> bool:
