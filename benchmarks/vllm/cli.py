@@ -87,6 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_false",
         help="kvsidecar's scheduler leaves holds and loads to the next step's start_load_kv",
     )
+    parser.add_argument(
+        "--forward-load-deadline-s",
+        dest="forward_s",
+        type=float,
+        default=d.forward_s,
+        help="kvsidecar's FORWARD loads with this read deadline (0: asynchronous loads)",
+    )
     parser.add_argument("--tiny", action="store_true", help="very small everything (tests)")
     parser.add_argument("--json", action="store_true", help="print only the JSON report")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
@@ -111,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             nixl_pin=args.nixl_pin,
             lane=args.lane,
             scheduler_sends=args.scheduler_sends,
+            forward_s=args.forward_s,
         )
     if min(s.rounds, s.singles, s.batch, s.batch_len, s.steps_len, s.layers) < 1:
         parser.error(

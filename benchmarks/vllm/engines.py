@@ -261,6 +261,7 @@ def start_pairs(s: Settings, model: Path, workdir: Path) -> dict[str, Pair]:
                         "lease_s": 600,
                         "lane": s.lane,
                         "scheduler_sends": s.scheduler_sends,
+                        "forward_load_deadline_s": s.forward_s,
                     }
                 wanted.append((c, side, extra))
         for (c, side), engine in start_engines(s, model, workdir, wanted).items():

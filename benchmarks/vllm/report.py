@@ -208,7 +208,12 @@ def format_table(report: dict[str, Any], before: dict[str, Any] | None = None) -
         f"vLLM P/D on CPU, TP 1, tiny Llama ({s['layers']} layers, "
         f"{s['kv_bytes_per_token'] // 1024} KiB KV per token), {s['rounds']} round(s) per "
         f"connector (ABBA), engines P on CPU {s['bind_p']}, D on CPU {s['bind_d']}, "
-        f"kvsidecar's scheduler sends {'at once' if s.get('scheduler_sends', True) else 'off'}",
+        f"kvsidecar's scheduler sends {'at once' if s.get('scheduler_sends', True) else 'off'}"
+        + (
+            f", FORWARD loads (deadline {s['forward_s']:g} s)"
+            if s.get("forward_s", 0.0) > 0
+            else ", asynchronous loads"
+        ),
         "",
         "Model thread per scheduler step, connector hooks, the scheduler's included (µs, median "
         "over rounds):",

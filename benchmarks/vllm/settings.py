@@ -37,6 +37,7 @@ class Settings:
     tiny: bool = False
     lane: bool = False  # kvsidecar's workers drive the sidecar's lane (else the I/O thread)
     scheduler_sends: bool = True  # kvsidecar's scheduler hands holds and loads over at once
+    forward_s: float = 0.0  # kvsidecar's forward_load_deadline_s (0: asynchronous loads)
 
     @property
     def max_model_len(self) -> int:

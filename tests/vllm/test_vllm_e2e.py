@@ -1,6 +1,8 @@
 """Two real vLLM engines on CPU (prefill, decode) move KV through real `kvsidecar serve` processes
 (one per rank): the decode engine's greedy tokens and logprobs equal the prefill engine's own
-continuation of the same prompts, including a prompt whose prefix the decode engine has cached.
+continuation of the same prompts, including a prompt whose prefix the decode engine has cached;
+with asynchronous loads, and with FORWARD loads (the step that allocates the blocks computes the
+last prompt token on them).
 
 TP 1 -> 1 runs prefill blocks of 32 tokens into decode blocks of 64 (docs/vllm.md, "Block sizes")
 and is checked bit for bit (vLLM's CPU kernel tiles attention by 32 tokens whatever the block
@@ -40,9 +42,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
-# (prefill TP, decode TP, prefill block size, decode block size)
-CASES = [(1, 1, 32, 64), (2, 1, 32, 32), (1, 2, 32, 32)]
-IDS = [f"tp{p}-to-tp{d}" + (f"-blocks{bp}-to-{bd}" if bp != bd else "") for p, d, bp, bd in CASES]
+# (prefill TP, decode TP, prefill block size, decode block size, decode forward_load_deadline_s)
+CASES = [(1, 1, 32, 64, 0.0), (2, 1, 32, 32, 0.0), (1, 2, 32, 32, 0.0), (1, 1, 32, 32, 5.0)]
+IDS = [
+    f"tp{p}-to-tp{d}" + (f"-blocks{bp}-to-{bd}" if bp != bd else "") + ("-forward" if f else "")
+    for p, d, bp, bd, f in CASES
+]
 
 
 @pytest.fixture
@@ -50,7 +55,7 @@ def sidecars(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[dict[str, list[sidecar_proc.SidecarProcess]]]:
     """One sidecar per rank of each engine; sockets ``<side><rank>.sock``."""
-    tp_p, tp_d, _, _ = request.param
+    tp_p, tp_d = request.param[:2]
     procs: dict[str, list[sidecar_proc.SidecarProcess]] = {"prefill": [], "decode": []}
     try:
         for side, tp in (("prefill", tp_p), ("decode", tp_d)):
@@ -72,8 +77,11 @@ def sidecars(
                 sc.stop()
 
 
-def engine(model: Path, engine_id: str, socket: str, tp: int, block_size: int = 32) -> Any:
-    """A ``vllm.LLM``; ``socket``: the sidecar socket template (``{rank}`` is the TP rank)."""
+def engine(
+    model: Path, engine_id: str, socket: str, tp: int, block_size: int = 32, forward_s: float = 0.0
+) -> Any:
+    """A ``vllm.LLM``; ``socket``: the sidecar socket template (``{rank}`` is the TP rank);
+    ``forward_s``: the connector's ``forward_load_deadline_s`` (FORWARD loads when above 0)."""
     return LLM(
         model=str(model),
         skip_tokenizer_init=True,
@@ -94,7 +102,11 @@ def engine(model: Path, engine_id: str, socket: str, tp: int, block_size: int = 
             kv_role="kv_both",
             engine_id=engine_id,
             # A long lease: on a loaded host minutes may pass between prefill and decode.
-            kv_connector_extra_config={"sidecar_socket": socket, "lease_s": 600},
+            kv_connector_extra_config={
+                "sidecar_socket": socket,
+                "lease_s": 600,
+                "forward_load_deadline_s": forward_s,
+            },
         ),
     )
 
@@ -134,7 +146,7 @@ def same_continuation(got: Any, want: Any, exact: bool) -> None:
 def test_decode_engine_continues_exactly_like_the_prefill_engine(
     model: Path,
     sidecars: dict[str, list[sidecar_proc.SidecarProcess]],
-    blocks: tuple[int, int],
+    blocks: tuple[int, int, float],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -142,7 +154,9 @@ def test_decode_engine_continues_exactly_like_the_prefill_engine(
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a TP 2 engine's threads, 2 cores
     # Both engines are up before the first hold (a hold outlives its lease only so long).
     prefill = engine(model, "prefill", str(tmp_path / "prefill{rank}.sock"), tp_p, blocks[0])
-    decode = engine(model, "decode", str(tmp_path / "decode{rank}.sock"), tp_d, blocks[1])
+    decode = engine(
+        model, "decode", str(tmp_path / "decode{rank}.sock"), tp_d, blocks[1], forward_s=blocks[2]
+    )
     prompts = [A, C]
     # The reference: the prefill engine's own continuation, batched as the decode engine will be.
     reference = [

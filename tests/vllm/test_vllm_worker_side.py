@@ -130,6 +130,7 @@ def test_a_read_is_received_once_every_ranks_sidecar_reported_it_done() -> None:
     from kvsidecar.types import FailReason, RecvFailed
 
     lanes = StepLanes([Lane("/nonexistent-0"), Lane("/nonexistent-1")], (0, 1), (1, 1), 60.0)
+    lanes._follow.update({"a", "b", "c", "d"})  # ASYNC loads its steps wrote (flush)
 
     def done(request_id: str) -> RecvDone:
         return RecvDone(request_id=request_id, bytes=1, duration_s=0.0)
@@ -152,3 +153,38 @@ def test_a_read_is_received_once_every_ranks_sidecar_reported_it_done() -> None:
     lanes._ended(1, done("d"))
     assert lanes.take_received() == ()
     assert lanes._done == {}
+
+
+def test_the_step_lanes_keep_nothing_of_reads_vllm_does_not_wait_to_hear_of() -> None:
+    """Regression: every RECV_DONE on the scheduler's step lanes was kept until the scheduler
+    took the receipts, which it does only while it awaits an ASYNC load; with FORWARD loads
+    (their end reaches the worker before its forward) it never does, and the list grew by one
+    request id per load. Only the ASYNC loads a step wrote are followed now (``flush`` follows
+    ``awaited(work)``)."""
+    from kvsidecar.client.lane import Lane
+    from kvsidecar.integrations.vllm.lane import StepLanes, awaited
+    from kvsidecar.integrations.vllm.scheduler import LoadKind
+
+    lanes = StepLanes([Lane("/nonexistent-0")], (0,), (1,), 60.0)
+    kv = RemoteKv(
+        engine_id="p",
+        request_id="p-x",
+        block_ids=((1,),),
+        endpoints=("h:1",),
+        token="t",
+        tp_size=1,
+        num_tokens=16,
+    )
+    kinds = {"fwd": LoadKind.FORWARD, "rel": LoadKind.RELEASE, "async": LoadKind.ASYNC}
+    work = StepWork(
+        loads=tuple(
+            Load(request_id=rid, local_block_ids=((2,),), remote=kv, kind=kind)
+            for rid, kind in kinds.items()
+        )
+    )
+    assert awaited(work) == ("async",)
+    lanes._follow.update(awaited(work))
+    for rid in kinds:
+        lanes._ended(0, RecvDone(request_id=rid, bytes=1, duration_s=0.0))
+    assert lanes.take_received() == ("async",)
+    assert (lanes._received, lanes._follow, lanes._done) == ([], set(), {})

@@ -16,11 +16,12 @@ Load it with ``kv_connector="KvSidecarConnector"`` and
   allocated, from the scheduler (to the workers where they run in its process, else to every
   rank's sidecar on the scheduler's own channel), instead of with the next step's
   ``start_load_kv`` (default true; docs/vllm.md);
-* ``forward_load_deadline_s``: load a request's KV for the step that allocates its blocks, which
-  then computes its last prompt token (vLLM's synchronous load: the first token comes a step
-  earlier; the workers wait for the read before that step's forward), with this read deadline
-  in seconds (default 5; 0: every load is asynchronous, reported a step later). Only for
-  single-group models that need no zeroing of new blocks; others load asynchronously.
+* ``forward_load_deadline_s``: above 0, load a request's KV for the step that allocates its
+  blocks, which then computes its last prompt token (vLLM's synchronous load: the first token
+  comes a step earlier, but the workers wait for the read before that step's forward), with
+  this read deadline in seconds (default 0: every load is asynchronous, reported a step later,
+  and the model thread never waits). Only for single-group models that need no zeroing of new
+  blocks; others load asynchronously (docs/vllm.md, "FORWARD loads").
 
 This module imports vLLM; nothing else in kvsidecar does.
 """
@@ -70,7 +71,7 @@ log = logging.getLogger(__name__)
 __all__ = ["KvSidecarConnector"]
 
 DEFAULT_LEASE_S = 30.0
-DEFAULT_FORWARD_LOAD_DEADLINE_S = 5.0
+DEFAULT_FORWARD_LOAD_DEADLINE_S = 0.0  # off: measured, the TTFT it saves costs the model thread
 
 
 @dataclass

@@ -50,7 +50,7 @@ from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.engine import event_from_proto
 
 from .channel import MAX_QUEUED_STEPS, OPEN_TIMEOUT_S, STEP_TIMEOUT_S, Outcomes, holds_of
-from .scheduler import Answer, Heartbeat, Hold, Load, StepWork
+from .scheduler import Answer, Heartbeat, Hold, Load, LoadKind, StepWork
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,10 @@ class StepLanes:
         self._kept: list[StepWork] = []  # kept since the last step written
         self._found: list[Answer] = []  # answers not yet taken
         self._why = ""  # why the sends must stop ("" while none)
+        # The ASYNC loads written and not yet ended on every rank: only vLLM waits for those to be
+        # reported received (a FORWARD load's end reaches the worker before its forward, a
+        # release's nobody), so only theirs are counted and kept for ``take_received``.
+        self._follow: set[str] = set()
         self._done: dict[str, set[int]] = {}  # request id -> ranks whose read ended RECV_DONE
         self._received: list[str] = []  # every rank's read ended RECV_DONE, not yet taken
 
@@ -297,6 +301,7 @@ class StepLanes:
         if not self._kept:
             return
         work, self._kept = merged(self._kept), []
+        self._follow.update(awaited(work))
         command = step_command(work)  # built once; each rank's copy names its registration
         now = time.perf_counter()
         for i, lane in enumerate(self._lanes):
@@ -359,13 +364,17 @@ class StepLanes:
         if self._why or not isinstance(event, RecvDone | RecvFailed):
             return
         rid = event.request_id
+        if rid not in self._follow:
+            return
         if isinstance(event, RecvFailed):  # the workers report it (failed)
             self._done.pop(rid, None)
+            self._follow.discard(rid)
             return
         ranks = self._done.setdefault(rid, set())
         ranks.add(i)
         if len(ranks) == len(self._lanes):
             del self._done[rid]
+            self._follow.discard(rid)
             self._received.append(rid)
 
     def _unsettle(self, i: int, why: str, sent: Iterable[_Sent]) -> None:
@@ -378,8 +387,16 @@ class StepLanes:
     def _stop(self, why: str) -> None:
         """Nothing more is sent or reported received here: the workers report every read."""
         self._why = self._why or why
+        self._follow.clear()
         self._done.clear()
         self._received.clear()
+
+
+def awaited(work: StepWork) -> tuple[str, ...]:
+    """The loads of ``work`` whose receipt vLLM waits to hear of (ASYNC: the scheduler may
+    report them received; a FORWARD load's end reaches its worker before the forward, a
+    release's nobody)."""
+    return tuple(ld.request_id for ld in work.loads if ld.kind is LoadKind.ASYNC)
 
 
 def merged(works: Sequence[StepWork]) -> StepWork:
