@@ -16,11 +16,12 @@ takes travels in the step's :class:`StepWork` (``build_connector_meta``), which 
   generated here; the returned ``kv_transfer_params`` tell the decode engine where they are. An
   aborted prefill holds nothing. The blocks are freed when the sidecar reports SEND_DONE (every
   consumer confirmed, or the lease expired).
-* Decode (``do_remote_prefill``): the uncomputed prompt tokens are loaded; the workers Read
-  them. Where a load may be posted at allocation, all but the last prompt token load for the
-  step that allocates the blocks, which computes that token on them (``LoadKind.FORWARD``, vLLM's
-  synchronous load: the workers wait for the read before the forward); elsewhere the load is
-  asynchronous and the request runs once it is reported finished receiving. A full local prefix hit, or a request aborted before it was scheduled, still
+* Decode (``do_remote_prefill``): the uncomputed prompt tokens are loaded asynchronously (the
+  request runs once the load is reported finished receiving); the workers Read them. With
+  ``forward_deadline_s``, where a load may be posted at allocation, all but the last prompt
+  token load for the step that allocates the blocks, which computes that token on them
+  (``LoadKind.FORWARD``, vLLM's synchronous load: the workers wait for the read before the
+  forward). A full local prefix hit, or a request aborted before it was scheduled, still
   Reads with no local blocks so that the producer's hold ends at once (not at lease expiry).
 * Requests waiting in the queue with remote KV are heartbeated so their producer leases last.
 * Models with state layers (:mod:`.hybrid`): the prefill engine computes the prompt but its last
@@ -94,11 +95,6 @@ class Load:
     remote: RemoteKv
     kind: LoadKind = LoadKind.ASYNC
     deadline_s: float = 0.0
-
-    @property
-    def reported(self) -> bool:
-        """vLLM waits for this load (ASYNC or FORWARD)."""
-        return self.kind is not LoadKind.RELEASE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
