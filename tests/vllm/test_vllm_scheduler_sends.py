@@ -1123,6 +1123,9 @@ def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
     assert consumer.verify(5, local, kv.block_ids)
     r = stepped.results
     assert (r.recving, r.failed, r.invalid_block_ids) == (set(), set(), set())
+    assert stepped.counts is not None
+    assert stepped.counts["forward_loads"] == 1
+    assert stepped.counts["forward_wait_us"] > 0
     _, outs = update(sc, out, stepped)
     assert outs["F"].new_token_ids  # the first token, from the step that loaded
     assert status(d_sidecar).counters["reads_done"] == reads + 1

@@ -43,6 +43,8 @@ COUNTERS = (
     "leases_expired",
     "unfenced",  # a broken sidecar that could not be fenced: its blocks are kept
     "early_events_dropped",  # events of loads never noted (see MAX_EARLY_EVENTS)
+    "forward_loads",  # FORWARD loads ended (received or failed)
+    "forward_wait_us",  # microseconds vLLM's model thread waited for them (start_load_kv)
     "forward_stalls",  # a load the forward needed outlived its deadline: the sidecar was fenced
 )
 
@@ -162,9 +164,9 @@ class WorkerBook:
             out, self._counts = self._counts, dict.fromkeys(COUNTERS, 0)
             return out
 
-    def count(self, key: str) -> None:
+    def count(self, key: str, n: int = 1) -> None:
         with self._lock:
-            self._counts[key] += 1
+            self._counts[key] += n
 
     # --- outcomes -----------------------------------------------------------------------------
 
@@ -252,6 +254,7 @@ class WorkerBook:
             # reported finished receiving would be one vLLM never waited for.
             self._forward.discard(request_id)
             self._ended_cond.notify_all()
+            self._counts["forward_loads"] += 1
             if not ok:
                 self._counts["reads_failed"] += 1
                 groups = local if invalid is None else invalid

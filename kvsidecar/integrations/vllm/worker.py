@@ -264,6 +264,13 @@ class WorkerSide:
         write)."""
         if not request_ids:
             return
+        started = time.perf_counter()
+        try:
+            self._await_forward(request_ids, deadline_s)
+        finally:
+            self._book.count("forward_wait_us", int((time.perf_counter() - started) * 1e6))
+
+    def _await_forward(self, request_ids: Sequence[str], deadline_s: float) -> None:
         bound = deadline_s + self._forward_grace_s
         left = self._wait_forward(request_ids, bound)
         if not left:
