@@ -53,7 +53,7 @@ def _serve(
     engine_id: str,
     num_blocks: int,
     seed: int | None,
-    options: dict[str, float],
+    options: dict[str, Any],
 ) -> None:
     shape = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=num_blocks)
     views = toy.build_views(shape, 1)
@@ -140,9 +140,9 @@ class RemoteWorker:
         *,
         num_blocks: int,
         seed: int | None = None,
-        options: dict[str, float] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> RemoteWorker:
-        """``options``: WorkerSide's keyword arguments (its bounds)."""
+        """``options``: WorkerSide's keyword arguments (its bounds, ``lane``)."""
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe()
         process = ctx.Process(

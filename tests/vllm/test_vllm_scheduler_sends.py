@@ -449,7 +449,7 @@ def remote_workers() -> Iterator[Callable[..., RemoteWorker]]:
         engine_id: str = sched.ENGINE_ID,
         *,
         seed: int | None = None,
-        options: dict[str, float] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> RemoteWorker:
         worker = RemoteWorker.start(
             sidecar.addresses["engine_socket"],
@@ -1085,17 +1085,23 @@ def hold_now(sidecar: sidecar_proc.SidecarProcess, kv: RemoteKv) -> None:
         client.hold(kv.request_id, block_ids=[list(kv.block_ids[0])], token=kv.token, lease_s=60)
 
 
+@pytest.mark.parametrize("lane", [False, True], ids=["stream", "lane"])
 def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
-    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+    model: Path,
+    sidecars: dict[str, Any],
+    remote_workers: Callable[..., RemoteWorker],
+    lane: bool,
 ) -> None:
     """vLLM schedules the request's last prompt token in the pass that allocates its blocks
     (a synchronous load), the scheduler posts the READ there, and the worker's
     ``start_load_kv`` returns only once the bytes are the producer's: checked at that moment,
     before the step's forward would run. Nothing is reported finished receiving (vLLM never
-    waited), the request's token comes from that step, and the producer frees the blocks."""
+    waited), the request's token comes from that step, and the producer frees the blocks. With
+    the worker on its lane (``lane``), whose events come only when its own thread reads it, the
+    wait reads it."""
     p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
     producer = remote_workers(p_sidecar, "prefill-fwd", seed=5)
-    consumer = remote_workers(d_sidecar, "decode-fwd")
+    consumer = remote_workers(d_sidecar, "decode-fwd", options={"lane": lane})
     sc = channel_scheduler(model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S)
     kv = held_kv(producer, p_sidecar, "p-F")
     reads = status(d_sidecar).counters["reads_done"]

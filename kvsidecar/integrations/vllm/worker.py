@@ -232,17 +232,18 @@ class WorkerSide:
             if answer.rank != self._tp_rank:
                 continue
             if answer.unsettled:
-                self._abandon(answer.unsettled)
+                self._abandon(f"the scheduler's call to this sidecar failed: {answer.unsettled}")
             else:
                 self._book.settle(answer)
         if sent.received:
             self._book.received(sent.received)
 
     def _abandon(self, why: str) -> None:
-        """A call of the scheduler's to this sidecar failed as a whole after it may have reached
-        it: end the stream (a live sidecar then lets go of the engine) and fence the sidecar
-        before anything it may serve is given back (``on_broken``)."""
-        error = PeerUnavailableError(f"the scheduler's call to this sidecar failed: {why}")
+        """The sidecar may still serve or write what it was given (``why``: a call of the
+        scheduler's failed as a whole after it may have reached it, or a FORWARD load outlived
+        its deadline): end the stream (a live sidecar then lets go of the engine) and fence the
+        sidecar before anything it may serve is given back (``on_broken``)."""
+        error = PeerUnavailableError(why)
         channel = self._channel
         if channel is None or self._broken is not None:
             return
