@@ -1112,8 +1112,8 @@ def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
     assert sc.requests["F"].status == RequestStatus.RUNNING
     m = meta(out)
     assert m.forward == ("F",)
-    assert m.work.loads == ()  # the scheduler posted it
-    (load,) = m.sent.work.loads
+    assert m.sent.work.loads == ()  # the worker posts it with the step (it hears of a refusal)
+    (load,) = m.work.loads
     assert load.deadline_s == FORWARD_S
     local = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("F"))
     assert load.local_block_ids == local  # every block of the prompt (none from a local hit)
@@ -1206,11 +1206,22 @@ def test_channel_a_forward_load_of_a_hung_sidecar_fences_it_before_the_forward(
         out = sc.schedule()
         m = meta(out)
         assert m.forward == ("H",)
-        until("the read posted", lambda: status(sidecar).reads_handshaking == 1)
-        sidecar.proc.send_signal(signal.SIGSTOP)
         local = {b for g in sc.kv_cache_manager.get_block_ids("H") for b in g}
-        stepped = consumer.step(m.sent, m.work, out.finished_req_ids, forward=m.forward,
-                                deadline_s=1.0)  # fmt: skip
+        done: list[Stepped] = []
+        step = threading.Thread(
+            target=lambda: done.append(
+                consumer.step(
+                    m.sent, m.work, out.finished_req_ids, forward=m.forward, deadline_s=1.0
+                )
+            )
+        )
+        step.start()
+        try:
+            until("the read posted", lambda: status(sidecar).reads_handshaking == 1)
+            sidecar.proc.send_signal(signal.SIGSTOP)
+        finally:
+            step.join(WAIT_S)
+        (stepped,) = done
         assert sidecar.proc.poll() == -signal.SIGKILL  # fenced before start_load_kv returned
         assert stepped.broken
         assert stepped.results.invalid_block_ids == local
@@ -1265,3 +1276,33 @@ def test_channel_a_forward_load_holds_the_forward_until_its_read_is_confirmed(
     assert (done.results.recving, done.results.invalid_block_ids) == (set(), set())
     _, outs = update(sc, out, done)
     assert outs["L"].new_token_ids
+
+
+def test_channel_a_forward_load_the_sidecar_refuses_fails_in_its_own_step(
+    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """Regression: a FORWARD load went on the scheduler's channel, whose answers reach the
+    worker only with the next step's metadata; a read the sidecar refused at once (here an
+    endpoint longer than 256 characters: INVALID_ARGUMENT) sends no event, so the worker waited
+    for it until the deadline and its grace, then fenced (killed) a healthy sidecar. A FORWARD
+    load now goes with the worker's own step, whose reply carries the refusal: the wait ends at
+    once, the load's blocks reported invalid, the stream intact."""
+    d_sidecar = sidecars["consumer"]
+    consumer = remote_workers(d_sidecar, "decode-fwd")
+    sc = channel_scheduler(model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S)
+    kv = remote_kv("p-R", "x" * 300)
+    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="R", max_tokens=2))
+    out = sc.schedule()
+    m = meta(out)
+    assert m.forward == ("R",)
+    assert m.sent.work.loads == ()  # not on the scheduler's channel
+    assert [ld.request_id for ld in m.work.loads] == ["R"]
+    local = {b for g in sc.kv_cache_manager.get_block_ids("R") for b in g}
+    stepped = consumer.step(
+        m.sent, m.work, out.finished_req_ids, forward=m.forward, deadline_s=FORWARD_S
+    )
+    assert not stepped.broken  # the sidecar was not taken for hung
+    assert stepped.results.invalid_block_ids == local
+    assert stepped.counts is not None
+    assert stepped.counts["forward_stalls"] == 0
+    assert d_sidecar.proc.poll() is None

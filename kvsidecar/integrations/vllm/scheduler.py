@@ -165,8 +165,10 @@ class Route(enum.Enum):
 class Sender(Protocol):
     """Sends the scheduler's work at once where it can (``connector`` composes it)."""
 
-    def send(self, work: StepWork) -> Route:
-        """Send ``work`` now, or return ``Route.STEP`` at once; never waits for a sidecar."""
+    def send(self, work: StepWork, *, channel: bool = True) -> Route:
+        """Send ``work`` now, or return ``Route.STEP`` at once; never waits for a sidecar.
+        ``channel``: the scheduler's own channel may take it (else only the workers in this
+        process, whose streams carry the sidecar's answer to it)."""
 
     def answers(self) -> tuple[Answer, ...]:
         """The sidecars' answers to work sent (``Route.SIDECARS``) since the last call that a
@@ -359,7 +361,11 @@ class SchedulerSide:
     def _load(self, load: Load, *, now: bool = True) -> None:
         """Start ``load`` now (the blocks are allocated and vLLM writes nothing into them before
         the READ) or with the next step's ``start_load_kv``."""
-        route = self._send(StepWork(loads=(load,))) if now else Route.STEP
+        # A FORWARD load goes where its worker hears at once if the sidecar refuses it (its own
+        # step's reply): the worker waits for it before this step's forward, and the answers
+        # to the scheduler's channel reach the workers only with the next step's metadata.
+        work = StepWork(loads=(load,))
+        route = self._send(work, channel=load.kind is not LoadKind.FORWARD) if now else Route.STEP
         if route is Route.STEP:
             self._loads[load.request_id] = load
         elif route is Route.SIDECARS:
@@ -400,8 +406,8 @@ class SchedulerSide:
             self._done.clear()
         return out or None
 
-    def _send(self, work: StepWork) -> Route:
-        return Route.STEP if self.sender is None else self.sender.send(work)
+    def _send(self, work: StepWork, *, channel: bool = True) -> Route:
+        return Route.STEP if self.sender is None else self.sender.send(work, channel=channel)
 
     def _check_state_slots(
         self, request_id: str, local: tuple[tuple[int, ...], ...], remote: RemoteKv

@@ -103,13 +103,13 @@ class SendNow:
         """The scheduler's channel sends (it checked every rank's registration)."""
         return self._sends is not None and self._sends.ready
 
-    def send(self, work: StepWork) -> Route:
+    def send(self, work: StepWork, *, channel: bool = True) -> Route:
         workers = self._in_process()
         if workers:
             for worker in workers:
                 worker.start_step(work)
             return Route.WORKERS
-        if self._sends is not None and self._sends.submit(work):
+        if channel and self._sends is not None and self._sends.submit(work):
             return Route.SIDECARS
         return Route.STEP
 
