@@ -61,6 +61,12 @@ def _serve(
         f"/dev/shm/kvsidecar-test-{uuid.uuid4().hex}", toy.memory_size(views)
     )
     worker = WorkerSide(socket=socket, engine_id=engine_id, tp_rank=0, tp_size=1, **options)
+
+    def verify(seed_of: int, local: Any, remote: Any) -> int:
+        return toy.verify(
+            memory.array, views, tp_size=1, rank=0, seed=seed_of, local_ids=local, remote_ids=remote
+        )
+
     try:
         if seed is not None:
             toy.fill(memory.array, views, tp_size=1, rank=0, seed=seed)
@@ -78,16 +84,7 @@ def _serve(
                 worker.await_forward(forward, deadline_s)
                 checked = None
                 if check is not None:  # the bytes as the step's forward would find them
-                    seed_of, local, remote = check
-                    checked = toy.verify(
-                        memory.array,
-                        views,
-                        tp_size=1,
-                        rank=0,
-                        seed=seed_of,
-                        local_ids=local,
-                        remote_ids=remote,
-                    )
+                    checked = verify(*check)
                 results = worker.take_results(finished)
                 conn.send(
                     Stepped(
@@ -99,18 +96,7 @@ def _serve(
                     )
                 )
             elif call[0] == "verify":
-                _, seed_of, local, remote = call
-                conn.send(
-                    toy.verify(
-                        memory.array,
-                        views,
-                        tp_size=1,
-                        rank=0,
-                        seed=seed_of,
-                        local_ids=local,
-                        remote_ids=remote,
-                    )
-                )
+                conn.send(verify(*call[1:]))
             else:
                 return
     except BaseException as exc:

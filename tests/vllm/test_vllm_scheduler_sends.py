@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +143,20 @@ class Engine:
     def status(self) -> SidecarStatus:
         with SidecarClient(self.sidecar.addresses["engine_socket"], timeout_s=10) as client:
             return client.status()
+
+    def verify(
+        self, seed: int, local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]]
+    ) -> int:
+        """Bytes of ``local`` checked to be the producer's (``seed``) ``remote`` blocks."""
+        return toy.verify(
+            self.memory.array,
+            self.views,
+            tp_size=1,
+            rank=0,
+            seed=seed,
+            local_ids=local,
+            remote_ids=remote,
+        )
 
     def until(self, what: str, ok: Callable[[SidecarStatus], bool]) -> SidecarStatus:
         deadline = time.monotonic() + WAIT_S
@@ -321,6 +335,27 @@ def remote_kv(request_id: str, peer: str, token: str = "") -> RemoteKv:
     )
 
 
+def held_kv(
+    sidecar: sidecar_proc.SidecarProcess,
+    rid: str,
+    *,
+    engine_id: str = "prefill-fwd",
+    hold: bool = True,
+) -> RemoteKv:
+    """The producer engine ``engine_id`` on ``sidecar`` holds three blocks for ``rid`` under a
+    fresh token (``hold`` False: not yet, :func:`hold_now`)."""
+    token = secrets.token_urlsafe(24)
+    kv = dataclasses.replace(remote_kv(rid, sidecar.addresses["peer"], token), engine_id=engine_id)
+    if hold:
+        hold_now(sidecar, kv)
+    return kv
+
+
+def hold_now(sidecar: sidecar_proc.SidecarProcess, kv: RemoteKv) -> None:
+    with SidecarClient(sidecar.addresses["engine_socket"], timeout_s=10) as client:
+        client.hold(kv.request_id, block_ids=[list(kv.block_ids[0])], token=kv.token, lease_s=60)
+
+
 def test_the_read_is_posted_at_allocation_and_an_abort_waits_for_it(
     model: Path, sidecars: dict[str, Any], engines: Callable[..., Engine], dead_peer: str
 ) -> None:
@@ -362,12 +397,7 @@ def test_a_request_preempted_after_its_load_reads_nothing_more(
     read, and vLLM's request finishes."""
     producer = engines(sidecars["producer"], engine_id="prefill-sends", seed=3)
     consumer = engines(sidecars["consumer"])
-    token = secrets.token_urlsafe(24)
-    kv = dataclasses.replace(
-        remote_kv("p-R", producer.sidecar.addresses["peer"], token), engine_id="prefill-sends"
-    )
-    with SidecarClient(producer.sidecar.addresses["engine_socket"], timeout_s=10) as client:
-        client.hold("p-R", block_ids=[list(kv.block_ids[0])], token=token, lease_s=60)
+    kv = held_kv(producer.sidecar, "p-R", engine_id="prefill-sends")
     reads = consumer.status().counters["reads_done"]
     sc = scheduler(model)
     sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="R", max_tokens=4))
@@ -375,15 +405,7 @@ def test_a_request_preempted_after_its_load_reads_nothing_more(
     local = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("R"))
     finish_step(sc, consumer, out)
     steps_until(sc, consumer, lambda *_: sc.requests["R"].status == RequestStatus.RUNNING)
-    assert toy.verify(
-        consumer.memory.array,
-        consumer.views,
-        tp_size=1,
-        rank=0,
-        seed=3,
-        local_ids=[list(local[0])],
-        remote_ids=[list(kv.block_ids[0])],
-    )
+    assert consumer.verify(3, local, kv.block_ids)
     request = sc.requests["R"]
     sc.running.remove(request)
     sc._preempt_request(request, time.monotonic())
@@ -404,12 +426,7 @@ def test_a_forward_load_handed_to_the_worker_in_this_process(
     producer's bytes in the blocks; nothing is reported finished receiving."""
     producer = engines(sidecars["producer"], engine_id="prefill-fwd-uni", seed=4)
     consumer = engines(sidecars["consumer"], engine_id="decode-fwd-uni")
-    token = secrets.token_urlsafe(24)
-    kv = dataclasses.replace(
-        remote_kv("p-U", producer.sidecar.addresses["peer"], token), engine_id="prefill-fwd-uni"
-    )
-    with SidecarClient(producer.sidecar.addresses["engine_socket"], timeout_s=10) as client:
-        client.hold("p-U", block_ids=[list(kv.block_ids[0])], token=token, lease_s=60)
+    kv = held_kv(producer.sidecar, "p-U", engine_id="prefill-fwd-uni")
     config = sched.vllm_config(
         model,
         extra={"peer_endpoints": [sched.PEER], "lease_s": 30, "forward_load_deadline_s": 5},
@@ -424,15 +441,7 @@ def test_a_forward_load_handed_to_the_worker_in_this_process(
     assert m.work.loads == m.sent.work.loads == ()  # handed to the worker inside schedule()
     local = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("U"))
     consumer.worker.await_forward(m.forward, 5.0)
-    assert toy.verify(
-        consumer.memory.array,
-        consumer.views,
-        tp_size=1,
-        rank=0,
-        seed=4,
-        local_ids=[list(local[0])],
-        remote_ids=[list(kv.block_ids[0])],
-    )
+    assert consumer.verify(4, local, kv.block_ids)
     r = consumer.worker.take_results(out.finished_req_ids)
     assert (r.recving, r.failed, r.invalid_block_ids) == (set(), set(), set())
 
@@ -1066,25 +1075,6 @@ def test_channel_writes_a_passes_loads_in_one_step(
 FORWARD_S = 5.0  # the loads' read deadline (forward_load_deadline_s)
 
 
-def held_kv(
-    producer: RemoteWorker, sidecar: sidecar_proc.SidecarProcess, rid: str, *, hold: bool = True
-) -> RemoteKv:
-    """The producer (seeded bytes) holds three blocks for ``rid`` under a fresh token (``hold``
-    False: not yet, :func:`hold_now`)."""
-    token = secrets.token_urlsafe(24)
-    kv = dataclasses.replace(
-        remote_kv(rid, sidecar.addresses["peer"], token), engine_id="prefill-fwd"
-    )
-    if hold:
-        hold_now(sidecar, kv)
-    return kv
-
-
-def hold_now(sidecar: sidecar_proc.SidecarProcess, kv: RemoteKv) -> None:
-    with SidecarClient(sidecar.addresses["engine_socket"], timeout_s=10) as client:
-        client.hold(kv.request_id, block_ids=[list(kv.block_ids[0])], token=kv.token, lease_s=60)
-
-
 @pytest.mark.parametrize("lane", [False, True], ids=["stream", "lane"])
 def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
     model: Path,
@@ -1100,10 +1090,10 @@ def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
     the worker on its lane (``lane``), whose events come only when its own thread reads it, the
     wait reads it."""
     p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
-    producer = remote_workers(p_sidecar, "prefill-fwd", seed=5)
+    remote_workers(p_sidecar, "prefill-fwd", seed=5)  # the producer engine, its bytes seeded
     consumer = remote_workers(d_sidecar, "decode-fwd", options={"lane": lane})
     sc = channel_scheduler(model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S)
-    kv = held_kv(producer, p_sidecar, "p-F")
+    kv = held_kv(p_sidecar, "p-F")
     reads = status(d_sidecar).counters["reads_done"]
     sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="F", max_tokens=2))
     out = sc.schedule()
@@ -1148,12 +1138,12 @@ def test_channel_a_forward_load_that_fails_is_recomputed_from_its_first_block(
     vLLM drops the step's token of the request and computes its prompt here (policy
     'recompute'), reading nothing more."""
     p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
-    producer = remote_workers(p_sidecar, "prefill-fwd", seed=5)
+    remote_workers(p_sidecar, "prefill-fwd", seed=5)  # the producer engine, its bytes seeded
     consumer = remote_workers(d_sidecar, "decode-fwd")
     sc = channel_scheduler(
         model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S, failure_policy="recompute"
     )
-    kv = dataclasses.replace(held_kv(producer, p_sidecar, "p-X"), token="not-the-token-" * 2)
+    kv = dataclasses.replace(held_kv(p_sidecar, "p-X"), token="not-the-token-" * 2)
     reads = status(d_sidecar).counters
     sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="X", max_tokens=2))
     out = sc.schedule()
@@ -1241,10 +1231,10 @@ def test_channel_a_forward_load_holds_the_forward_until_its_read_is_confirmed(
     does not return before that; once the HOLD is applied it returns with the bytes in place
     and nothing failed."""
     p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
-    producer = remote_workers(p_sidecar, "prefill-fwd", seed=5)
+    remote_workers(p_sidecar, "prefill-fwd", seed=5)  # the producer engine, its bytes seeded
     consumer = remote_workers(d_sidecar, "decode-fwd")
     sc = channel_scheduler(model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S)
-    kv = held_kv(producer, p_sidecar, "p-L", hold=False)
+    kv = held_kv(p_sidecar, "p-L", hold=False)
     sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="L", max_tokens=2))
     out = sc.schedule()
     m = meta(out)
