@@ -43,6 +43,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvsidecar.limits import MAX_DEADLINE_S
+
 from .geometry import (
     ConvLayout,
     LayerKind,
@@ -195,10 +197,10 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self._forward_deadline_s = float(
             self._extra.get("forward_load_deadline_s", DEFAULT_FORWARD_LOAD_DEADLINE_S)
         )
-        if not 0 <= self._forward_deadline_s <= 3600:
+        if not 0 <= self._forward_deadline_s <= MAX_DEADLINE_S:  # a Read's deadline bound
             raise ValueError(
                 "kv_connector_extra_config.forward_load_deadline_s="
-                f"{self._forward_deadline_s} is outside [0, 3600] s"
+                f"{self._forward_deadline_s} is outside [0, {MAX_DEADLINE_S:g}] s"
             )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
