@@ -736,6 +736,12 @@ async def _sidecar_reads(
                     "blocks": len(ids[0]),
                     "bytes": request_bytes,
                     "seconds": seconds,
+                    # where the last request's time went, both sides (``kvsidecar explain``)
+                    "lifecycle": await asyncio.to_thread(
+                        _lifecycle,
+                        cluster.decode[0].sidecar.addresses["engine_socket"],
+                        f"{name}-{size}-{cfg.reps}@decode",
+                    ),
                 }
             )
         consumer = cluster.decode[0].client
@@ -744,6 +750,18 @@ async def _sidecar_reads(
     finally:
         await cluster.aclose()
     return {"sizes": rows, "status_transport": status, "logs": str(cluster.logdir)}
+
+
+def _lifecycle(socket: str, request_id: str) -> str:
+    """``kvsidecar explain``'s text for ``request_id`` on the sidecar at ``socket`` (or why not)."""
+    from kvsidecar.cli.explain_view import render_explanation
+    from kvsidecar.client import SidecarClient
+
+    try:
+        with SidecarClient(socket, timeout_s=10.0) as client:
+            return render_explanation(client.explain(request_id))
+    except Exception as exc:
+        return f"explain failed: {_err(exc)}"
 
 
 async def _raw_reads(
@@ -1134,6 +1152,18 @@ def _bandwidth_md(cfg: Config, doc: Mapping[str, Any]) -> list[str]:
         ]
     elif doc.get("staging"):
         out.append(f"- staging on vs off: {doc['staging']}")
+    for key in ("sidecar", "staging_on"):
+        sizes = doc.get(key, {}).get("sizes", [])
+        for r in sizes[:1] + sizes[-1:] if len(sizes) > 1 else sizes:
+            if r.get("lifecycle"):
+                out += [
+                    "",
+                    f"{key}, {_size(r['block_bytes'])} blocks, the last request "
+                    "(`kvsidecar explain` on the consumer):",
+                    "```",
+                    r["lifecycle"],
+                    "```",
+                ]
     return out
 
 

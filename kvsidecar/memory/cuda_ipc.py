@@ -56,10 +56,10 @@ def device_index_for_uuid(cupy: Any, uuid: str) -> int:
 def make_current(device_index: int) -> None:
     """Make device ``device_index``'s primary CUDA context current on the calling thread.
 
-    CUDA contexts are current per thread: memory imported on the event loop's thread is unknown
-    to a thread with no current context, and UCX (called on the transfer backend's own thread)
-    then classifies the device pointer as host memory and refuses to register it ("VRAM memory
-    is detected as host by UCX"). The backend calls this on its thread before registering VRAM.
+    CUDA contexts are current per thread, and UCX's CUDA calls on the transfer backend's own
+    thread (registration, copies) need the device's context there; the backend calls this on its
+    thread before registering VRAM. (It does not make UCX recognise imported memory: that takes
+    ``UCX_MEMTYPE_CACHE=n``, ``engine.backend.nixl.ucxenv``.)
     """
     cupy = load_cupy("VRAM registration")
     try:

@@ -93,8 +93,8 @@ async def test_status_and_metrics_show_the_transport_ucx_chose_for_a_read(
         assert ucx.log is UcxLog.READ
         (log_dir,) = _log_dirs(tmp, consumer.proc.pid)
         expected = {("UCX_PROTO_INFO", "y"), ("UCX_LOG_FILE", str(log_dir / "ucx.%p.log"))}
-        if nvidia_present():  # cuda_ipc GET on: set only where UCX has cuda_ipc
-            expected.add(("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y"))
+        if nvidia_present():  # cuda_ipc GET on, memtype cache off: only where UCX has CUDA
+            expected |= {("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y"), ("UCX_MEMTYPE_CACHE", "n")}
         assert {(v.name, v.value) for v in ucx.variables} == expected
         assert all(v.by_sidecar for v in ucx.variables), ucx.variables
 
@@ -153,11 +153,14 @@ async def test_the_operators_ucx_variables_are_left_alone(
         assert consumer.client is not None
         ucx = (await consumer.client.status()).ucx
         assert ucx.log is UcxLog.OPERATOR
-        assert {(v.name, v.value, v.by_sidecar) for v in ucx.variables} == {
+        wanted = {
             ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n", False),
             ("UCX_PROTO_INFO", "y", False),
             ("UCX_LOG_FILE", str(theirs / "ucx-op.%p.log"), False),
         }
+        if nvidia_present():  # not the operator's: the sidecar's default there
+            wanted.add(("UCX_MEMTYPE_CACHE", "n", True))
+        assert {(v.name, v.value, v.by_sidecar) for v in ucx.variables} == wanted
         assert ucx.protocols == ()  # the operator's file is theirs: not read
         assert list(tmp.glob("kvsidecar-ucx-*")) == []  # no directory of the sidecar's
         pid = consumer.proc.pid

@@ -3,11 +3,14 @@ between two processes on one GPU. Skipped without CUDA + cupy + torch.cuda."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,3 +144,67 @@ async def test_vram_read_between_two_processes(engine: CudaIpcSpec) -> None:
     finally:
         await backend.aclose()
         target.stop()
+
+
+async def _register_torch_memory(tmp_path: Path, env: dict[str, str]) -> None:
+    """A real ``kvsidecar serve`` (its NIXL agent, hence its UCX context, exists before any engine
+    memory is imported) and RegisterEngine with a torch CUDA tensor exported from this process."""
+    from kvsidecar.client import AsyncSidecarClient
+    from kvsidecar.testing import toy
+    from kvsidecar.testing.gpu import EngineBuffer, MemoryKind
+    from kvsidecar.testing.process import start
+
+    shape = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
+    views = toy.build_views(shape, 1)
+    buf = EngineBuffer.allocate(MemoryKind.TORCH, toy.memory_size(views))
+    sidecar = await asyncio.to_thread(
+        start,
+        tmp_path,
+        "--engine-socket",
+        str(tmp_path / "engine.sock"),
+        "--peer-listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--peer-insecure",
+        env=env,
+        timeout=60.0,
+    )
+    try:
+        client = AsyncSidecarClient(sidecar.addresses["engine_socket"], timeout_s=60.0)
+        try:
+            await client.register_engine(
+                engine_id="gpu-register",
+                tp_rank=0,
+                tp_size=1,
+                views=views,
+                memories={"kv": buf.spec},
+                model="toy-gqa",
+                dtype=f"{shape.dtype_bytes}B",
+            )
+            assert (await client.status()).ready
+        finally:
+            await client.aclose()
+    finally:
+        sidecar.stop(signal.SIGTERM, timeout=10.0)
+        buf.close()
+
+
+@requires_gpu
+async def test_sidecar_registers_engine_cuda_memory_imported_after_its_agent(
+    tmp_path: Path,
+) -> None:
+    """Regression (the H200 runs): every RegisterEngine with CUDA memory failed with "VRAM memory
+    is detected as host by UCX": UCX's memory-type cache never learns memory opened with
+    cuIpcOpenMemHandle after the UCX context exists. The sidecar turns the cache off."""
+    await _register_torch_memory(tmp_path, env={})
+
+
+@requires_gpu
+async def test_with_ucx_memtype_cache_on_the_same_registration_is_refused(tmp_path: Path) -> None:
+    """The cause, shown: the operator's UCX_MEMTYPE_CACHE=y is left alone, and NIXL then refuses
+    the engine's memory with a FAILED_PRECONDITION naming it."""
+    from kvsidecar.errors import FailedPreconditionError
+
+    with pytest.raises(FailedPreconditionError, match=r"memories\[0\] \('kv'\): VRAM memory"):
+        await _register_torch_memory(tmp_path, env={"UCX_MEMTYPE_CACHE": "y"})

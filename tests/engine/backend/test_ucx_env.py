@@ -13,6 +13,7 @@ import pytest
 from kvsidecar.engine.backend.nixl.ucxenv import (
     GET_ZCOPY,
     LOG_FILE,
+    MEMTYPE_CACHE,
     PROTO_INFO,
     UcxSetup,
     nvidia_present,
@@ -30,11 +31,13 @@ def test_defaults_on_a_gpu_host(tmp_path: Path) -> None:
     assert environ == {
         "PATH": "/bin",
         GET_ZCOPY: "y",
+        MEMTYPE_CACHE: "n",
         PROTO_INFO: "y",
         LOG_FILE: str(setup.log_dir / "ucx.%p.log"),
     }
     assert setup.variables == (
         UcxVariable(name=GET_ZCOPY, value="y", by_sidecar=True),
+        UcxVariable(name=MEMTYPE_CACHE, value="n", by_sidecar=True),
         UcxVariable(name=PROTO_INFO, value="y", by_sidecar=True),
         UcxVariable(name=LOG_FILE, value=environ[LOG_FILE], by_sidecar=True),
     )
@@ -48,12 +51,18 @@ def test_no_cuda_ipc_variable_without_an_nvidia_driver(tmp_path: Path) -> None:
     environ: dict[str, str] = {}
     setup = UcxSetup.apply(environ, parent=tmp_path, gpu=False)
     assert GET_ZCOPY not in environ  # UCX would warn that nothing reads it
+    assert MEMTYPE_CACHE not in environ  # host memory only: the cache costs nothing wrong there
     assert [v.name for v in setup.variables] == [PROTO_INFO, LOG_FILE]
     setup.release(environ)
 
 
 def test_the_operators_values_are_left_alone(tmp_path: Path) -> None:
-    theirs = {GET_ZCOPY: "n", PROTO_INFO: "", LOG_FILE: "/var/log/ucx.%h.log"}
+    theirs = {
+        GET_ZCOPY: "n",
+        MEMTYPE_CACHE: "y",
+        PROTO_INFO: "",
+        LOG_FILE: "/var/log/ucx.%h.log",
+    }
     environ = dict(theirs)
     setup = UcxSetup.apply(environ, parent=tmp_path, gpu=True)
     assert environ == theirs
@@ -77,7 +86,7 @@ def test_the_operators_values_are_left_alone(tmp_path: Path) -> None:
 def test_proto_info_off_and_a_directory_that_cannot_be_made(tmp_path: Path) -> None:
     environ: dict[str, str] = {}
     setup = UcxSetup.apply(environ, proto_info=False, parent=tmp_path, gpu=True)
-    assert environ == {GET_ZCOPY: "y"}
+    assert environ == {GET_ZCOPY: "y", MEMTYPE_CACHE: "n"}
     assert (setup.log, setup.log_dir) == (UcxLog.OFF, None)
     setup.release(environ)
     environ = {}

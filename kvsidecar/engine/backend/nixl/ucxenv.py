@@ -10,6 +10,13 @@ each variable only where the operator did not (a variable set, even to "", is th
   cuda_ipc GET (a NIXL READ of GPU memory) off and silently falls back to TCP: 0.5 GB/s instead
   of 254-616 GB/s measured on one H200 (``shared/gpu/README.md``); with NVLink it is on anyway.
   Not on other hosts: UCX loads no cuda_ipc there and would warn about a variable it never reads.
+- ``UCX_MEMTYPE_CACHE=n`` on the same hosts: UCX's memory-type cache learns GPU memory from
+  hooks on allocation calls and from a scan of what exists when the UCX context is created;
+  ``cuIpcOpenMemHandle`` is not hooked, so the engine's memory, imported after the sidecar's
+  agent exists, is not in the cache, UCX "assumes host memory", and NIXL refuses to register it
+  ("VRAM memory is detected as host by UCX": every RegisterEngine with CUDA memory failed on
+  the H200, docs/gpu.md). Without the cache UCX asks the CUDA driver about each address it
+  registers or reaches unregistered (``cuPointerGetAttributes``, about a microsecond).
 - with ``proto_info``: ``UCX_PROTO_INFO=y`` (UCX prints a table per protocol it selects) and
   ``UCX_LOG_FILE=<dir>/ucx.%p.log`` in a fresh directory the sidecar owns (``ucxlog`` reads it;
   ``release`` removes it). Without a log file of ours (the operator's ``UCX_LOG_FILE``), the
@@ -38,6 +45,7 @@ from kvsidecar.types import UcxLog, UcxVariable
 log = logging.getLogger(__name__)
 
 GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+MEMTYPE_CACHE = "UCX_MEMTYPE_CACHE"
 PROTO_INFO = "UCX_PROTO_INFO"
 LOG_FILE = "UCX_LOG_FILE"
 LOG_PATTERN = "ucx.%p.log"  # UCX puts the pid in place of %p: one file per process
@@ -70,6 +78,7 @@ class UcxSetup:
         has_gpu = nvidia_present() if gpu is None else gpu
         if has_gpu:
             wanted[GET_ZCOPY] = "y"
+            wanted[MEMTYPE_CACHE] = "n"
         log_dir: Path | None = None
         if proto_info and LOG_FILE not in environ:
             root = parent if parent is not None else Path(tempfile.gettempdir())
@@ -84,7 +93,7 @@ class UcxSetup:
         if proto_info:
             wanted[PROTO_INFO] = "y"
         variables = []
-        for name in (GET_ZCOPY, PROTO_INFO, LOG_FILE):
+        for name in (GET_ZCOPY, MEMTYPE_CACHE, PROTO_INFO, LOG_FILE):
             if name in environ:
                 variables.append(UcxVariable(name=name, value=environ[name], by_sidecar=False))
             elif name in wanted:
