@@ -4,10 +4,12 @@ says it is; slot ids, and the checks on a peer's info word."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
-from kvsidecar.engine.owned.gather import HostCopier, segments
+from kvsidecar.engine.owned.gather import HostCopier, chunked, segments
 from kvsidecar.errors import GeometryError
 from kvsidecar.plan import EngineGeometry
 from kvsidecar.plan.geometry import _held, geometry_problems
@@ -127,3 +129,40 @@ def test_the_gather_puts_every_held_byte_where_the_pool_geometry_says(
     assert not pool_bytes[
         v0.offset + first_free * stride : v0.offset + (first_free + 1) * stride
     ].any()
+
+
+@pytest.mark.parametrize("chunk", [16, 48, 4096, 1 << 20])
+def test_the_device_gathers_pieces_cover_exactly_its_segments(chunk: int) -> None:
+    """What each CUDA block of the device gather copies (``chunked``), replayed with memmove on
+    host memory, puts the same bytes in the pool as the host gather; no piece exceeds ``chunk``
+    and the pieces of a 16-byte-aligned segment stay aligned (the kernel's word path)."""
+    g = _engine(toy.ModelKind.GQA, 2, 1)
+    memory = np.zeros(toy.memory_size(g.views, 2), dtype=np.uint8)
+    toy.fill(memory, g.views, tp_size=2, rank=1, seed=5)
+    pool = layout(g, 1 << 22)
+    held = (np.array([5, 2, 11]),)
+    runs = gather_runs(g, pool, held, 4)
+    src = {v.name: int(memory.ctypes.data) + v.offset for v in g.views}
+    want = np.zeros(1 << 22, dtype=np.uint8)
+    HostCopier().copy(runs, src, {n: int(want.ctypes.data) + o for n, o in pool.offsets.items()})
+    got = np.zeros(1 << 22, dtype=np.uint8)
+    dst = {n: int(got.ctypes.data) + o for n, o in pool.offsets.items()}
+    s, d, n = segments(runs, src, dst)
+    cs, cd, cn = chunked(s, d, n, chunk)
+    assert cs.dtype == cd.dtype == cn.dtype == np.uint64
+    assert int(cn.sum()) == int(n.sum())
+    assert int(cn.max()) <= chunk
+    assert len(cn) >= -(-int(n.max()) // chunk)
+    aligned = ((s | d | n) % 16 == 0).all()
+    assert not aligned or ((cs | cd) % 16 == 0).all()
+    for a, b, k in zip(cs.tolist(), cd.tolist(), cn.tolist(), strict=True):
+        ctypes.memmove(b, a, k)
+    assert (got == want).all()
+    assert want.any()
+
+
+def test_chunked_refuses_a_piece_size_the_kernel_cannot_keep_aligned() -> None:
+    one = np.array([0], dtype=np.uint64)
+    for bad in (0, -16, 24):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            chunked(one, one, one, bad)
