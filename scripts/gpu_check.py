@@ -696,6 +696,7 @@ async def _sidecar_reads(
     from kvsidecar.testing.gpu_cluster import DevCluster, bench_geometry, bench_ids
     from kvsidecar.testing.pki import make_peer_certificates
     from kvsidecar.testing.ucxlog import status_transports
+    from kvsidecar.tools.bench.scrape import means, scrape_metrics
 
     cluster = DevCluster(
         kind=_kind(cfg),
@@ -721,7 +722,11 @@ async def _sidecar_reads(
                 await cluster.reregister(geometry, timeout_s=30.0 * cfg.slowness)
             ids = bench_ids(geometry)
             seconds = []
+            metrics = cluster.decode[0].sidecar.addresses["metrics"]
+            before: list[dict[str, float]] = []
             for rep in range(cfg.reps + 1):  # the first request of a size warms up, untimed
+                if rep == 1:
+                    before = [await scrape_metrics(metrics)]
                 dst.zero(0, request_bytes)
                 moved = await cluster.transfer(
                     f"{name}-{size}-{rep}", ids, ids, timeout_s=30.0 * cfg.slowness
@@ -736,6 +741,11 @@ async def _sidecar_reads(
                     "blocks": len(ids[0]),
                     "bytes": request_bytes,
                     "seconds": seconds,
+                    # the consumer's read phases (mean us) over the timed requests
+                    "phases_us": {
+                        k: round(v * 1e6, 1)
+                        for k, v in means(before, [await scrape_metrics(metrics)]).items()
+                    },
                     # where the last request's time went, both sides (``kvsidecar explain``)
                     "lifecycle": await asyncio.to_thread(
                         _lifecycle,
@@ -1155,6 +1165,13 @@ def _bandwidth_md(cfg: Config, doc: Mapping[str, Any]) -> list[str]:
     for key in ("sidecar", "staging_on"):
         sizes = doc.get(key, {}).get("sizes", [])
         for r in sizes[:1] + sizes[-1:] if len(sizes) > 1 else sizes:
+            if r.get("phases_us"):
+                phases = "  ".join(f"{k} {v:.0f}" for k, v in r["phases_us"].items())
+                out += [
+                    "",
+                    f"{key}, {_size(r['block_bytes'])} blocks: the consumer's read phases over "
+                    f"the timed requests (mean us; docs/operations.md, Read phases): {phases}",
+                ]
             if r.get("lifecycle"):
                 out += [
                     "",

@@ -43,12 +43,17 @@ _PHASE_METRIC = "kvsidecar_read_phase_seconds"
 
 
 async def scrape(rank: Rank) -> dict[str, float]:
-    """``_sum``/``_count`` samples of the post-duration and per-phase histograms of a sidecar's
-    /metrics, keyed ``post_duration_sum``, ``post_duration_count``, ``<phase>_sum``,
-    ``<phase>_count``."""
+    """``scrape_metrics`` of ``rank``'s sidecar."""
+    return await scrape_metrics(rank.addresses["metrics"])
+
+
+async def scrape_metrics(address: str) -> dict[str, float]:
+    """``_sum``/``_count`` samples of the post-duration and per-phase histograms of the /metrics
+    of the sidecar at ``address`` (host:port), keyed ``post_duration_sum``,
+    ``post_duration_count``, ``<phase>_sum``, ``<phase>_count``."""
 
     def fetch() -> str:
-        url = f"http://{rank.addresses['metrics']}/metrics"
+        url = f"http://{address}/metrics"
         with urllib.request.urlopen(url, timeout=5) as resp:
             text: str = resp.read().decode()
         return text
