@@ -76,7 +76,9 @@ def _check_report(doc: dict[str, Any], *, rows: int) -> None:
         assert all(v > 0 for v in row["ratios"].values())
         assert row["request_bytes"] == row["blocks_per_request"] * row["block_kib"] * 1024
     cp = doc["control_plane"]
-    figures = [cp[n] for n in ("read_posted", "done_to_event", "status_rtt", "nixl_done")]
+    figures = [
+        cp[n] for n in ("read_posted", "done_to_event", "status_rtt", "health_rtt", "nixl_done")
+    ]
     figures += [cp["batch_accept"], cp["confirm"]["on"], cp["confirm"]["off"]]
     figures += list(cp["loaded"].values())
     for fig in figures:
@@ -222,6 +224,7 @@ def test_format_and_targets_of_a_synthetic_report() -> None:
             read_posted=pct(400),
             done_to_event=pct(200),
             status_rtt=pct(150),
+            health_rtt=pct(90),
             nixl_done=pct(300),
             server_post_mean_us=None,
             phases_us={"hop": 20.0, "post": 100.0},

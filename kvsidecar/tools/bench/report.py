@@ -117,7 +117,8 @@ class Percentiles:
 class ControlPlane:
     """Latency over sequential one-block requests, and idle CPU. ``read_posted``: client-side
     duration of the Read call; ``done_to_event``: Watch event received here minus its sidecar
-    ``timestamp``; ``status_rtt``: a no-op Status call (the gRPC round-trip floor);
+    ``timestamp``; ``status_rtt``: a Status call (the sidecar builds its whole status);
+    ``health_rtt``: a gRPC health Check on the same socket (the gRPC round-trip floor);
     ``nixl_done``: raw NIXL post -> DONE of the same requests; ``server_post_mean_us``: the
     sidecar's own mean post duration for those Reads (µs, from its
     ``kvsidecar_read_post_duration_seconds`` histogram; None if unavailable); ``phases_us``: its
@@ -129,6 +130,7 @@ class ControlPlane:
     read_posted: Percentiles
     done_to_event: Percentiles
     status_rtt: Percentiles
+    health_rtt: Percentiles
     nixl_done: Percentiles
     server_post_mean_us: float | None
     phases_us: dict[str, float]
@@ -297,7 +299,8 @@ def format_table(report: BenchReport) -> str:
         ("Read -> RECV_DONE (unconfirmed)", cp.confirm.off),
         ("raw NIXL post -> DONE", cp.nixl_done),
         ("DONE -> event", cp.done_to_event),
-        ("no-op Status RTT (gRPC floor)", cp.status_rtt),
+        ("Status RTT", cp.status_rtt),
+        ("health Check RTT (gRPC floor)", cp.health_rtt),
         (f"ReadBatch of {cp.batch_reads} accepted", cp.batch_accept),
         ("loaded: Read -> posted", cp.loaded.read_posted),
         ("loaded: Read -> RECV_DONE", cp.loaded.read_done),

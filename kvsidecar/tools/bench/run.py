@@ -195,6 +195,7 @@ async def _control(
         read_posted=_pct(lat.read_posted_s),
         done_to_event=_pct(lat.done_to_event_s),
         status_rtt=_pct(lat.status_rtt_s),
+        health_rtt=_pct(lat.health_rtt_s),
         nixl_done=_pct(lat.nixl_s),
         server_post_mean_us=None
         if lat.server_post_mean_s is None

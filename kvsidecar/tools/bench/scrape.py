@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvsidecar.client.requests import target_for
 from kvsidecar.testing.cluster import Rank
 
 _POST_METRIC = "kvsidecar_read_post_duration_seconds"
@@ -25,7 +30,9 @@ def cpu_seconds(pid: int) -> float:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Latency:
     """Control-plane samples, seconds: client-side Read call durations, Read call to RECV_DONE,
-    event delivery (client receive minus sidecar emit), no-op Status round trips, raw NIXL
+    event delivery (client receive minus sidecar emit), Status round trips (the sidecar builds
+    its whole status: not a no-op), gRPC health Check round trips on the same socket (the
+    gRPC floor), raw NIXL
     post -> DONE of the same one-block requests, and the decode sidecars' mean server-side
     durations over the same Reads: the post (``kvsidecar_read_post_duration_seconds``) and
     each phase (``kvsidecar_read_phase_seconds``)."""
@@ -34,6 +41,7 @@ class Latency:
     read_done_s: tuple[float, ...]  # Read call -> its RECV_DONE received here
     done_to_event_s: tuple[float, ...]
     status_rtt_s: tuple[float, ...]
+    health_rtt_s: tuple[float, ...]
     nixl_s: tuple[float, ...]  # raw NIXL: post -> DONE (and release) of the same request
     server_post_mean_s: float | None
     server_phase_mean_s: dict[str, float]
@@ -68,6 +76,21 @@ async def scrape_metrics(address: str) -> dict[str, float]:
                 phase = name[len(_PHASE_METRIC + suffix + '{phase="') : -2]
                 values[phase + suffix] = float(value)
     return values
+
+
+async def health_rtts(engine_socket: str, samples: int) -> tuple[float, ...]:
+    """``samples`` sequential gRPC health Checks on the sidecar's engine socket, seconds each: the
+    round trip of a call whose handler does nothing (a warm-up call first, untimed)."""
+    async with grpc.aio.insecure_channel(target_for(engine_socket)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        await stub.Check(request, timeout=10)
+        out = []
+        for _ in range(samples):
+            start = time.perf_counter()
+            await stub.Check(request, timeout=10)
+            out.append(time.perf_counter() - start)
+    return tuple(out)
 
 
 def means(

@@ -19,7 +19,7 @@ from kvsidecar.client import Event, ReadPosted, ReadSpec, RecvDone, SendDone
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import PREFILL, LocalCluster, Rank
 from kvsidecar.tools.bench.nixl_baseline import IdPairs, NixlBaseline
-from kvsidecar.tools.bench.scrape import Latency, cpu_seconds, means, scrape
+from kvsidecar.tools.bench.scrape import Latency, cpu_seconds, health_rtts, means, scrape
 
 
 @dataclass(slots=True, kw_only=True)
@@ -258,6 +258,7 @@ class Runner:
             start = time.perf_counter()
             await client.status()
             status.append(time.perf_counter() - start)
+        health = await health_rtts(c.decode[0].addresses["engine_socket"], samples)
         nixl = []
         for ids in blocks:
             one = np.asarray(ids[0], dtype=np.int64)
@@ -268,6 +269,7 @@ class Runner:
             read_done_s=tuple(read_done),
             done_to_event_s=tuple(delivered),
             status_rtt_s=tuple(status),
+            health_rtt_s=health,
             nixl_s=tuple(nixl),
             server_post_mean_s=mean.pop("post_duration", None),
             server_phase_mean_s=mean,
