@@ -30,6 +30,7 @@ scheduler sent:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import secrets
 import signal
@@ -129,6 +130,30 @@ def dead_peer() -> Iterator[str]:
         for conn in held:
             conn.close()
         listener.close()
+
+
+@contextlib.contextmanager
+def lone_sidecar(
+    tmp_path: Path, name: str, *, lanes: bool = True
+) -> Iterator[sidecar_proc.SidecarProcess]:
+    """A `kvsidecar serve` of the test's own (it may be stopped or killed); ``lanes=False``: as a
+    sidecar without a step lane (the scheduler's channel then calls Step over gRPC)."""
+    sidecar = sidecar_proc.start(
+        tmp_path,
+        *sidecar_proc.default_args(tmp_path, name, sidecar_proc.certificates(tmp_path)),
+        "--shm-roots",
+        "/dev/shm",
+        name=name,
+        timeout=60.0,
+    )
+    try:
+        if not lanes:
+            Path(steps_path(sidecar.addresses["engine_socket"])).unlink()
+        yield sidecar
+    finally:
+        if sidecar.proc.poll() is None:
+            sidecar.proc.send_signal(signal.SIGCONT)  # a test may have stopped it
+        sidecar.stop()
 
 
 @dataclass
@@ -1003,17 +1028,7 @@ def test_channel_steps_name_the_registration_on_either_route(
     """The channel writes on the sidecar's step lane, or calls Step over gRPC where the sidecar
     has no step lane; either way a hold applies, and once the worker re-registered (another
     epoch) the channel's next step applies nothing: refused whole, answered unsettled."""
-    sidecar = sidecar_proc.start(
-        tmp_path,
-        *sidecar_proc.default_args(tmp_path, "routes", sidecar_proc.certificates(tmp_path)),
-        "--shm-roots",
-        "/dev/shm",
-        name="routes",
-        timeout=60.0,
-    )
-    try:
-        if route == "grpc":  # as a sidecar without a step lane
-            Path(steps_path(sidecar.addresses["engine_socket"])).unlink()
+    with lone_sidecar(tmp_path, "routes", lanes=route == "lanes") as sidecar:
         worker = remote_workers(sidecar)
         sends = SidecarSends(sched.ENGINE_ID, [worker.started.sidecar])
         sends.start()
@@ -1039,8 +1054,6 @@ def test_channel_steps_name_the_registration_on_either_route(
             assert status(sidecar).holds_active == 0  # A went with its registration, B never
         finally:
             sends.close()
-    finally:
-        sidecar.stop()
 
 
 def test_channel_writes_a_passes_loads_in_one_step(
@@ -1083,12 +1096,12 @@ def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
     lane: bool,
 ) -> None:
     """vLLM schedules the request's last prompt token in the pass that allocates its blocks
-    (a synchronous load), the scheduler posts the READ there, and the worker's
-    ``start_load_kv`` returns only once the bytes are the producer's: checked at that moment,
-    before the step's forward would run. Nothing is reported finished receiving (vLLM never
-    waited), the request's token comes from that step, and the producer frees the blocks. With
-    the worker on its lane (``lane``), whose events come only when its own thread reads it, the
-    wait reads it."""
+    (a synchronous load), the scheduler posts the READ there on its step lane and builds the
+    step's metadata once the sidecar answered it, and the worker's ``start_load_kv`` returns
+    only once the bytes are the producer's: checked at that moment, before the step's forward
+    would run. Nothing is reported finished receiving (vLLM never waited), the request's token
+    comes from that step, and the producer frees the blocks. With the worker on its lane
+    (``lane``), whose events come only when its own thread reads it, the wait reads it."""
     p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
     remote_workers(p_sidecar, "prefill-fwd", seed=5)  # the producer engine, its bytes seeded
     consumer = remote_workers(d_sidecar, "decode-fwd", options={"lane": lane})
@@ -1102,8 +1115,9 @@ def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
     assert sc.requests["F"].status == RequestStatus.RUNNING
     m = meta(out)
     assert m.forward == ("F",)
-    assert m.sent.work.loads == ()  # the worker posts it with the step (it hears of a refusal)
-    (load,) = m.work.loads
+    assert m.work.loads == ()  # posted by the scheduler, at allocation
+    assert m.sent.answers == ()  # answered (accepted) before the metadata was built
+    (load,) = m.sent.work.loads
     assert load.deadline_s == FORWARD_S
     local = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("F"))
     assert load.local_block_ids == local  # every block of the prompt (none from a local hit)
@@ -1178,15 +1192,7 @@ def test_channel_a_forward_load_of_a_hung_sidecar_fences_it_before_the_forward(
     The worker waits the read's deadline and its grace, ends the stream and fences the sidecar
     (killed: stopped, it cannot let go), and only then lets the forward run, the load's blocks
     reported invalid (no READ can land in them any more)."""
-    sidecar = sidecar_proc.start(
-        tmp_path,
-        *sidecar_proc.default_args(tmp_path, "hung", sidecar_proc.certificates(tmp_path)),
-        "--shm-roots",
-        "/dev/shm",
-        name="hung",
-        timeout=60.0,
-    )
-    try:
+    with lone_sidecar(tmp_path, "hung") as sidecar:
         consumer = remote_workers(sidecar, options={"forward_grace_s": 0.5})
         sc = channel_scheduler(model, consumer, forward_s=1.0)
         kv = remote_kv("p-H", dead_peer)  # the handshake would hang: the read stays pending
@@ -1217,10 +1223,6 @@ def test_channel_a_forward_load_of_a_hung_sidecar_fences_it_before_the_forward(
         assert stepped.results.invalid_block_ids == local
         assert stepped.counts is not None
         assert stepped.counts["forward_stalls"] == 1
-    finally:
-        if sidecar.proc.poll() is None:
-            sidecar.proc.send_signal(signal.SIGCONT)
-            sidecar.stop(signal.SIGKILL)
 
 
 def test_channel_a_forward_load_holds_the_forward_until_its_read_is_confirmed(
@@ -1268,31 +1270,77 @@ def test_channel_a_forward_load_holds_the_forward_until_its_read_is_confirmed(
     assert outs["L"].new_token_ids
 
 
+@pytest.mark.parametrize("route", ["lanes", "grpc"])
 def test_channel_a_forward_load_the_sidecar_refuses_fails_in_its_own_step(
-    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+    route: str, model: Path, tmp_path: Path, remote_workers: Callable[..., RemoteWorker]
 ) -> None:
-    """Regression: a FORWARD load went on the scheduler's channel, whose answers reach the
+    """Regression: a FORWARD load went on the scheduler's channel, whose answers reached the
     worker only with the next step's metadata; a read the sidecar refused at once (here an
     endpoint longer than 256 characters: INVALID_ARGUMENT) sends no event, so the worker waited
-    for it until the deadline and its grace, then fenced (killed) a healthy sidecar. A FORWARD
-    load now goes with the worker's own step, whose reply carries the refusal: the wait ends at
-    once, the load's blocks reported invalid, the stream intact."""
-    d_sidecar = sidecars["consumer"]
-    consumer = remote_workers(d_sidecar, "decode-fwd")
-    sc = channel_scheduler(model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S)
-    kv = remote_kv("p-R", "x" * 300)
-    sc.add_request(sched.request(sc, PROMPT, params=kv.to_params(), request_id="R", max_tokens=2))
-    out = sc.schedule()
-    m = meta(out)
-    assert m.forward == ("R",)
-    assert m.sent.work.loads == ()  # not on the scheduler's channel
-    assert [ld.request_id for ld in m.work.loads] == ["R"]
-    local = {b for g in sc.kv_cache_manager.get_block_ids("R") for b in g}
-    stepped = consumer.step(
-        m.sent, m.work, out.finished_req_ids, forward=m.forward, deadline_s=FORWARD_S
-    )
-    assert not stepped.broken  # the sidecar was not taken for hung
-    assert stepped.results.invalid_block_ids == local
-    assert stepped.counts is not None
-    assert stepped.counts["forward_stalls"] == 0
-    assert d_sidecar.proc.poll() is None
+    for it until the deadline and its grace, then fenced (killed) a healthy sidecar. On the step
+    lanes the scheduler now builds the step's metadata once the sidecar answered, so the
+    refusal comes with it; on the gRPC route (a sidecar without a step lane) the load goes with
+    the worker's own step, whose reply carries it. Either way the wait ends at once, the load's
+    blocks reported invalid, the stream intact."""
+    with lone_sidecar(tmp_path, "refuses", lanes=route == "lanes") as sidecar:
+        consumer = remote_workers(sidecar, "decode-fwd")
+        sc = channel_scheduler(model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S)
+        kv = remote_kv("p-R", "x" * 300)
+        sc.add_request(
+            sched.request(sc, PROMPT, params=kv.to_params(), request_id="R", max_tokens=2)
+        )
+        out = sc.schedule()
+        m = meta(out)
+        assert m.forward == ("R",)
+        if route == "lanes":
+            assert [ld.request_id for ld in m.sent.work.loads] == ["R"]
+            assert m.sent.answers == (Answer(rank=0, refused_loads=("R",)),)
+            assert m.work.loads == ()
+        else:
+            assert m.sent.work.loads == ()  # not on the gRPC route: answered a step late
+            assert [ld.request_id for ld in m.work.loads] == ["R"]
+        local = {b for g in sc.kv_cache_manager.get_block_ids("R") for b in g}
+        stepped = consumer.step(
+            m.sent, m.work, out.finished_req_ids, forward=m.forward, deadline_s=FORWARD_S
+        )
+        assert not stepped.broken  # the sidecar was not taken for hung
+        assert stepped.results.invalid_block_ids == local
+        assert stepped.counts is not None
+        assert stepped.counts["forward_stalls"] == 0
+        assert sidecar.proc.poll() is None
+
+
+def test_channel_a_forward_load_a_stopped_sidecar_never_answers_is_fenced_in_its_step(
+    model: Path, tmp_path: Path, remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """The consumer's sidecar stops (SIGSTOP) before the pass that posts a FORWARD load on the
+    step lane: its answer never comes. The scheduler waits for it at most the load's deadline,
+    then builds the metadata with the step unsettled for that rank (sending nothing more); the
+    worker ends its stream and fences the sidecar (killed: stopped, it cannot let go) before
+    ``start_load_kv`` returns, the load's blocks invalid: no READ can land after the forward."""
+    with lone_sidecar(tmp_path, "stopped") as sidecar:
+        consumer = remote_workers(sidecar)
+        sc = channel_scheduler(model, consumer, forward_s=1.0)
+        sends = sched.connector(sc)._sends  # private: a test looks at its state
+        assert sends is not None
+        kv = remote_kv("p-S", "127.0.0.1:1")  # never reached: the sidecar is stopped
+        sc.add_request(
+            sched.request(sc, PROMPT, params=kv.to_params(), request_id="S", max_tokens=2)
+        )
+        sidecar.proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        out = sc.schedule()
+        assert time.monotonic() - started >= 1.0  # waited the load's deadline for the answer
+        m = meta(out)
+        assert m.forward == ("S",)
+        assert [ld.request_id for ld in m.sent.work.loads] == ["S"]
+        (answer,) = m.sent.answers
+        assert "went unanswered for 1 s" in answer.unsettled
+        assert not sends.ready  # nothing more on the channel
+        local = {b for g in sc.kv_cache_manager.get_block_ids("S") for b in g}
+        stepped = consumer.step(
+            m.sent, m.work, out.finished_req_ids, forward=m.forward, deadline_s=1.0
+        )
+        assert sidecar.proc.poll() == -signal.SIGKILL  # fenced before start_load_kv returned
+        assert stepped.broken
+        assert stepped.results.invalid_block_ids == local
