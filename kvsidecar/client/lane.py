@@ -16,10 +16,8 @@ its session, which releases the registration exactly as a dropped Session stream
 
 from __future__ import annotations
 
-import select
 import socket
 import time
-from collections.abc import Iterable
 from typing import Any
 
 from kvsidecar.client import requests
@@ -126,16 +124,6 @@ class Lane:
             out.append(message)
         return out
 
-    @property
-    def unsent(self) -> bool:
-        """``send`` kept bytes the socket has not taken yet."""
-        return bool(self._out)
-
-    def fileno(self) -> int:
-        """The socket's descriptor (-1 once broken or closed): for :func:`wait_any`."""
-        sock = self._sock
-        return sock.fileno() if sock is not None and self.broken is None else -1
-
     def close(self) -> None:
         """Close the lane (the sidecar ends its session). Idempotent."""
         sock, self._sock = self._sock, None
@@ -166,20 +154,3 @@ class Lane:
     def _check(self) -> None:
         if self.broken is not None or self._sock is None:
             raise self.broken or LaneClosedError(f"lane {self._path} is not open")
-
-
-def wait_any(lanes: Iterable[Lane], timeout_s: float) -> None:
-    """Wait at most ``timeout_s`` until one of ``lanes`` has something to read (``poll`` then
-    takes it), or can take bytes its ``send`` kept; at once if one is broken (``poll`` raises
-    its error). The one blocking call of this module: for a caller that must have an answer
-    before it goes on (vLLM's scheduler settling a step that carries FORWARD loads)."""
-    readable, writable = [], []
-    for lane in lanes:
-        fd = lane.fileno()
-        if fd < 0:
-            return
-        readable.append(fd)
-        if lane.unsent:
-            writable.append(fd)
-    if readable:
-        select.select(readable, writable, (), max(0.0, timeout_s))

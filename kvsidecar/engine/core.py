@@ -51,7 +51,7 @@ from kvsidecar.errors import (
     ShuttingDownError,
     StaleRegistrationError,
 )
-from kvsidecar.types import Event, PeerInfo, ReadPosted, Registered, SidecarStatus
+from kvsidecar.types import Event, PeerInfo, ReadPosted, RecvFailed, Registered, SidecarStatus
 from kvsidecar.wire.peer import AgentInfo, EngineDirectory, Outcome, PeerNotification, Staged
 from kvsidecar.wire.trace import Explanation
 
@@ -224,6 +224,12 @@ class EngineCore:
                 " the step was built for a registration that has ended; nothing of it applied"
             )
         return await _step(cmd, self._now, self.read_batch, self.notify)
+
+    def end_refused(self, ended: Sequence[RecvFailed]) -> None:
+        """Emit ``ended``: the RECV_FAILED of reads a step sent beside the engine's Session
+        refused at once (``EngineService.step``)."""
+        for event in ended:
+            self._events.emit(event)
 
     def rejected(self, code: str) -> None:
         """Count a Read refused before posting, by its gRPC status name."""

@@ -35,7 +35,7 @@ from kvsidecar.limits import (
 from kvsidecar.rpc import decode
 from kvsidecar.rpc.session import Session
 from kvsidecar.rpc.status import errors_to_status, status_for, status_message
-from kvsidecar.types import DiscoveryInfo, Drained, ReadPosted
+from kvsidecar.types import DiscoveryInfo, Drained, FailReason, ReadPosted, RecvFailed
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, trace_pb2
 from kvsidecar.wire.engine import (
     discovery_to_proto,
@@ -48,6 +48,8 @@ from kvsidecar.wire.engine import (
 )
 from kvsidecar.wire.push import grant_issued_to_proto, push_posted_to_proto, revoked_to_proto
 from kvsidecar.wire.trace import explanation_to_proto
+
+_ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
 
 log = logging.getLogger(__name__)
 
@@ -173,13 +175,22 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def step(self, request: engine_pb2.StepRequest) -> engine_pb2.StepResponse:
         """Decode every item (one that does not decode is refused alone), run the rest as one
         engine step and answer one result per item of each list, in order. Nothing awaits before
-        the engine applies the step's holds and releases (see ``EngineCore.step``)."""
+        the engine applies the step's holds and releases (see ``EngineCore.step``).
+
+        A step that names its registration was sent beside the engine's Session (vLLM's
+        scheduler): its reply goes to that sender, not to the engine's worker, which may wait
+        for the end of a read it carried (vLLM's FORWARD loads, before the forward). So each
+        read such a step refuses at once also ends with a RECV_FAILED on the engine's stream,
+        as an accepted read does (:func:`_refusals`)."""
         decoded = decode.step_command(request, self._decode_read)
         done = await self._core.step(decoded.command)
+        reads = self._read_results(request.reads, decoded.reads, done.reads)
+        if request.registration_epoch:
+            self._core.end_refused(_refusals(request.reads, reads))
         return engine_pb2.StepResponse(
             holds=_notify_results("holds", decoded.holds, done.holds),
             releases=_notify_results("releases", decoded.releases, done.releases),
-            reads=self._read_results(request.reads, decoded.reads, done.reads),
+            reads=reads,
             consumed=_notify_results("consumed", decoded.consumed, done.consumed),
             heartbeats=_notify_results("heartbeats", decoded.heartbeats, done.heartbeats),
         )
@@ -308,3 +319,23 @@ def _notify_results(
         else:
             results.append(engine_pb2.NotifyResult(done=_notified(outcome)))
     return results
+
+
+def _refusals(
+    reads: Sequence[engine_pb2.ReadRequest], results: Sequence[engine_pb2.ReadResult]
+) -> tuple[RecvFailed, ...]:
+    """The RECV_FAILED that ends each read of ``reads`` refused at once (its result carries a
+    code): reason REJECTED, the result's message, every local block it named invalid (none was
+    written, none will be; the engine must not compute on them as loaded). Not for a read
+    refused because its request id is in flight already: that id's one event is the read in
+    flight's (a second would end the engine's read of that id twice)."""
+    return tuple(
+        RecvFailed(
+            request_id=read.request_id,
+            reason=FailReason.REJECTED,
+            message=result.message,
+            invalid_block_ids=tuple(tuple(group.ids) for group in read.local_block_ids),
+        )
+        for read, result in zip(reads, results, strict=True)
+        if result.code and result.code != _ALREADY_EXISTS
+    )

@@ -20,11 +20,13 @@ directory.
 The step lane (``StepLaneServer``, at ``types.steps_path``) carries Step commands alone, for a
 sender beside the engine's Session (vLLM's scheduler): the same frames, a ``SessionReply`` with id
 0 at once (it takes no liveness lock), then one reply per command, by id, as soon as its step is
-done (in any order), and the RECV_DONE or RECV_FAILED of each read its steps posted, as an
+done (in any order), and the RECV_DONE or RECV_FAILED of each read its steps carried, as an
 ``event`` message, once, as soon as it is emitted (every event still comes on the engine's
 Session too: the lane's copy lets the sender act on a read's end without waiting for the
-engine's worker). A read the sidecar refused (its result carries a code), or of a step refused
-whole, sends nothing; at most ``limits.MAX_STEP_LANE_READS`` reads per lane are followed (past
+engine's worker). A read the sidecar refused at once ends RECV_FAILED (REJECTED) like the rest
+(``EngineCore.step``: the engine's worker does not see this lane's replies), except one refused
+because its request id is in flight already (that id's end is the earlier read's); a step
+refused whole sends nothing; at most ``limits.MAX_STEP_LANE_READS`` reads per lane are followed (past
 it the oldest is forgotten: its end comes on the Session alone). Every step must name its
 registration (``registration_epoch``): one that names another is refused FAILED_PRECONDITION. A
 command that is not a step, or names no registration, is refused INVALID_ARGUMENT alone.
@@ -250,10 +252,11 @@ class StepLaneServer:
             new = reads.follow(ids)  # first: a read may end before its step is answered
             try:
                 response = await self._commands.step(request)
-                # a refused read of an id followed before is that earlier read's: kept
-                reads.forget(
-                    i for i, r in zip(ids, response.reads, strict=False) if r.code and i in new
-                )
+                # a refused read of an id followed before, or accepted in this step (the same
+                # id twice: the second is refused ALREADY_EXISTS), is that other read's: kept
+                results = tuple(zip(ids, response.reads, strict=False))
+                accepted = {i for i, r in results if not r.code}
+                reads.forget(i for i, r in results if r.code and i in new and i not in accepted)
                 send(engine_pb2.SessionMessage(
                     reply=engine_pb2.SessionReply(id=command_id, step=response)
                 ))  # fmt: skip

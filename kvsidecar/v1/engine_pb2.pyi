@@ -1361,7 +1361,11 @@ class StepRequest(_message.Message):
     """The epoch of the registration this step is meant for (RegisterEngineResponse.epoch); 0: whichever
     registration is current (a Session's own steps: the stream is bound to its registration).
     A sender beside the engine's Session (vLLM's scheduler, on the unary call or the step lane)
-    sets it, so that a step never lands under a registration it was not built for.
+    sets it, so that a step never lands under a registration it was not built for. Such a
+    step's reply reaches its sender, not the engine's worker, which may wait for a read's end:
+    so each read it refuses at once (its ReadResult carries a code) also ends with one
+    RecvFailed on the engine's Session (reason REJECTED, the message the refusal's, every local
+    block invalid), as an accepted read does.
     """
     @_builtins.property
     def holds(self) -> _containers.RepeatedCompositeFieldContainer[Global___Hold]:

@@ -1,9 +1,10 @@
 """The step lane (rpc/lane.py ``StepLaneServer``, ``types.steps_path``) with real `kvsidecar serve`
 processes and real NIXL: Step commands beside the engine's own stream (the sender vLLM's
 scheduler is), each naming its registration; their events come on the engine's stream, and the
-end of each read a lane's steps posted on that lane too (once; a refused read sends nothing). A
-step for another registration applies nothing (on the lane and on the unary Step call alike); what
-the lane does not carry is refused alone, a frame that does not decode ends only that lane."""
+end of each read a lane's steps carried on that lane too (once; a read refused at once ends
+REJECTED). A step for another registration applies nothing (on the lane and on the unary Step
+call alike); what the lane does not carry is refused alone, a frame that does not decode ends
+only that lane."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from kvsidecar.client.lane import Lane
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import PREFILL, ClusterFactory, Rank, request_ids
 from kvsidecar.testing.probes import metric
-from kvsidecar.types import steps_path
+from kvsidecar.types import FailReason, steps_path
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire.engine import event_from_proto
 
@@ -37,6 +38,7 @@ SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=32)
 TIMEOUT_S = 30.0
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
 LANE_STEPS = 'kvsidecar_session_commands_total{kind="lane_step"}'
 
 
@@ -144,8 +146,11 @@ async def test_the_step_lane_sends_the_end_of_each_read_it_posted_once(
     local_cluster: ClusterFactory,
 ) -> None:
     """A read the producer rejects (a wrong token) ends RECV_FAILED on the lane as on the
-    engine's stream; a read the sidecar refuses at acceptance (a block past the memory) sends
-    nothing on the lane; neither does a step refused whole (another registration)."""
+    engine's stream; a read the sidecar refuses at acceptance (a block past the memory) ends
+    with one RECV_FAILED (REJECTED, its blocks invalid) there too, since the engine's worker
+    never sees this step's reply; a read refused because its id is in flight adds nothing (the
+    id's end is the read in flight's); a step refused whole (another registration) sends
+    nothing."""
     async with local_cluster(SHAPE, 1, 1) as cluster:
         producer, consumer = cluster.prefill[0], cluster.decode[0]
         plane, pepoch = await _open(producer)
@@ -168,19 +173,29 @@ async def test_the_step_lane_sends_the_end_of_each_read_it_posted_once(
 
         past = [[SHAPE.num_blocks + 5] * len(g) for g in d]  # no such block: refused at once
         wrong = consumer.expect("wrong")
+        refused = consumer.expect("past")
         events: list[Event] = []
         spec = StepSpec(reads=[read("past", past, "h" * 32), read("wrong", d, "x" * 32)])
-        reply = await _reply(dlane, dlane.send(step=_step(spec, depoch)), events)
+        again = StepSpec(reads=[*spec.reads, read("wrong", d, "x" * 32)])  # "wrong" in flight
+        reply = await _reply(dlane, dlane.send(step=_step(again, depoch)), events)
         codes = [r.code for r in reply.step.reads]
         assert codes[0] != 0, codes
         assert codes[1] == 0, codes
+        assert codes[2] == ALREADY_EXISTS, codes  # its end is the read in flight's: no event
         stale = await _reply(dlane, dlane.send(step=_step(spec, depoch + 1)), events)
         assert stale.code == FAILED_PRECONDITION
         failed = await asyncio.wait_for(wrong, TIMEOUT_S)
         assert isinstance(failed, RecvFailed), failed
-        assert await _events(dlane, 1, events) == [failed]  # "wrong" alone, once
+        ended = await asyncio.wait_for(refused, TIMEOUT_S)  # on the engine's stream
+        assert await _events(dlane, 2, events) == [ended, failed]  # the same, once each
+        assert isinstance(ended, RecvFailed), ended
+        assert ended.reason is FailReason.REJECTED
+        assert ended.invalid_block_ids == tuple(tuple(g) for g in past)
+        assert ended.message.startswith("reads[0]: ")  # the refusal's own words
+        assert f"={SHAPE.num_blocks + 5} is outside" in ended.message
         await asyncio.sleep(0.2)  # nothing more comes (an extra would show in this poll)
         assert dlane.poll() == []
+        assert not consumer.early  # once each on the engine's stream (the stale step: none)
         for lane in (plane, dlane):
             lane.close()
 

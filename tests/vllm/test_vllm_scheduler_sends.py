@@ -24,8 +24,9 @@ scheduler sent:
 * FORWARD loads (``forward_load_deadline_s``): the step that allocates the blocks computes the
   last prompt token on them, its worker's ``start_load_kv`` returning only once the read is
   confirmed (bytes checked then; a trailing HOLD holds it back), on either route; a failed one
-  reports its blocks invalid and vLLM computes the prompt here; a hung sidecar is fenced before
-  the forward runs.
+  reports its blocks invalid and vLLM computes the prompt here; one the sidecar refuses at once
+  ends in its own step (a RECV_FAILED on the worker's stream, on the step lane and on gRPC); a
+  hung sidecar is fenced before the forward runs.
 """
 
 from __future__ import annotations
@@ -1096,10 +1097,9 @@ def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
     lane: bool,
 ) -> None:
     """vLLM schedules the request's last prompt token in the pass that allocates its blocks
-    (a synchronous load), the scheduler posts the READ there on its step lane and builds the
-    step's metadata once the sidecar answered it, and the worker's ``start_load_kv`` returns
-    only once the bytes are the producer's: checked at that moment, before the step's forward
-    would run. Nothing is reported finished receiving (vLLM never waited), the request's token
+    (a synchronous load), the scheduler posts the READ there on its step lane, and the worker's
+    ``start_load_kv`` returns only once the bytes are the producer's: checked at that moment,
+    before the step's forward would run. Nothing is reported finished receiving (vLLM never waited), the request's token
     comes from that step, and the producer frees the blocks. With the worker on its lane
     (``lane``), whose events come only when its own thread reads it, the wait reads it."""
     p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
@@ -1116,7 +1116,6 @@ def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
     m = meta(out)
     assert m.forward == ("F",)
     assert m.work.loads == ()  # posted by the scheduler, at allocation
-    assert m.sent.answers == ()  # answered (accepted) before the metadata was built
     (load,) = m.sent.work.loads
     assert load.deadline_s == FORWARD_S
     local = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("F"))
@@ -1274,14 +1273,14 @@ def test_channel_a_forward_load_holds_the_forward_until_its_read_is_confirmed(
 def test_channel_a_forward_load_the_sidecar_refuses_fails_in_its_own_step(
     route: str, model: Path, tmp_path: Path, remote_workers: Callable[..., RemoteWorker]
 ) -> None:
-    """Regression: a FORWARD load went on the scheduler's channel, whose answers reached the
-    worker only with the next step's metadata; a read the sidecar refused at once (here an
-    endpoint longer than 256 characters: INVALID_ARGUMENT) sends no event, so the worker waited
-    for it until the deadline and its grace, then fenced (killed) a healthy sidecar. On the step
-    lanes the scheduler now builds the step's metadata once the sidecar answered, so the
-    refusal comes with it; on the gRPC route (a sidecar without a step lane) the load goes with
-    the worker's own step, whose reply carries it. Either way the wait ends at once, the load's
-    blocks reported invalid, the stream intact."""
+    """Regression: a FORWARD load on the scheduler's channel, refused by the sidecar at once
+    (here an endpoint longer than 256 characters: INVALID_ARGUMENT), was answered only to the
+    scheduler, whose answers reach the worker with the next step's metadata: the worker waited
+    for it until the deadline and its grace, then fenced (killed) a healthy sidecar. A step
+    sent beside the worker's Session now also ends each read it refuses with a RECV_FAILED on
+    that Session, on the step lane and on the gRPC route (a sidecar without a step lane)
+    alike: the wait ends at once, the load's blocks reported invalid, the stream intact; the
+    scheduler's answer, a step later, changes nothing."""
     with lone_sidecar(tmp_path, "refuses", lanes=route == "lanes") as sidecar:
         consumer = remote_workers(sidecar, "decode-fwd")
         sc = channel_scheduler(model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S)
@@ -1292,13 +1291,8 @@ def test_channel_a_forward_load_the_sidecar_refuses_fails_in_its_own_step(
         out = sc.schedule()
         m = meta(out)
         assert m.forward == ("R",)
-        if route == "lanes":
-            assert [ld.request_id for ld in m.sent.work.loads] == ["R"]
-            assert m.sent.answers == (Answer(rank=0, refused_loads=("R",)),)
-            assert m.work.loads == ()
-        else:
-            assert m.sent.work.loads == ()  # not on the gRPC route: answered a step late
-            assert [ld.request_id for ld in m.work.loads] == ["R"]
+        assert [ld.request_id for ld in m.sent.work.loads] == ["R"]  # on the channel
+        assert m.work.loads == ()
         local = {b for g in sc.kv_cache_manager.get_block_ids("R") for b in g}
         stepped = consumer.step(
             m.sent, m.work, out.finished_req_ids, forward=m.forward, deadline_s=FORWARD_S
@@ -1307,40 +1301,21 @@ def test_channel_a_forward_load_the_sidecar_refuses_fails_in_its_own_step(
         assert stepped.results.invalid_block_ids == local
         assert stepped.counts is not None
         assert stepped.counts["forward_stalls"] == 0
+        assert stepped.counts["reads_failed"] == 1
+        _, outs = update(sc, out, stepped)
+        assert "R" not in outs or outs["R"].new_token_ids == []  # no token from those blocks
+        refusals: list[Answer] = []
+        failed = 0
+        deadline = time.monotonic() + WAIT_S
+        while "R" in sc.requests or not refusals:  # until the scheduler's answer came too
+            assert time.monotonic() < deadline, "the scheduler's answer never came"
+            out = sc.schedule()
+            refusals += meta(out).sent.answers
+            later = consumer.step(meta(out).sent, meta(out).work, out.finished_req_ids)
+            update(sc, out, later)
+            assert later.counts is not None
+            failed += later.counts["reads_failed"]
+            time.sleep(0.01)
+        assert refusals == [Answer(rank=0, refused_loads=("R",))]
+        assert failed == 0  # settled once, by the event
         assert sidecar.proc.poll() is None
-
-
-def test_channel_a_forward_load_a_stopped_sidecar_never_answers_is_fenced_in_its_step(
-    model: Path, tmp_path: Path, remote_workers: Callable[..., RemoteWorker]
-) -> None:
-    """The consumer's sidecar stops (SIGSTOP) before the pass that posts a FORWARD load on the
-    step lane: its answer never comes. The scheduler waits for it at most the load's deadline,
-    then builds the metadata with the step unsettled for that rank (sending nothing more); the
-    worker ends its stream and fences the sidecar (killed: stopped, it cannot let go) before
-    ``start_load_kv`` returns, the load's blocks invalid: no READ can land after the forward."""
-    with lone_sidecar(tmp_path, "stopped") as sidecar:
-        consumer = remote_workers(sidecar)
-        sc = channel_scheduler(model, consumer, forward_s=1.0)
-        sends = sched.connector(sc)._sends  # private: a test looks at its state
-        assert sends is not None
-        kv = remote_kv("p-S", "127.0.0.1:1")  # never reached: the sidecar is stopped
-        sc.add_request(
-            sched.request(sc, PROMPT, params=kv.to_params(), request_id="S", max_tokens=2)
-        )
-        sidecar.proc.send_signal(signal.SIGSTOP)
-        started = time.monotonic()
-        out = sc.schedule()
-        assert time.monotonic() - started >= 1.0  # waited the load's deadline for the answer
-        m = meta(out)
-        assert m.forward == ("S",)
-        assert [ld.request_id for ld in m.sent.work.loads] == ["S"]
-        (answer,) = m.sent.answers
-        assert "went unanswered for 1 s" in answer.unsettled
-        assert not sends.ready  # nothing more on the channel
-        local = {b for g in sc.kv_cache_manager.get_block_ids("S") for b in g}
-        stepped = consumer.step(
-            m.sent, m.work, out.finished_req_ids, forward=m.forward, deadline_s=1.0
-        )
-        assert sidecar.proc.poll() == -signal.SIGKILL  # fenced before start_load_kv returned
-        assert stepped.broken
-        assert stepped.results.invalid_block_ids == local

@@ -43,7 +43,7 @@ from kvsidecar.client import (
     StepDone,
     requests,
 )
-from kvsidecar.client.lane import Lane, LaneClosedError, wait_any
+from kvsidecar.client.lane import Lane, LaneClosedError
 from kvsidecar.errors import DeadlineExceededError, KvSidecarError, NotFoundError
 from kvsidecar.types import lane_path, steps_path
 from kvsidecar.v1 import engine_pb2
@@ -315,38 +315,6 @@ class StepLanes:
         """Write what was kept (``flush``), then what the sidecars answered that a worker must
         act on, and why the sends must stop ("" if nothing says so)."""
         self.flush()
-        self._read()
-        found, self._found = tuple(self._found), []
-        return found, self._why
-
-    def settle(self, timeout_s: float) -> None:
-        """Write what was kept and wait, at most ``timeout_s``, until every step written has
-        been answered on every rank (the answers are kept for ``take``): a worker that waits
-        for a FORWARD load before its forward must learn from the step's metadata whether its
-        sidecar refused it, since a refused read sends no event. A step still unanswered then
-        is unsettled (its worker fences the sidecar, which fails its reads: no byte lands
-        after). A sidecar answers a step once its reads are posted (or wait for a handshake in
-        the background), so this waits for the post, never for the copy's confirmation."""
-        self.flush()
-        end = time.perf_counter() + timeout_s
-        while True:
-            self._read()
-            waiting = [lane for lane, u in zip(self._lanes, self._unanswered, strict=True) if u]
-            left = end - time.perf_counter()
-            if not waiting:
-                return
-            if left <= 0:
-                why = f"a step carrying FORWARD loads went unanswered for {timeout_s:g} s"
-                for i, unanswered in enumerate(self._unanswered):
-                    if unanswered:
-                        self._unsettle(i, why, unanswered.values())
-                        unanswered.clear()
-                return
-            wait_any(waiting, left)
-
-    def _read(self) -> None:
-        """Read what every lane brought (answers into ``_found``, the ends of reads); steps
-        unanswered for ``timeout_s``, or on a lane that broke, are unsettled."""
         now = time.perf_counter()
         for i, lane in enumerate(self._lanes):
             unanswered = self._unanswered[i]
@@ -378,6 +346,8 @@ class StepLanes:
             if late:
                 why = f"a step went unanswered for {self._timeout_s:g} s"
                 self._unsettle(i, why, [unanswered.pop(k) for k in late])
+        found, self._found = tuple(self._found), []
+        return found, self._why
 
     def take_received(self) -> tuple[str, ...]:
         """Requests whose read every rank's sidecar reported done since the last call (read

@@ -165,20 +165,8 @@ class Route(enum.Enum):
 class Sender(Protocol):
     """Sends the scheduler's work at once where it can (``connector`` composes it)."""
 
-    def send(self, work: StepWork, *, channel: bool = True) -> Route:
-        """Send ``work`` now, or return ``Route.STEP`` at once; never waits for a sidecar.
-        ``channel``: the scheduler's own channel may take it (else only the workers in this
-        process, whose streams carry the sidecar's answer to it)."""
-
-    @property
-    def settles(self) -> bool:
-        """Work ``send`` puts on the scheduler's channel now can be answered within the
-        scheduling pass (``settle``)."""
-
-    def settle(self, timeout_s: float) -> None:
-        """Wait, at most ``timeout_s``, until every rank's sidecar answered the work sent
-        (``Route.SIDECARS``); what is still unanswered then comes from ``answers`` as
-        unsettled (its worker fences the sidecar)."""
+    def send(self, work: StepWork) -> Route:
+        """Send ``work`` now, or return ``Route.STEP`` at once; never waits for a sidecar."""
 
     def answers(self) -> tuple[Answer, ...]:
         """The sidecars' answers to work sent (``Route.SIDECARS``) since the last call that a
@@ -235,7 +223,6 @@ class SchedulerSide:
     # Matched FORWARD and not yet allocated: the (block-aligned) local hit they load after.
     _forward_ok: dict[str, int] = field(default_factory=dict)
     _forward: list[str] = field(default_factory=list)  # this step's FORWARD loads
-    _settle: bool = False  # a FORWARD load went on the channel: take_sent waits for its answer
     _last_heartbeat: float = 0.0
 
     # --- decode side ----------------------------------------------------------------------------
@@ -372,22 +359,16 @@ class SchedulerSide:
     def _load(self, load: Load, *, now: bool = True) -> None:
         """Start ``load`` now (the blocks are allocated and vLLM writes nothing into them before
         the READ) or with the next step's ``start_load_kv``."""
-        # A FORWARD load goes where its worker hears before the forward if the sidecar refuses
-        # it (a refused read sends no event): on the step lanes, whose answers the scheduler
-        # waits for when it builds the step's metadata (``take_sent``), or with the worker's own
-        # step, whose reply it reads; never on the gRPC route, whose answers reach the workers
-        # a step later.
-        forward = load.kind is LoadKind.FORWARD
-        channel = not forward or (self.sender is not None and self.sender.settles)
+        # A FORWARD load may go on the scheduler's channel too: the worker that waits for it
+        # before the forward never sees that channel's answer, but a step sent beside its Session
+        # ends each read it refuses with a RECV_FAILED on the Session (``EngineCore.step``).
         work = StepWork(loads=(load,))
-        route = self._send(work, channel=channel) if now else Route.STEP
+        route = self._send(work) if now else Route.STEP
         if route is Route.STEP:
             self._loads[load.request_id] = load
         elif route is Route.SIDECARS:
             self._sent_loads.append(load)
-            if forward:
-                self._settle = True
-            else:  # ASYNC: the only kind vLLM is told of as received
+            if load.kind is LoadKind.ASYNC:  # the only kind vLLM is told of as received
                 self._awaiting.add(load.request_id)
 
     def received(self, reported: set[str] | None) -> set[str] | None:
@@ -423,8 +404,8 @@ class SchedulerSide:
             self._done.clear()
         return out or None
 
-    def _send(self, work: StepWork, *, channel: bool = True) -> Route:
-        return Route.STEP if self.sender is None else self.sender.send(work, channel=channel)
+    def _send(self, work: StepWork) -> Route:
+        return Route.STEP if self.sender is None else self.sender.send(work)
 
     def _check_state_slots(
         self, request_id: str, local: tuple[tuple[int, ...], ...], remote: RemoteKv
@@ -509,13 +490,7 @@ class SchedulerSide:
 
     def take_sent(self) -> Sent:
         """What the scheduler's channel sent since the last call, and the answers the workers
-        must act on (for the step's metadata, beside :meth:`take_step`); resets both. Where a
-        FORWARD load went on the channel, first waits (at most its read deadline) for every
-        rank's answer, so that the workers, which wait for the load before this step's forward,
-        learn a refusal from this metadata (docs/vllm.md, "FORWARD loads")."""
-        if self._settle and self.sender is not None:
-            self._settle = False
-            self.sender.settle(self.forward_deadline_s)
+        must act on (for the step's metadata, beside :meth:`take_step`); resets both."""
         answers = self.sender.answers() if self.sender is not None else ()
         if not (self._sent_loads or self._sent_holds or answers or self._settled):
             return _NOTHING_SENT

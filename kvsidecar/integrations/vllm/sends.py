@@ -103,26 +103,15 @@ class SendNow:
         """The scheduler's channel sends (it checked every rank's registration)."""
         return self._sends is not None and self._sends.ready
 
-    def send(self, work: StepWork, *, channel: bool = True) -> Route:
+    def send(self, work: StepWork) -> Route:
         workers = self._in_process()
         if workers:
             for worker in workers:
                 worker.start_step(work)
             return Route.WORKERS
-        if channel and self._sends is not None and self._sends.submit(work):
+        if self._sends is not None and self._sends.submit(work):
             return Route.SIDECARS
         return Route.STEP
-
-    @property
-    def settles(self) -> bool:
-        """``send`` puts work on the scheduler's step lanes, whose answers ``settle`` can wait
-        for within the scheduling pass (not where the workers are in this process, nor on the
-        gRPC route, whose answers an I/O thread collects)."""
-        return not self._in_process() and self._sends is not None and self._sends.settles
-
-    def settle(self, timeout_s: float) -> None:
-        if self._sends is not None:
-            self._sends.settle(timeout_s)
 
     def answers(self) -> tuple[Answer, ...]:
         return self._sends.answers() if self._sends is not None else ()
@@ -214,19 +203,6 @@ class SidecarSends:
         self._queue.append(work)
         bell.ring()
         return True
-
-    @property
-    def settles(self) -> bool:
-        """Work goes on the step lanes and is sent (``settle`` can wait for its answers)."""
-        return self._lanes is not None and not self.stopped
-
-    def settle(self, timeout_s: float) -> None:
-        """Write what was submitted and wait, at most ``timeout_s``, for every rank's answer to
-        it (``StepLanes.settle``; then ``answers`` has them, or a step unanswered in time as
-        unsettled). Step lanes only; nothing to wait for on the gRPC route."""
-        lanes = self._lanes
-        if lanes is not None and not self.stopped:
-            lanes.settle(timeout_s)
 
     def answers(self) -> tuple[Answer, ...]:
         """What the sidecars answered since the last call that a worker must act on (what was
