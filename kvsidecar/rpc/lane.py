@@ -24,10 +24,10 @@ done (in any order), and the RECV_DONE or RECV_FAILED of each read its steps car
 ``event`` message, once, as soon as it is emitted (every event still comes on the engine's
 Session too: the lane's copy lets the sender act on a read's end without waiting for the
 engine's worker). A read the sidecar refused at once ends RECV_FAILED (REJECTED) like the rest
-(``EngineCore.step``: the engine's worker does not see this lane's replies), except one refused
-because its request id is in flight already (that id's end is the earlier read's); a step
-refused whole sends nothing; at most ``limits.MAX_STEP_LANE_READS`` reads per lane are followed (past
-it the oldest is forgotten: its end comes on the Session alone). Every step must name its
+(``EngineServicer.step``: the engine's worker does not see this lane's replies), except one
+refused because its request id is in flight already (that id's end is the earlier read's); a
+step refused whole sends nothing; at most ``limits.MAX_STEP_LANE_READS`` reads per lane are
+followed (past it the oldest is forgotten: its end comes on the Session alone). Every step must name its
 registration (``registration_epoch``): one that names another is refused FAILED_PRECONDITION. A
 command that is not a step, or names no registration, is refused INVALID_ARGUMENT alone.
 """

@@ -1365,7 +1365,8 @@ class StepRequest(_message.Message):
     step's reply reaches its sender, not the engine's worker, which may wait for a read's end:
     so each read it refuses at once (its ReadResult carries a code) also ends with one
     RecvFailed on the engine's Session (reason REJECTED, the message the refusal's, every local
-    block invalid), as an accepted read does.
+    block invalid), as an accepted read does; except a read refused ALREADY_EXISTS (its request
+    id is in flight: that id's one event is the read in flight's).
     """
     @_builtins.property
     def holds(self) -> _containers.RepeatedCompositeFieldContainer[Global___Hold]:

@@ -361,7 +361,7 @@ class SchedulerSide:
         the READ) or with the next step's ``start_load_kv``."""
         # A FORWARD load may go on the scheduler's channel too: the worker that waits for it
         # before the forward never sees that channel's answer, but a step sent beside its Session
-        # ends each read it refuses with a RECV_FAILED on the Session (``EngineCore.step``).
+        # ends each read it refuses with a RECV_FAILED on the Session (``EngineServicer.step``).
         work = StepWork(loads=(load,))
         route = self._send(work) if now else Route.STEP
         if route is Route.STEP:
