@@ -1,5 +1,6 @@
-"""`make bench-vllm`'s breakdown of a single request's decode TTFT (benchmarks.vllm.measure.segments),
-on step records shaped as benchmarks.vllm.hooks writes them: which steps bound each segment."""
+"""`make bench-vllm`'s breakdown of a single request's decode TTFT (benchmarks.vllm.measure.segments)
+and its inter-token latency of running decodes under a burst (``itl``), on step records shaped as
+benchmarks.vllm.hooks writes them: which steps bound each segment and each interval."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.vllm.measure import SEGMENTS, segments
+from benchmarks.vllm.drive import Burst, Handed
+from benchmarks.vllm.measure import SEGMENTS, itl, segments
 
 T0 = 1_000.0
 
@@ -81,3 +83,31 @@ def test_a_load_the_scheduler_reported_received() -> None:
 )
 def test_a_request_whose_steps_are_missing_has_none(records: list[dict[str, Any]]) -> None:
     assert segments(records, T0, 0.02) is None
+
+
+def _burst(*, running_until: float = 1.0, burst_until: float = 0.060) -> Burst:
+    handed = Handed(wall_s=0.0, ttft_s=[], checked=0, mismatches=[], released_at=T0 + 0.020)
+    return Burst(
+        handed=handed,
+        running_at=T0,
+        running_until=T0 + running_until,
+        burst_until=T0 + burst_until,
+    )
+
+
+def test_itl_of_running_decodes_alone_and_under_a_burst() -> None:
+    """Each D step gives every running decode one token: the intervals between step ends. Alone:
+    after the prefill's step (ends 0.006), before the burst is sent (0.020). Under: from the last
+    end before it to the burst's last first token (0.060); the step ending later is not in it."""
+    ends = (0.006, 0.010, 0.014, 0.018, 0.030, 0.045, 0.055, 0.070)
+    records = [_step(-0.050, -0.040)] + [_step(e - 0.001, e) for e in ends]  # an earlier step
+    alone, under = itl(records, _burst())
+    assert alone == pytest.approx([0.004, 0.004, 0.004])
+    assert under == pytest.approx([0.012, 0.015, 0.010])
+
+
+def test_itl_stops_where_the_first_running_decode_ends() -> None:
+    """A step after the first running decode ended (0.040) no longer shows its tokens."""
+    ends = (0.006, 0.010, 0.018, 0.030, 0.045, 0.055)
+    _, under = itl([_step(e - 0.001, e) for e in ends], _burst(running_until=0.040))
+    assert under == pytest.approx([0.012])

@@ -94,6 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=d.forward_s,
         help="kvsidecar's FORWARD loads with this read deadline (0: asynchronous loads)",
     )
+    parser.add_argument(
+        "--forward-load-max-tokens",
+        dest="forward_max_tokens",
+        type=int,
+        default=d.forward_max_tokens,
+        help="kvsidecar's forward_load_max_tokens (default: the connector's; 0: no bound)",
+    )
     parser.add_argument("--tiny", action="store_true", help="very small everything (tests)")
     parser.add_argument("--json", action="store_true", help="print only the JSON report")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
@@ -119,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lane=args.lane,
             scheduler_sends=args.scheduler_sends,
             forward_s=args.forward_s,
+            forward_max_tokens=args.forward_max_tokens,
         )
     if min(s.rounds, s.singles, s.batch, s.batch_len, s.steps_len, s.layers) < 1:
         parser.error(

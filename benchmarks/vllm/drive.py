@@ -23,12 +23,13 @@ def prompt(seed: str, length: int) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(length)]
 
 
-def _params(kv: dict[str, Any] | None) -> Any:
-    """Greedy, one token; ``kv``: the request's kv_transfer_params (None: none, no transfer)."""
+def _params(kv: dict[str, Any] | None, max_tokens: int = 1) -> Any:
+    """Greedy, ``max_tokens`` tokens; ``kv``: the request's kv_transfer_params (None: none, no
+    transfer)."""
     from vllm import SamplingParams
 
     extra = None if kv is None else {"kv_transfer_params": kv}
-    return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, extra_args=extra)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
 
 
 @dataclass
@@ -70,11 +71,7 @@ def submit(engine: Engine, prompts: Sequence[list[int]], params: Sequence[Any]) 
     ordered: list[Any] = [outs.get(i, outs.get(i.split("-", 1)[0])) for i in ids]
     if any(o is None for o in ordered):
         raise RuntimeError(f"{engine.name}: outputs {sorted(outs)} for requests {ids}")
-    ttft = []
-    for o in ordered:
-        m = o.metrics
-        latency = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
-        ttft.append(m.arrival_time + latency - t0 if latency > 0 else wall)
+    ttft = [_first_token_at(o, t0 + wall) - t0 for o in ordered]
     return Submitted(outputs=ordered, ttft_s=ttft, wall_s=wall, released_at=t0)
 
 
@@ -137,13 +134,27 @@ class Handed:
 def prefill_then_decode(pair: Pair, prompts: Sequence[list[int]]) -> Handed:
     """Prefill ``prompts`` on P (one token, KV kept), then decode them on D, each side's
     requests released together."""
+    p, kv = _prefill(pair, prompts)
+    d = submit(pair.decode, prompts, [_params(k) for k in kv])
+    return _handed(pair, prompts, p.outputs, d)
+
+
+def _prefill(pair: Pair, prompts: Sequence[list[int]]) -> tuple[Submitted, list[Any]]:
+    """``prompts`` prefilled on P (one token each, KV kept for D); P's outputs and their
+    kv_transfer_params."""
     p = submit(pair.prefill, prompts, [_params({"do_remote_decode": True})] * len(prompts))
     kv = [o.kv_transfer_params for o in p.outputs]
     if not all(kv):
         raise RuntimeError(f"{pair.connector}: prefill returned no kv_transfer_params: {kv}")
-    d = submit(pair.decode, prompts, [_params(k) for k in kv])
+    return p, kv
+
+
+def _handed(
+    pair: Pair, prompts: Sequence[list[int]], p_outputs: Sequence[Any], d: Submitted
+) -> Handed:
+    """D's side of ``prompts``, each first token checked against P's."""
     mismatches = []
-    for i, (po, do) in enumerate(zip(p.outputs, d.outputs, strict=True)):
+    for i, (po, do) in enumerate(zip(p_outputs, d.outputs, strict=True)):
         want, got = list(po.outputs[0].token_ids[:1]), list(do.outputs[0].token_ids[:1])
         if want != got or not got:
             mismatches.append(
@@ -157,6 +168,79 @@ def prefill_then_decode(pair: Pair, prompts: Sequence[list[int]]) -> Handed:
         mismatches=mismatches,
         released_at=d.released_at,
     )
+
+
+@dataclass
+class Burst:
+    """A burst of P/D requests that reached D while other requests were decoding there."""
+
+    handed: Handed  # the burst's requests on D, their TTFT from ``handed.released_at``
+    running_at: float  # wall time the running decodes were released
+    running_until: float  # wall time the first of them ended (its last token)
+    burst_until: float  # wall time of the burst's last first token
+
+
+def burst_under_decodes(
+    pair: Pair,
+    prompts: Sequence[list[int]],
+    running: Sequence[list[int]],
+    running_tokens: int,
+    decoding: Callable[[float], None],
+) -> Burst:
+    """Prefill ``prompts`` on P; then on D release ``running`` (local prompts, no transfer,
+    ``running_tokens`` tokens each), call ``decoding(release wall time)`` (it returns once they
+    are decoding), and enqueue the P/D requests of ``prompts`` without pausing D (the running
+    decodes go on); wait for all of them (bounded)."""
+    from vllm.inputs import TokensPrompt
+
+    p, kv = _prefill(pair, prompts)
+    llm = pair.decode.llm
+    name = pair.decode.name
+    _bounded(f"{name}: pause", PAUSE_TIMEOUT_S, lambda: llm.sleep(level=0, mode="keep"))
+    try:
+        run_ids = llm.enqueue(
+            [TokensPrompt(prompt_token_ids=r) for r in running],
+            [_params(None, running_tokens)] * len(running),
+            use_tqdm=False,
+        )
+    finally:
+        t_run = time.time()
+        llm.wake_up(tags=["scheduling"])
+    with _deadline(pair.decode, REQUEST_TIMEOUT_S):
+        decoding(t_run)
+        t0 = time.time()
+        ids = llm.enqueue(
+            [TokensPrompt(prompt_token_ids=x) for x in prompts],
+            [_params(k) for k in kv],
+            use_tqdm=False,
+        )
+        outs = {o.request_id: o for o in llm.wait_for_completion(use_tqdm=False)}
+    wall = time.time() - t0
+    got = [outs.get(i, outs.get(i.split("-", 1)[0])) for i in [*run_ids, *ids]]
+    if any(o is None for o in got):
+        raise RuntimeError(f"{name}: outputs {sorted(outs)} for requests {run_ids + ids}")
+    ttft = [_first_token_at(o, wall + t0) - t0 for o in got[len(run_ids) :]]
+    d = Submitted(outputs=got[len(run_ids) :], ttft_s=ttft, wall_s=wall, released_at=t0)
+    return Burst(
+        handed=_handed(pair, prompts, p.outputs, d),
+        running_at=t_run,
+        running_until=min(_last_token_at(o) for o in got[: len(run_ids)]),
+        burst_until=t0 + max(ttft),
+    )
+
+
+def _first_token_at(output: Any, default: float) -> float:
+    """A request's first token, wall time (the frontend's): its arrival + first-token latency."""
+    m = output.metrics
+    latency = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
+    return float(m.arrival_time + latency) if latency > 0 else default
+
+
+def _last_token_at(output: Any) -> float:
+    """A request's last token, wall time: its first token plus the engine's first -> last token
+    time (the engine core's monotonic clock; a difference of two of its readings)."""
+    m = output.metrics
+    return _first_token_at(output, 0.0) + float(m.last_token_ts - m.first_token_ts)
 
 
 def local(pair: Pair, prompts: Sequence[list[int]]) -> Submitted:

@@ -263,6 +263,8 @@ def start_pairs(s: Settings, model: Path, workdir: Path) -> dict[str, Pair]:
                         "scheduler_sends": s.scheduler_sends,
                         "forward_load_deadline_s": s.forward_s,
                     }
+                    if s.forward_max_tokens is not None:
+                        extra["forward_load_max_tokens"] = s.forward_max_tokens
                 wanted.append((c, side, extra))
         for (c, side), engine in start_engines(s, model, workdir, wanted).items():
             pairs[c].engines[side] = engine

@@ -1,6 +1,8 @@
 """What is measured: the connectors' hook time per scheduler step (the step records that
 ``benchmarks.vllm.hooks`` writes), where a single request's decode TTFT goes (those records
-beside the release and the first token), and the decode sidecar's Read phases (its metrics)."""
+beside the release and the first token), the inter-token latency of decodes running on D while a
+burst of P/D requests arrives (the intervals between D's step ends), and the decode sidecar's
+Read phases (its metrics)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ from typing import Any
 
 from kvsidecar.testing import process as sidecar_proc
 
-from .drive import Handed, prefill_then_decode, prompt
+from .drive import Burst, Handed, burst_under_decodes, prefill_then_decode, prompt
 from .engines import Pair
-from .settings import WAIT_S, log
+from .settings import WAIT_S, Settings, log
 
 
 def read_steps(path: Path) -> list[dict[str, Any]]:
@@ -98,6 +100,42 @@ def segments(
     return tuple(b - a for a, b in itertools.pairwise(points))
 
 
+# Steps D runs after releasing the running decodes before the burst is sent: their prefill, then
+# decodes (the intervals between the later ones are the inter-token latency without a burst).
+RUNNING_STEPS = 4
+
+
+def itl(records: Sequence[dict[str, Any]], burst: Burst) -> tuple[list[float], list[float]]:
+    """Inter-token latency of the decodes running on D (seconds): the intervals between the ends
+    of D's consecutive steps (each step gives every running decode one token), ``alone`` before
+    the burst was sent (from the end of their prefill's step on), ``under`` from the last step
+    end before it to the burst's last first token (or the first running decode's end, if
+    sooner)."""
+    ends = sorted(r["te"] for r in records if r["te"] > burst.running_at)
+    until = min(burst.burst_until, burst.running_until)
+    before = [e for e in ends if e <= burst.handed.released_at]
+    inside = [e for e in ends if burst.handed.released_at < e <= until]
+    alone = [b - a for a, b in itertools.pairwise(before)]
+    under = [b - a for a, b in itertools.pairwise(before[-1:] + inside)]
+    return alone, under
+
+
+def measure_burst(pair: Pair, seed: str, s: Settings) -> Burst:
+    """A burst of ``s.batch`` P/D requests (``s.batch_len`` tokens) sent to D while ``s.running``
+    local requests decode there (``s.running_tokens`` tokens each); see ``itl``."""
+    running = [prompt(f"{seed}-run-{i}", s.running_len) for i in range(s.running)]
+    prompts = [prompt(f"{seed}-burst-{i}", s.batch_len) for i in range(s.batch)]
+
+    def decoding(since: float) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while sum(r["t"] >= since for r in read_steps(pair.decode.hooks)) < RUNNING_STEPS:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{pair.connector}: D ran no step of its running decodes")
+            time.sleep(0.002)
+
+    return burst_under_decodes(pair, prompts, running, s.running_tokens, decoding)
+
+
 @dataclass
 class StepSample:
     n: int
@@ -172,6 +210,7 @@ class Collected:
     no_transfer: dict[str, list[float]] = field(default_factory=dict)  # seconds, in order
     # single requests, per connector: (D's release wall time, its TTFT in seconds)
     released: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    bursts: dict[str, list[Burst]] = field(default_factory=dict)
     checked: int = 0
     mismatches: list[str] = field(default_factory=list)
 

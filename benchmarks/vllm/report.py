@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .measure import SEGMENTS, Collected, segments, thread_s
-from .settings import CONNECTORS, LABEL, STEP_GOAL_US, TTFT_AIM, TTFT_GOAL, Settings
+from .measure import SEGMENTS, Collected, itl, segments, thread_s
+from .settings import CONNECTORS, ITL_GOAL, LABEL, STEP_GOAL_US, TTFT_AIM, TTFT_GOAL, Settings
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -84,6 +84,20 @@ def build_report(
     ttft["segments"] = {
         c: _segments(hooks.get(c, ([], []))[1], got.released.get(c, [])) for c in CONNECTORS
     }
+    bursts = {c: got.bursts.get(c, []) for c in CONNECTORS}
+    ttft["burst"] = {
+        "size": s.batch,
+        "prompt_len": s.batch_len,
+        "running": s.running,
+        **_side_by_side(*([t for b in bursts[c] for t in b.handed.ttft_s] for c in CONNECTORS)),
+    }
+    itl_rows = {c: _itl(hooks.get(c, ([], []))[1], bursts[c]) for c in CONNECTORS}
+    itl_rows["ratios"] = {
+        key: _r(a / b, 3)
+        if (a := itl_rows["kvsidecar"][key]) and (b := itl_rows["nixl"][key])
+        else None
+        for key in ("under_p50_ms", "under_p90_ms", "under_max_ms")
+    }
     report: dict[str, Any] = {
         "settings": {
             **asdict(s),
@@ -95,6 +109,7 @@ def build_report(
         },
         "steps": steps,
         "ttft": ttft,
+        "itl": itl_rows,
         "correctness": {"checked": got.checked, "mismatches": got.mismatches},
         "sidecar_read_phases_us": phases_us,
         "startup_s": startup_s,
@@ -123,6 +138,36 @@ def _segments(
         "of": len(released),
         "ms": {name: _r(_ms(_median([x[i] for x in found])), 2) for i, name in enumerate(SEGMENTS)},
     }
+
+
+def _itl(d_records: Sequence[dict[str, Any]], bursts: Sequence[Any]) -> dict[str, Any]:
+    """The running decodes' inter-token latency (ms): alone (median), under the bursts (median,
+    90th percentile of every interval; the median over bursts of each one's longest)."""
+    alone: list[float] = []
+    under: list[float] = []
+    longest: list[float] = []
+    for b in bursts:
+        a, u = itl(d_records, b)
+        alone += a
+        under += u
+        if u:
+            longest.append(max(u))
+    return {
+        "alone_p50_ms": _r(_ms(_median(alone)), 2),
+        "under_p50_ms": _r(_ms(_median(under)), 2),
+        "under_p90_ms": _r(_ms(_quantile(under, 0.9)), 2),
+        "under_max_ms": _r(_ms(_median(longest)), 2),
+        "intervals": len(under),
+        "bursts": len(bursts),
+        # a burst whose last first token came after a running decode ended: its window was cut
+        "outlasted": sum(b.burst_until <= b.running_until for b in bursts),
+    }
+
+
+def _quantile(xs: Sequence[float], q: float) -> float | None:
+    if len(xs) < 2:
+        return xs[0] if xs else None
+    return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 def _ms(x: float | None) -> float | None:
@@ -170,6 +215,18 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_ttft_goal(f"TTFT, single {length}-token requests", row))
     batch = report["ttft"]["batch"]
     out.append(_ttft_goal(f"TTFT, batch of {batch['size']}", batch))
+    ratios = report["itl"]["ratios"]
+    for key, what in (("under_p90_ms", "90th percentile"), ("under_max_ms", "longest")):
+        v = ratios[key]
+        out.append(
+            {
+                "name": f"ITL of {report['settings']['running']} running decodes under a burst "
+                f"of {batch['size']}, {what}: kvsidecar / NixlConnector",
+                "value": v,
+                "target": f"<= {ITL_GOAL}",
+                "ok": None if v is None else v <= ITL_GOAL,
+            }
+        )
     correct = report["correctness"]
     out.append(
         {
@@ -210,7 +267,8 @@ def format_table(report: dict[str, Any], before: dict[str, Any] | None = None) -
         f"connector (ABBA), engines P on CPU {s['bind_p']}, D on CPU {s['bind_d']}, "
         f"kvsidecar's scheduler sends {'at once' if s.get('scheduler_sends', True) else 'off'}"
         + (
-            f", FORWARD loads (deadline {s['forward_s']:g} s)"
+            f", FORWARD loads (deadline {s['forward_s']:g} s, "
+            f"{_budget(s.get('forward_max_tokens'))})"
             if s.get("forward_s", 0.0) > 0
             else ", asynchronous loads"
         ),
@@ -269,6 +327,14 @@ def format_table(report: dict[str, Any], before: dict[str, Any] | None = None) -
         f"{'batch total (wall)':<22} {_fmt(b['kvsidecar_total_ms'], 2):>10} "
         f"{_fmt(b['nixl_total_ms'], 2):>10} {'':>7} {_fmt(b['total_ratio'], 3):>7}"
     )
+    burst = report["ttft"].get("burst") or {}
+    if burst.get("kvsidecar_ms") is not None:
+        label = f"burst {burst['size']} x {burst['prompt_len']}"
+        lines.append(
+            f"{label:<22} {_fmt(burst['kvsidecar_ms'], 2):>10} {_fmt(burst['nixl_ms'], 2):>10} "
+            f"{_fmt(burst['median_of_ratios'], 3):>7} {_fmt(burst['ratio_of_medians'], 3):>7}"
+            f"   (beside {burst['running']} running decodes)"
+        )
     floor = report["ttft"].get("no_transfer") or {}
     if floor.get("requests"):
         label = f"no transfer {floor['prompt_len']} x{floor['requests']}"
@@ -293,6 +359,29 @@ def format_table(report: dict[str, Any], before: dict[str, Any] | None = None) -
                 + "".join(f" {_fmt(ms.get(name), 2):>19}" for name in SEGMENTS)
                 + f"   {row.get('requests', 0)}/{row.get('of', 0)}"
             )
+    itl_rows = report.get("itl") or {}
+    if itl_rows:
+        s_ = report["settings"]
+        lines += [
+            "",
+            f"Inter-token latency of {s_['running']} decodes running on D under a burst of "
+            f"{s_['batch']} P/D requests (ms; longest: median over bursts):",
+            f"{'connector':<14} {'alone p50':>10} {'under p50':>10} {'p90':>8} {'longest':>8}"
+            f" {'intervals':>10} {'outlasted':>10}",
+        ]
+        for c in CONNECTORS:
+            row = itl_rows[c]
+            lines.append(
+                f"{LABEL[c]:<14} {_fmt(row['alone_p50_ms'], 2):>10} "
+                f"{_fmt(row['under_p50_ms'], 2):>10} {_fmt(row['under_p90_ms'], 2):>8} "
+                f"{_fmt(row['under_max_ms'], 2):>8} {row['intervals']:>10} "
+                f"{row['outlasted']:>7}/{row['bursts']}"
+            )
+        r = itl_rows["ratios"]
+        lines.append(
+            f"{'ratio':<14} {'':>10} {_fmt(r['under_p50_ms'], 3):>10} "
+            f"{_fmt(r['under_p90_ms'], 3):>8} {_fmt(r['under_max_ms'], 3):>8}"
+        )
     for which, label in (("singles", "single requests"), ("all", "every read")):
         means = report["sidecar_read_phases_us"].get(which) or {}
         if not means:
@@ -307,6 +396,17 @@ def format_table(report: dict[str, Any], before: dict[str, Any] | None = None) -
         lines.append(f"  {mark:<4} {g['name']}: {_fmt(g['value'], 3)} (goal {g['target']})")
     lines.append(f"\nstartup {report['startup_s']} s, whole run {report['elapsed_s']} s")
     return "\n".join(lines)
+
+
+def _budget(tokens: int | None) -> str:
+    """The FORWARD tokens per step the run gave kvsidecar's connector."""
+    if tokens is None:
+        return "the connector's default FORWARD tokens per step"
+    return (
+        "no bound on FORWARD tokens per step"
+        if tokens == 0
+        else f"{tokens} FORWARD tokens per step"
+    )
 
 
 def _med_int(xs: Sequence[int] | None) -> int | None:

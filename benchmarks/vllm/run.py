@@ -10,7 +10,15 @@ from typing import Any
 
 from .drive import local, prefill_then_decode, prompt
 from .engines import Pair, close_all, make_model, start_pairs
-from .measure import Collected, _add_delta, measure_steps, phase_means_us, read_steps, scrape_phases
+from .measure import (
+    Collected,
+    _add_delta,
+    measure_burst,
+    measure_steps,
+    phase_means_us,
+    read_steps,
+    scrape_phases,
+)
 from .report import build_report
 from .settings import CONNECTORS, LABEL, Settings, log
 
@@ -39,6 +47,7 @@ def run_bench(s: Settings) -> dict[str, Any]:
             got.batch_wall[c] = []
             got.released[c] = []
             got.no_transfer[c] = []
+            got.bursts[c] = []
         log("warming up (one request per prompt length and pair)")
         for c in CONNECTORS:
             for length in sorted({*s.lengths, s.batch_len, s.steps_len}):
@@ -74,6 +83,9 @@ def run_bench(s: Settings) -> dict[str, Any]:
                 got.batch_ttft[c].append(handed.ttft_s)
                 got.batch_wall[c].append(handed.wall_s)
                 got.take(handed)
+                burst = measure_burst(pair, f"r{r}", s)  # same prompts for both connectors
+                got.bursts[c].append(burst)
+                got.take(burst.handed)
         _add_delta(phases["all"], phases_start, scrape_phases(sc_decode))
     finally:
         log("stopping engines and sidecars")

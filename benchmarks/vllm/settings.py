@@ -14,6 +14,7 @@ KEEP_AFFINITY_ENV = "KVSIDECAR_BENCH_KEEP_AFFINITY"  # benchmarks.vllm.hooks.KEE
 STEP_GOAL_US = 1000.0  # the model thread's transfer cost per step at N = 64 (DESIGN 5b)
 TTFT_GOAL = 1.0  # kvsidecar / NixlConnector, decode-side TTFT
 TTFT_AIM = 0.9
+ITL_GOAL = 1.0  # kvsidecar / NixlConnector, running decodes' inter-token latency under a burst
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 WAIT_S = 60.0  # bound on waiting for a step record, a sidecar, an engine's processes
 ENGINE_START_S = 900.0  # bound on the engines' start-ups (vLLM bounds each of its own steps)
@@ -38,15 +39,24 @@ class Settings:
     lane: bool = False  # kvsidecar's workers drive the sidecar's lane (else the I/O thread)
     scheduler_sends: bool = True  # kvsidecar's scheduler hands holds and loads over at once
     forward_s: float = 0.0  # kvsidecar's forward_load_deadline_s (0: asynchronous loads)
+    forward_max_tokens: int | None = None  # its forward_load_max_tokens (None: its default)
+    running: int = 4  # decodes running on D when a burst of ``batch`` P/D requests arrives
+    running_tokens: int = 192  # tokens each of them generates (it must outlast the burst)
 
     @property
     def max_model_len(self) -> int:
         longest = max((*self.lengths, self.batch_len, self.steps_len)) + 1
+        longest = max(longest, self.running_len + self.running_tokens)
         return max(256, -(-longest // 256) * 256)
 
     @property
+    def running_len(self) -> int:
+        """Prompt length of the running decodes (the first single-request length)."""
+        return self.lengths[0]
+
+    @property
     def max_num_seqs(self) -> int:
-        return max(64, self.batch, *self.steps_n)
+        return max(64, self.batch + self.running, *self.steps_n)
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -57,7 +67,8 @@ class Settings:
     def kv_cache_bytes(self) -> int:
         """Room for the largest phase (the batch, or N step prompts) twice over, rounded to MiB."""
         per_token = self.layers * 2 * 2 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32
-        tokens = max(self.batch * self.batch_len, max(self.steps_n) * self.steps_len)
+        running = self.running * (self.running_len + self.running_tokens)
+        tokens = max(self.batch * self.batch_len + running, max(self.steps_n) * self.steps_len)
         tokens = max(tokens, max(self.lengths)) + self.max_num_seqs * BLOCK
         return max(32 << 20, -(-2 * tokens * per_token // (1 << 20)) << 20)
 
@@ -71,6 +82,8 @@ TINY = Settings(
     steps_n=(1, 4),
     layers=2,
     tiny=True,
+    running=2,
+    running_tokens=48,
 )
 
 

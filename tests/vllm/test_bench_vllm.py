@@ -121,10 +121,25 @@ def test_bench_vllm_tiny_report_has_every_figure(tmp_path: Path) -> None:
         assert seg["requests"] > 0, (c, seg)
         assert all(_finite(v) and v >= 0 for v in seg["ms"].values()), (c, seg)
 
+    # the burst of P/D requests beside running decodes on D: its TTFT, and the running decodes'
+    # inter-token latency alone and under it (each burst's window ended before they did)
+    burst = ttft["burst"]
+    for key in ("kvsidecar_ms", "nixl_ms", "median_of_ratios", "ratio_of_medians"):
+        assert _finite(burst[key]), (key, burst)
+    for c in CONNECTORS:
+        row = report["itl"][c]
+        assert row["bursts"] == TINY.rounds, (c, row)
+        assert row["outlasted"] == TINY.rounds, (c, row)
+        assert row["intervals"] >= TINY.rounds, (c, row)
+        for key in ("alone_p50_ms", "under_p50_ms", "under_p90_ms", "under_max_ms"):
+            assert _finite(row[key]), (c, key, row)
+            assert row[key] > 0, (c, key, row)
+    assert all(_finite(v) for v in report["itl"]["ratios"].values()), report["itl"]
+
     # every request of every phase was checked: warm-up (one per prompt length and connector),
-    # then per round and connector the N-step requests, the singles and the batch
+    # then per round and connector the N-step requests, the singles, the batch and the burst
     lengths = {*TINY.lengths, TINY.batch_len, TINY.steps_len}
-    per_turn = sum(TINY.steps_n) + len(TINY.lengths) * TINY.singles + TINY.batch
+    per_turn = sum(TINY.steps_n) + len(TINY.lengths) * TINY.singles + 2 * TINY.batch
     expected = len(CONNECTORS) * (len(lengths) + TINY.rounds * per_turn)
     assert report["correctness"] == {"checked": expected, "mismatches": []}
 
@@ -132,7 +147,7 @@ def test_bench_vllm_tiny_report_has_every_figure(tmp_path: Path) -> None:
     assert report["sidecar_read_phases_us"]["singles"]
     assert report["sidecar_read_phases_us"]["all"]
     goals = report["goals"]
-    assert len(goals) == 2 + len(TINY.steps_n) + len(TINY.lengths) + 2
+    assert len(goals) == 2 + len(TINY.steps_n) + len(TINY.lengths) + 2 + 2
     assert all(isinstance(g["ok"], bool) for g in goals), goals
     assert goals[-1]["ok"] is True  # D's first token equals P's
 
