@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.engine.backend.nixl.thread import AgentThread, CallTiming
+from kvsidecar.engine.backend.nixl.thread import LONG_JOB_S, AgentThread, CallTiming
 from kvsidecar.engine.reads.confirm.send import Confirmer, Outgoing
 from kvsidecar.engine.reads.guard import SharedLock
 from kvsidecar.errors import DeadlineExceededError
@@ -121,6 +121,34 @@ async def test_a_burst_of_calls_runs_in_order_with_one_wake_up() -> None:
     assert [r for i, r in enumerate(results) if i != 7] == [i * i for i in range(50) if i != 7]
     assert wakeups <= 2  # the blocker's answer and the burst's (or both in one)
     assert all(t.hop >= 0 and t.run >= 0 and t.back >= 0 for t in timings)
+
+
+async def test_a_long_calls_answer_does_not_wait_for_the_calls_queued_behind_it() -> None:
+    """A same-host READ copies inside its post: a step's FORWARD READs (the first call, longer
+    than ``LONG_JOB_S``) are answered while a burst's READs queued behind them (the second)
+    still copy; the forward waits for its own READs only."""
+    thread = AgentThread(timeout_s=10)
+    thread.start()
+    gate, second_ends = threading.Event(), threading.Event()
+
+    def second() -> str:
+        second_ends.wait(5)
+        return "second"
+
+    try:
+        first = asyncio.ensure_future(thread.call(lambda: gate.wait(5), what="first"))
+        after = asyncio.ensure_future(thread.call(second, what="second"))
+        await asyncio.sleep(0.01)  # both queued; the first runs (longer than LONG_JOB_S)
+        assert LONG_JOB_S < 0.01
+        gate.set()
+        assert await asyncio.wait_for(first, 2) is True  # answered before the second ended
+        assert not after.done()
+        second_ends.set()
+        assert await after == "second"
+    finally:
+        gate.set()
+        second_ends.set()
+        thread.shutdown()
 
 
 async def test_a_call_past_its_bound_fails_typed_while_the_thread_finishes_it() -> None:

@@ -60,7 +60,14 @@ from kvsidecar.integrations.vllm.connector import (  # noqa: E402
     KvSidecarWorkerMeta,
 )
 from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
-from kvsidecar.integrations.vllm.scheduler import Answer, Hold, Load, Sent, StepWork  # noqa: E402
+from kvsidecar.integrations.vllm.scheduler import (  # noqa: E402
+    Answer,
+    Hold,
+    Load,
+    LoadKind,
+    Sent,
+    StepWork,
+)
 from kvsidecar.integrations.vllm.sends import RankSidecar, SidecarSends  # noqa: E402
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
@@ -524,16 +531,21 @@ def channel_scheduler(
     peer: str = sched.PEER,
     budget: int = 0,
     forward_s: float = 0.0,
+    forward_max_tokens: int | None = None,
     failure_policy: str = "fail",
 ) -> Scheduler:
     """vLLM's Scheduler whose connector learnt the worker's registration from its handshake
     metadata (as EngineCore hands it over) and checked it: its channel sends. ``forward_s``:
-    the connector's ``forward_load_deadline_s`` (0: asynchronous loads)."""
-    config = sched.vllm_config(
-        model,
-        extra={"peer_endpoints": [peer], "lease_s": 30, "forward_load_deadline_s": forward_s},
-        failure_policy=failure_policy,
-    )
+    the connector's ``forward_load_deadline_s`` (0: asynchronous loads); ``forward_max_tokens``:
+    its ``forward_load_max_tokens`` (None: its default)."""
+    extra: dict[str, Any] = {
+        "peer_endpoints": [peer],
+        "lease_s": 30,
+        "forward_load_deadline_s": forward_s,
+    }
+    if forward_max_tokens is not None:
+        extra["forward_load_max_tokens"] = forward_max_tokens
+    config = sched.vllm_config(model, extra=extra, failure_policy=failure_policy)
     config.kv_transfer_config.engine_id = engine_id
     if budget:
         config.scheduler_config.max_num_batched_tokens = budget
@@ -1140,6 +1152,52 @@ def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
     assert status(d_sidecar).counters["reads_done"] == reads + 1
     remote_steps_until(sc, consumer, lambda *_: "F" not in sc.requests)
     until("the producer's hold ended", lambda: status(p_sidecar).holds_active == 0)
+
+
+def test_channel_forward_loads_past_the_step_budget_load_asynchronously(
+    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+) -> None:
+    """``forward_load_max_tokens`` bounds what one step's forward waits for: of two requests
+    scheduled in one pass, the first (79 tokens to load) fits a budget of 100 and is FORWARD;
+    the second would make 158 and loads asynchronously (a step later, the model thread not
+    waiting for it). The next pass has the whole budget again. Every byte is the producer's."""
+    p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
+    remote_workers(p_sidecar, "prefill-fwd", seed=5)
+    consumer = remote_workers(d_sidecar, "decode-fwd")
+    sc = channel_scheduler(
+        model, consumer, engine_id="decode-fwd", forward_s=FORWARD_S, forward_max_tokens=100
+    )
+    kvs = {rid: held_kv(p_sidecar, f"p-{rid}") for rid in ("F", "G", "H")}
+    # prompts of PROMPT's length that share no block (no prefix-cache hit between them)
+    prompts = {rid: [(t + 97 * k) % 2000 + 10 for t in PROMPT] for k, rid in enumerate(kvs)}
+
+    def add(rid: str) -> None:
+        params = kvs[rid].to_params()
+        sc.add_request(sched.request(sc, prompts[rid], params=params, request_id=rid, max_tokens=2))
+
+    add("F")
+    add("G")
+    out = sc.schedule()
+    assert out.num_scheduled_tokens == {"F": 1}  # G waits for its asynchronous load
+    assert sc.requests["G"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    m = meta(out)
+    assert m.forward == ("F",)
+    kinds = {ld.request_id: (ld.kind, ld.deadline_s) for ld in m.sent.work.loads}
+    assert kinds == {"F": (LoadKind.FORWARD, FORWARD_S), "G": (LoadKind.ASYNC, 0.0)}
+    local = {r: tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids(r)) for r in kinds}
+    stepped = consumer.step(
+        m.sent, m.work, out.finished_req_ids, forward=m.forward, deadline_s=FORWARD_S
+    )
+    update(sc, out, stepped)
+    add("H")
+    out = sc.schedule()
+    assert meta(out).forward == ("H",)  # the budget is the step's
+    local["H"] = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("H"))
+    finish_remote_step(sc, consumer, out)
+    remote_steps_until(sc, consumer, lambda *_: not sc.requests)
+    for rid, blocks in local.items():
+        assert consumer.verify(5, blocks, kvs[rid].block_ids), rid
+    until("the producer's holds ended", lambda: status(p_sidecar).holds_active == 0)
 
 
 def test_channel_a_forward_load_that_fails_is_recomputed_from_its_first_block(

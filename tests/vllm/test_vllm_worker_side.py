@@ -188,3 +188,46 @@ def test_the_step_lanes_keep_nothing_of_reads_vllm_does_not_wait_to_hear_of() ->
         lanes._ended(0, RecvDone(request_id=rid, bytes=1, duration_s=0.0))
     assert lanes.take_received() == ("async",)
     assert (lanes._received, lanes._follow, lanes._done) == ([], set(), {})
+
+
+def test_a_steps_forward_loads_leave_alone_before_its_other_loads() -> None:
+    """A sidecar reads a step's loads of one producer with one READ per rank, all ending
+    together: the FORWARD loads (with the holds) leave as a step of their own, first, so that
+    the forward waits for them only; work without both kinds leaves as it is."""
+    from kvsidecar.integrations.vllm.lane import forward_first
+    from kvsidecar.integrations.vllm.scheduler import Hold, LoadKind
+
+    kv = RemoteKv(
+        engine_id="p",
+        request_id="p-x",
+        block_ids=((1,),),
+        endpoints=("h:1",),
+        token="t",
+        tp_size=1,
+        num_tokens=16,
+    )
+
+    def load(rid: str, kind: LoadKind) -> Load:
+        return Load(request_id=rid, local_block_ids=((2,),), remote=kv, kind=kind)
+
+    hold = Hold(request_id="h", block_ids=((3,),), token="t", lease_s=30.0)
+    work = StepWork(
+        holds=(hold,),
+        loads=(
+            load("a1", LoadKind.ASYNC),
+            load("f1", LoadKind.FORWARD),
+            load("r1", LoadKind.RELEASE),
+            load("f2", LoadKind.FORWARD),
+        ),
+    )
+    first, rest = forward_first(work)
+    assert first.holds == (hold,)
+    assert [ld.request_id for ld in first.loads] == ["f1", "f2"]
+    assert rest.holds == ()
+    assert [ld.request_id for ld in rest.loads] == ["a1", "r1"]
+    for alone in (
+        StepWork(holds=(hold,), loads=(load("a", LoadKind.ASYNC),)),
+        StepWork(loads=(load("f", LoadKind.FORWARD), load("g", LoadKind.FORWARD))),
+        StepWork(holds=(hold,)),
+    ):
+        assert forward_first(alone) == (alone,)

@@ -302,14 +302,15 @@ class StepLanes:
             return
         work, self._kept = merged(self._kept), []
         self._follow.update(awaited(work))
-        command = step_command(work)  # built once; each rank's copy names its registration
-        now = time.perf_counter()
-        for i, lane in enumerate(self._lanes):
-            command.step.registration_epoch = self._epochs[i]
-            try:
-                self._unanswered[i][lane.send_command(command)] = (work, now)
-            except KvSidecarError as exc:  # the lane broke: whether it got the step is unknown
-                self._unsettle(i, f"its step lane broke: {exc}", ((work, now),))
+        for part in forward_first(work):
+            command = step_command(part)  # built once; each rank's copy names its registration
+            now = time.perf_counter()
+            for i, lane in enumerate(self._lanes):
+                command.step.registration_epoch = self._epochs[i]
+                try:
+                    self._unanswered[i][lane.send_command(command)] = (part, now)
+                except KvSidecarError as exc:  # the lane broke: whether it got it is unknown
+                    self._unsettle(i, f"its step lane broke: {exc}", ((part, now),))
 
     def take(self) -> tuple[tuple[Answer, ...], str]:
         """Write what was kept (``flush``), then what the sidecars answered that a worker must
@@ -404,6 +405,21 @@ def merged(works: Sequence[StepWork]) -> StepWork:
     return StepWork(
         holds=tuple(h for w in works for h in w.holds),
         loads=tuple(ld for w in works for ld in w.loads),
+    )
+
+
+def forward_first(work: StepWork) -> tuple[StepWork, ...]:
+    """``work`` as the steps it leaves in, in order: its FORWARD loads (with its holds) alone
+    first, then its other loads. A sidecar reads a step's loads of one producer with one READ
+    per rank, all ending together; a step's forward waits for its FORWARD loads only, which must
+    not end with a burst's ASYNC loads (docs/vllm.md, "FORWARD loads under a burst")."""
+    forward = tuple(ld for ld in work.loads if ld.kind is LoadKind.FORWARD)
+    if not forward or len(forward) == len(work.loads):
+        return (work,)
+    rest = tuple(ld for ld in work.loads if ld.kind is not LoadKind.FORWARD)
+    return (
+        StepWork(holds=work.holds, loads=forward, heartbeats=work.heartbeats),
+        StepWork(loads=rest),
     )
 
 

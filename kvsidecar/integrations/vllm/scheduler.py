@@ -21,7 +21,8 @@ takes travels in the step's :class:`StepWork` (``build_connector_meta``), which 
   ``forward_deadline_s``, where a load may be posted at allocation, all but the last prompt
   token load for the step that allocates the blocks, which computes that token on them
   (``LoadKind.FORWARD``, vLLM's synchronous load: the workers wait for the read before the
-  forward). A full local prefix hit, or a request aborted before it was scheduled, still
+  forward), while the step's FORWARD tokens stay within ``forward_max_tokens`` (the rest of a
+  burst loads asynchronously: running requests wait for a bounded read). A full local prefix hit, or a request aborted before it was scheduled, still
   Reads with no local blocks so that the producer's hold ends at once (not at lease expiry).
 * Requests waiting in the queue with remote KV are heartbeated so their producer leases last.
 * Models with state layers (:mod:`.hybrid`): the prefill engine computes the prompt but its last
@@ -211,6 +212,9 @@ class SchedulerSide:
     # token); 0: every load is ASYNC. Only where loads_now holds and the model has no state
     # layers (a FORWARD load is posted when its blocks are allocated, like any other).
     forward_deadline_s: float = 0.0
+    # The most prompt tokens one step loads as FORWARD (the model thread waits for their reads,
+    # and every running request with it); a load past it is ASYNC. 0: no bound.
+    forward_max_tokens: int = 0
     _loads: dict[str, Load] = field(default_factory=dict)
     _holds: dict[str, Hold] = field(default_factory=dict)
     _waiting: dict[str, _Waiting] = field(default_factory=dict)
@@ -223,6 +227,7 @@ class SchedulerSide:
     # Matched FORWARD and not yet allocated: the (block-aligned) local hit they load after.
     _forward_ok: dict[str, int] = field(default_factory=dict)
     _forward: list[str] = field(default_factory=list)  # this step's FORWARD loads
+    _forward_tokens: int = 0  # tokens granted FORWARD since the step's metadata was taken
     _last_heartbeat: float = 0.0
 
     # --- decode side ----------------------------------------------------------------------------
@@ -286,7 +291,9 @@ class SchedulerSide:
         settled in :meth:`on_new_request` (all of them, or with state layers exactly those whose
         state the producer holds, leaving the last to compute here), asynchronously; or, as a
         FORWARD load (:attr:`forward_loads`), all but the last prompt token, which the step
-        that allocates the blocks computes (vLLM's synchronous load: ``False``)."""
+        that allocates the blocks computes (vLLM's synchronous load: ``False``), while this
+        step's FORWARD tokens, these included, stay within ``forward_max_tokens`` (a request
+        granted FORWARD but not allocated keeps its share: fewer FORWARD loads, never more)."""
         rid = request.request_id
         self._forward_ok.pop(rid, None)
         if wants_remote_prefill(request.kv_transfer_params):
@@ -297,10 +304,14 @@ class SchedulerSide:
             )
             count = tokens - num_computed_tokens
             if count > 0 and self.forward_loads:
-                count = min(tokens, prompt - 1) - num_computed_tokens
-                if count > 0:
+                forward = min(tokens, prompt - 1) - num_computed_tokens
+                total = self._forward_tokens + forward
+                if forward > 0 and (
+                    self.forward_max_tokens <= 0 or total <= self.forward_max_tokens
+                ):
                     self._forward_ok[rid] = num_computed_tokens
-                    return count, False
+                    self._forward_tokens = total
+                    return forward, False
             if count > 0:
                 return count, True
         return 0, False
@@ -486,6 +497,7 @@ class SchedulerSide:
         """This step's FORWARD loads (for the step's metadata: the workers wait for them before
         the forward); resets them."""
         out, self._forward = tuple(self._forward), []
+        self._forward_tokens = 0
         return out
 
     def take_sent(self) -> Sent:

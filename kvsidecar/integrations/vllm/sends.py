@@ -52,7 +52,7 @@ from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from kvsidecar.wire.engine import status_from_proto
 
 from .channel import CLOSE_TIMEOUT_S, MAX_QUEUED_STEPS, STEP_TIMEOUT_S, Doorbell
-from .lane import StepLanes, answer_of, lean_results, merged, step_command
+from .lane import StepLanes, answer_of, forward_first, lean_results, merged, step_command
 from .scheduler import Answer, Route, StepWork
 
 log = logging.getLogger(__name__)
@@ -372,34 +372,39 @@ class SidecarSends:
 
     async def _call(self, stubs: Sequence[_Stub], works: Sequence[StepWork]) -> None:
         """``works`` in one Step to every rank at once (holds first, then loads, each in the
-        order submitted; at most ``max_queued`` items of each, far below a Step's 4096); what a
-        worker must act on is kept for ``answers``."""
-        work = merged(works)
+        order submitted; at most ``max_queued`` items of each, far below a Step's 4096), or two
+        when they mix FORWARD loads with others (``forward_first``: those first, answered before
+        the rest leave); what a worker must act on is kept for ``answers``."""
         try:
-            request = step_command(work).step  # built once; each rank's names its registration
-            per_rank = []
-            for rank in self._ranks:
-                one = engine_pb2.StepRequest()
-                one.CopyFrom(request)
-                one.registration_epoch = rank.epoch
-                per_rank.append(one)
-            done = await asyncio.gather(
-                *(self._step(stub, one) for stub, one in zip(stubs, per_rank, strict=True))
-            )
-            found = []
-            for rank, outcome in zip(self._ranks, done, strict=True):
-                answer = answer_of(rank.rank, work, outcome)
-                if answer is not None:
-                    found.append(answer)
-                if isinstance(outcome, KvSidecarError):
-                    self.stop(f"a call to rank {rank.rank}'s sidecar failed: {outcome}")
-            if found:
-                with self._lock:
-                    self._answers.extend(found)
+            for part in forward_first(merged(works)):
+                await self._call_ranks(stubs, part)
         except Exception:  # a bug: seen, never silently swallowed by the task
             log.exception("kvsidecar: the scheduler's call to the sidecars failed")
         finally:
             self._answered += len(works)
+
+    async def _call_ranks(self, stubs: Sequence[_Stub], work: StepWork) -> None:
+        """``work`` in one Step to every rank at once."""
+        request = step_command(work).step  # built once; each rank's names its registration
+        per_rank = []
+        for rank in self._ranks:
+            one = engine_pb2.StepRequest()
+            one.CopyFrom(request)
+            one.registration_epoch = rank.epoch
+            per_rank.append(one)
+        done = await asyncio.gather(
+            *(self._step(stub, one) for stub, one in zip(stubs, per_rank, strict=True))
+        )
+        found = []
+        for rank, outcome in zip(self._ranks, done, strict=True):
+            answer = answer_of(rank.rank, work, outcome)
+            if answer is not None:
+                found.append(answer)
+            if isinstance(outcome, KvSidecarError):
+                self.stop(f"a call to rank {rank.rank}'s sidecar failed: {outcome}")
+        if found:
+            with self._lock:
+                self._answers.extend(found)
 
     async def _step(
         self, stub: _Stub, request: engine_pb2.StepRequest

@@ -53,6 +53,21 @@ def _settle_all(results: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
         _settle(fut, ok, value)
 
 
+#: A job that ran this long (seconds) is answered before the next queued job runs: past it the
+#: loop's wake-up (tens of microseconds, up to a millisecond on a loaded host) costs less than
+#: what the next job could make its awaiter wait.
+LONG_JOB_S = 0.5e-3
+
+
+def _answer(done: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]]) -> None:
+    """Settle ``done``'s futures, one ``call_soon_threadsafe`` per loop."""
+    for loop in {id(d[0]): d[0] for d in done}.values():
+        mine = [(fut, ok, result) for lp, fut, ok, result in done if lp is loop]
+        # RuntimeError: the loop is closed, so nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_settle_all, mine)
+
+
 class AgentThread:
     """A single worker thread. ``start()`` creates it, ``shutdown()`` joins it (bounded)."""
 
@@ -97,30 +112,32 @@ class AgentThread:
     def _work(self) -> None:
         # Every job queued by the time one finishes runs before the loop is woken, and their
         # results go back in one call_soon_threadsafe per loop: the loop's wake-up (a self-pipe
-        # write and a GIL hand-over) is paid once per burst, not once per call.
+        # write and a GIL hand-over) is paid once per burst, not once per call. Except after a
+        # long job (a same-host READ copies inside its post): its results go back before the
+        # next job runs, which may be as long (a burst's READs queued behind a step's FORWARD
+        # ones: docs/vllm.md, "FORWARD loads under a burst").
         while True:
             job = self._next_job()
             done: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool, Any]] = []
             while job is not None:
                 fn, loop, fut, timing = job
-                if timing is not None:
-                    timing.start = time.perf_counter()
+                start = time.perf_counter()
                 try:
                     result, ok = fn(), True
                 except BaseException as exc:
                     result, ok = exc, False
+                end = time.perf_counter()
                 if timing is not None:
-                    timing.end = time.perf_counter()
+                    timing.start, timing.end = start, end
                 done.append((loop, fut, ok, result))
+                if end - start >= LONG_JOB_S:
+                    _answer(done)
+                    done = []
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
                     break
-            for loop in {id(d[0]): d[0] for d in done}.values():
-                mine = [(fut, ok, result) for lp, fut, ok, result in done if lp is loop]
-                # RuntimeError: the loop is closed, so nobody is waiting any more.
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(_settle_all, mine)
+            _answer(done)
             if job is None:
                 return
 
