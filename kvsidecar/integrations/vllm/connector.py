@@ -24,8 +24,8 @@ Load it with ``kv_connector="KvSidecarConnector"`` and
   blocks; others load asynchronously (docs/vllm.md, "FORWARD loads");
 * ``forward_load_max_tokens``: the most prompt tokens one step loads that way (default 1024; 0:
   no bound); the rest of a burst loads asynchronously, so running requests wait for a bounded
-  read (measured: with no bound, their inter-token latency under a burst of 32 was 1.25-1.35x
-  NixlConnector's; docs/vllm.md).
+  read (measured: with no bound, their inter-token latency under a burst of 32 was 1.25-1.52x
+  NixlConnector's, with it 0.44-0.90x; docs/vllm.md, "FORWARD loads under a burst").
 
 This module imports vLLM; nothing else in kvsidecar does.
 """
