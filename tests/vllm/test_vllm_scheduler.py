@@ -847,3 +847,14 @@ def test_a_load_of_blocks_the_hold_does_not_cover_is_reported_failed(tmp_path: P
                 engine.close()
         for proc in procs:
             proc.stop()
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "1024", None])
+def test_a_forward_token_bound_that_is_not_a_count_is_refused_at_start_up(
+    model: Path, value: object
+) -> None:
+    """``forward_load_max_tokens`` is a whole number of tokens >= 0 (0: no bound); anything
+    else stops the engine at start-up with the field and the value named."""
+    extra = {"lease_s": 30, "forward_load_deadline_s": 5, "forward_load_max_tokens": value}
+    with pytest.raises(ValueError, match=rf"forward_load_max_tokens={value!r} is not a whole"):
+        sched.scheduler(sched.vllm_config(model, extra=extra), sched.kv_cache_config())
