@@ -22,8 +22,9 @@ takes travels in the step's :class:`StepWork` (``build_connector_meta``), which 
   token load for the step that allocates the blocks, which computes that token on them
   (``LoadKind.FORWARD``, vLLM's synchronous load: the workers wait for the read before the
   forward), while the step's FORWARD tokens stay within ``forward_max_tokens`` (the rest of a
-  burst loads asynchronously: running requests wait for a bounded read). A full local prefix hit, or a request aborted before it was scheduled, still
-  Reads with no local blocks so that the producer's hold ends at once (not at lease expiry).
+  burst loads asynchronously: running requests wait for a bounded read). A full local prefix
+  hit, or a request aborted before it was scheduled, still Reads with no local blocks so that
+  the producer's hold ends at once (not at lease expiry).
 * Requests waiting in the queue with remote KV are heartbeated so their producer leases last.
 * Models with state layers (:mod:`.hybrid`): the prefill engine computes the prompt but its last
   token, the decode engine loads exactly the tokens whose state the producer holds and computes
