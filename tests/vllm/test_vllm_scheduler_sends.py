@@ -1154,14 +1154,29 @@ def test_channel_a_forward_load_runs_in_the_step_that_allocates_its_blocks(
     until("the producer's hold ended", lambda: status(p_sidecar).holds_active == 0)
 
 
+@pytest.mark.parametrize("route", ["lanes", "grpc"])
 def test_channel_forward_loads_past_the_step_budget_load_asynchronously(
-    model: Path, sidecars: dict[str, Any], remote_workers: Callable[..., RemoteWorker]
+    route: str, model: Path, tmp_path: Path, remote_workers: Callable[..., RemoteWorker]
 ) -> None:
     """``forward_load_max_tokens`` bounds what one step's forward waits for: of two requests
     scheduled in one pass, the first (79 tokens to load) fits a budget of 100 and is FORWARD;
     the second would make 158 and loads asynchronously (a step later, the model thread not
-    waiting for it). The next pass has the whole budget again. Every byte is the producer's."""
-    p_sidecar, d_sidecar = sidecars["producer"], sidecars["consumer"]
+    waiting for it; the two leave as two steps, ``forward_first``), on the step lane and on the
+    gRPC route (a consumer sidecar without a step lane) alike. The next pass has the whole
+    budget again. Every byte is the producer's."""
+    with (
+        lone_sidecar(tmp_path, "producer") as p_sidecar,
+        lone_sidecar(tmp_path, "consumer", lanes=route == "lanes") as d_sidecar,
+    ):
+        _forward_budget(model, p_sidecar, d_sidecar, remote_workers)
+
+
+def _forward_budget(
+    model: Path,
+    p_sidecar: sidecar_proc.SidecarProcess,
+    d_sidecar: sidecar_proc.SidecarProcess,
+    remote_workers: Callable[..., RemoteWorker],
+) -> None:
     remote_workers(p_sidecar, "prefill-fwd", seed=5)
     consumer = remote_workers(d_sidecar, "decode-fwd")
     sc = channel_scheduler(
