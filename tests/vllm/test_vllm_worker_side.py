@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvsidecar.integrations.vllm.book import WorkerBook
 from kvsidecar.integrations.vllm.params import RemoteKv
-from kvsidecar.integrations.vllm.scheduler import Load, StepWork
+from kvsidecar.integrations.vllm.scheduler import Load, LoadKind, StepWork
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide
 from kvsidecar.types import RecvDone, SendDone
 
@@ -68,7 +68,8 @@ def test_the_lane_builds_the_same_step_as_the_client() -> None:
     assert step_command(work).step == requests.step(step_spec(work))
 
 
-def _sent_load(request_id: str, blocks: tuple[int, ...]) -> StepWork:
+def _load(request_id: str, kind: LoadKind = LoadKind.ASYNC, blocks: tuple[int, ...] = (2,)) -> Load:
+    """A load of ``kind`` for ``request_id``: ``blocks`` local, the same remote (producer p)."""
     remote = RemoteKv(
         engine_id="prefill",
         request_id=f"p-{request_id}",
@@ -78,7 +79,11 @@ def _sent_load(request_id: str, blocks: tuple[int, ...]) -> StepWork:
         tp_size=1,
         num_tokens=64,
     )
-    return StepWork(loads=(Load(request_id=request_id, local_block_ids=(blocks,), remote=remote),))
+    return Load(request_id=request_id, local_block_ids=(blocks,), remote=remote, kind=kind)
+
+
+def _sent_load(request_id: str, blocks: tuple[int, ...]) -> StepWork:
+    return StepWork(loads=(_load(request_id, blocks=blocks),))
 
 
 def test_a_load_the_scheduler_reported_received_is_not_failed_by_a_later_break() -> None:
@@ -163,25 +168,10 @@ def test_the_step_lanes_keep_nothing_of_reads_vllm_does_not_wait_to_hear_of() ->
     ``awaited(work)``)."""
     from kvsidecar.client.lane import Lane
     from kvsidecar.integrations.vllm.lane import StepLanes, awaited
-    from kvsidecar.integrations.vllm.scheduler import LoadKind
 
     lanes = StepLanes([Lane("/nonexistent-0")], (0,), (1,), 60.0)
-    kv = RemoteKv(
-        engine_id="p",
-        request_id="p-x",
-        block_ids=((1,),),
-        endpoints=("h:1",),
-        token="t",
-        tp_size=1,
-        num_tokens=16,
-    )
     kinds = {"fwd": LoadKind.FORWARD, "rel": LoadKind.RELEASE, "async": LoadKind.ASYNC}
-    work = StepWork(
-        loads=tuple(
-            Load(request_id=rid, local_block_ids=((2,),), remote=kv, kind=kind)
-            for rid, kind in kinds.items()
-        )
-    )
+    work = StepWork(loads=tuple(_load(rid, kind) for rid, kind in kinds.items()))
     assert awaited(work) == ("async",)
     lanes._follow.update(awaited(work))
     for rid in kinds:
@@ -195,29 +185,16 @@ def test_a_steps_forward_loads_leave_alone_before_its_other_loads() -> None:
     together: the FORWARD loads (with the holds) leave as a step of their own, first, so that
     the forward waits for them only; work without both kinds leaves as it is."""
     from kvsidecar.integrations.vllm.lane import forward_first
-    from kvsidecar.integrations.vllm.scheduler import Hold, LoadKind
-
-    kv = RemoteKv(
-        engine_id="p",
-        request_id="p-x",
-        block_ids=((1,),),
-        endpoints=("h:1",),
-        token="t",
-        tp_size=1,
-        num_tokens=16,
-    )
-
-    def load(rid: str, kind: LoadKind) -> Load:
-        return Load(request_id=rid, local_block_ids=((2,),), remote=kv, kind=kind)
+    from kvsidecar.integrations.vllm.scheduler import Hold
 
     hold = Hold(request_id="h", block_ids=((3,),), token="t", lease_s=30.0)
     work = StepWork(
         holds=(hold,),
         loads=(
-            load("a1", LoadKind.ASYNC),
-            load("f1", LoadKind.FORWARD),
-            load("r1", LoadKind.RELEASE),
-            load("f2", LoadKind.FORWARD),
+            _load("a1", LoadKind.ASYNC),
+            _load("f1", LoadKind.FORWARD),
+            _load("r1", LoadKind.RELEASE),
+            _load("f2", LoadKind.FORWARD),
         ),
     )
     first, rest = forward_first(work)
@@ -226,8 +203,8 @@ def test_a_steps_forward_loads_leave_alone_before_its_other_loads() -> None:
     assert rest.holds == ()
     assert [ld.request_id for ld in rest.loads] == ["a1", "r1"]
     for alone in (
-        StepWork(holds=(hold,), loads=(load("a", LoadKind.ASYNC),)),
-        StepWork(loads=(load("f", LoadKind.FORWARD), load("g", LoadKind.FORWARD))),
+        StepWork(holds=(hold,), loads=(_load("a", LoadKind.ASYNC),)),
+        StepWork(loads=(_load("f", LoadKind.FORWARD), _load("g", LoadKind.FORWARD))),
         StepWork(holds=(hold,)),
     ):
         assert forward_first(alone) == (alone,)
