@@ -5,7 +5,7 @@ sidecar through ``WorkerSide`` and then serves the calls vLLM's model runner mak
 ``step(sent, work, finished)`` runs ``note_sent``, ``start_step`` and ``take_results`` there,
 with the step's metadata pickled across as vLLM's executor pickles it. The scheduler in the
 test's process then has no worker in its own process: it sends to the sidecars on its own
-channel (``kvsidecar.integrations.vllm.sends``). No vLLM import here (the child needs none).
+channel (``kvsidecar.integrations.vllm.steps.sends``). No vLLM import here (the child needs none).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsidecar.client import SharedMemoryExport
-from kvsidecar.integrations.vllm.scheduler import Sent, StepWork
-from kvsidecar.integrations.vllm.sends import RankSidecar
+from kvsidecar.integrations.vllm.steps.sends import RankSidecar
+from kvsidecar.integrations.vllm.steps.work import Sent, StepWork
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide
 from kvsidecar.testing import toy
 

@@ -46,7 +46,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
 from kvsidecar.integrations.vllm.connector import KvSidecarConnector, KvSidecarMetadata
-from kvsidecar.integrations.vllm.scheduler import StepWork
+from kvsidecar.integrations.vllm.steps.work import StepWork
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants multiples of 32
 NUM_BLOCKS = 64

@@ -45,7 +45,7 @@ from kvsidecar.integrations.vllm.connector import KvSidecarConnector  # noqa: E4
 from kvsidecar.integrations.vllm.geometry import ConvLayout, UnsupportedLayerError  # noqa: E402
 from kvsidecar.integrations.vllm.hybrid import StateGroups  # noqa: E402
 from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
-from kvsidecar.integrations.vllm.scheduler import Load, LoadKind, StepWork  # noqa: E402
+from kvsidecar.integrations.vllm.steps.work import Load, LoadKind, StepWork  # noqa: E402
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
 from kvsidecar.plan import build_peer_plan  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402

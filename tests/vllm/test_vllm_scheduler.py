@@ -46,7 +46,7 @@ from kvsidecar.integrations.vllm.connector import (  # noqa: E402
     KvSidecarHandshake,
 )
 from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
-from kvsidecar.integrations.vllm.scheduler import Hold, Load, LoadKind, StepWork  # noqa: E402
+from kvsidecar.integrations.vllm.steps.work import Hold, Load, LoadKind, StepWork  # noqa: E402
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from kvsidecar.testing import toy  # noqa: E402

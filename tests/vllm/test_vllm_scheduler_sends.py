@@ -60,7 +60,8 @@ from kvsidecar.integrations.vllm.connector import (  # noqa: E402
     KvSidecarWorkerMeta,
 )
 from kvsidecar.integrations.vllm.params import RemoteKv  # noqa: E402
-from kvsidecar.integrations.vllm.scheduler import (  # noqa: E402
+from kvsidecar.integrations.vllm.steps.sends import RankSidecar, SidecarSends  # noqa: E402
+from kvsidecar.integrations.vllm.steps.work import (  # noqa: E402
     Answer,
     Hold,
     Load,
@@ -68,7 +69,6 @@ from kvsidecar.integrations.vllm.scheduler import (  # noqa: E402
     Sent,
     StepWork,
 )
-from kvsidecar.integrations.vllm.sends import RankSidecar, SidecarSends  # noqa: E402
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from kvsidecar.testing import toy  # noqa: E402

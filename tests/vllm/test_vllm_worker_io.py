@@ -24,7 +24,7 @@ import pytest
 
 from kvsidecar.client import SharedMemoryExport, SidecarClient, SidecarStatus
 from kvsidecar.integrations.vllm.params import RemoteKv
-from kvsidecar.integrations.vllm.scheduler import Heartbeat, Hold, Load, StepWork
+from kvsidecar.integrations.vllm.steps.work import Heartbeat, Hold, Load, StepWork
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide
 from kvsidecar.testing import process as sidecar_proc
 from kvsidecar.testing import toy

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvsidecar.integrations.vllm.book import WorkerBook
 from kvsidecar.integrations.vllm.params import RemoteKv
-from kvsidecar.integrations.vllm.scheduler import Load, LoadKind, StepWork
+from kvsidecar.integrations.vllm.steps.work import Load, LoadKind, StepWork
 from kvsidecar.integrations.vllm.worker import StepResults, WorkerSide
 from kvsidecar.types import RecvDone, SendDone
 
@@ -36,10 +36,10 @@ def test_the_lane_builds_the_same_step_as_the_client() -> None:
     """The lane builds each step's command in place on vLLM's model thread (a fraction of the
     client's cost); it must be the very Step the client's request values give."""
     from kvsidecar.client import requests
-    from kvsidecar.integrations.vllm.channel import step_spec
-    from kvsidecar.integrations.vllm.lane import step_command
     from kvsidecar.integrations.vllm.params import RemoteKv
-    from kvsidecar.integrations.vllm.scheduler import Heartbeat, Hold, Load, StepWork
+    from kvsidecar.integrations.vllm.steps.channel import step_spec
+    from kvsidecar.integrations.vllm.steps.lane import step_command
+    from kvsidecar.integrations.vllm.steps.work import Heartbeat, Hold, Load, StepWork
 
     def remote(i: int) -> RemoteKv:
         return RemoteKv(
@@ -131,7 +131,7 @@ def test_a_read_is_received_once_every_ranks_sidecar_reported_it_done() -> None:
     reported its read done (in either order), never when one rank's failed, and nothing is
     kept for it once reported; after the sends stop nothing is reported here."""
     from kvsidecar.client.lane import Lane
-    from kvsidecar.integrations.vllm.lane import StepLanes
+    from kvsidecar.integrations.vllm.steps.lane import StepLanes
     from kvsidecar.types import FailReason, RecvFailed
 
     lanes = StepLanes([Lane("/nonexistent-0"), Lane("/nonexistent-1")], (0, 1), (1, 1), 60.0)
@@ -167,7 +167,7 @@ def test_the_step_lanes_keep_nothing_of_reads_vllm_does_not_wait_to_hear_of() ->
     request id per load. Only the ASYNC loads a step wrote are followed now (``flush`` follows
     ``awaited(work)``)."""
     from kvsidecar.client.lane import Lane
-    from kvsidecar.integrations.vllm.lane import StepLanes, awaited
+    from kvsidecar.integrations.vllm.steps.lane import StepLanes, awaited
 
     lanes = StepLanes([Lane("/nonexistent-0")], (0,), (1,), 60.0)
     kinds = {"fwd": LoadKind.FORWARD, "rel": LoadKind.RELEASE, "async": LoadKind.ASYNC}
@@ -184,8 +184,8 @@ def test_a_steps_forward_loads_leave_alone_before_its_other_loads() -> None:
     """A sidecar reads a step's loads of one producer with one READ per rank, all ending
     together: the FORWARD loads (with the holds) leave as a step of their own, first, so that
     the forward waits for them only; work without both kinds leaves as it is."""
-    from kvsidecar.integrations.vllm.lane import forward_first
-    from kvsidecar.integrations.vllm.scheduler import Hold
+    from kvsidecar.integrations.vllm.steps.lane import forward_first
+    from kvsidecar.integrations.vllm.steps.work import Hold
 
     hold = Hold(request_id="h", block_ids=((3,),), token="t", lease_s=30.0)
     work = StepWork(

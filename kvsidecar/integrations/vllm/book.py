@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kvsidecar.client import Event, RecvDone, RecvFailed, SendDone, StepDone
 
-from .scheduler import Answer, Load, LoadKind, StepWork
+from .steps.work import Answer, Load, LoadKind, StepWork
 
 __all__ = ["COUNTERS", "MAX_EARLY_EVENTS", "StepResults", "WorkerBook"]
 

@@ -57,8 +57,9 @@ from .geometry import (
     refuse_state_models,
 )
 from .hybrid import StateGroups
-from .scheduler import SchedulerSide, Sent, StepWork
-from .sends import RankSidecar, SendNow
+from .scheduler import SchedulerSide
+from .steps.sends import RankSidecar, SendNow
+from .steps.work import Sent, StepWork
 from .worker import COUNTERS, WorkerSide, in_this_process
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ It runs in vLLM's scheduler process and decides; a hold or a load leaves the mom
 decided (``request_finished``, ``update_state_after_alloc``) where its ``sender`` can take it:
 to every TP rank's worker when all live in this process (vLLM's single-process executor: the
 worker's own stream), else to every rank's sidecar on the scheduler's own channel
-(:mod:`.sends`), and the next step's metadata tells the workers what was sent
+(:mod:`.steps.sends`), and the next step's metadata tells the workers what was sent
 (:class:`Sent`: their streams carry its events) and what the sidecars refused; a load whose
 read every rank's sidecar reported done on the scheduler's step lanes is reported received to vLLM
 by the scheduler itself (:meth:`SchedulerSide.received`), a step before the workers could. What neither
@@ -35,13 +35,12 @@ vLLM objects are used only through the attributes named here (no vLLM import at 
 
 from __future__ import annotations
 
-import enum
 import logging
 import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from .hybrid import StateGroups, truncate_prompt
 from .params import (
@@ -52,131 +51,14 @@ from .params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from .steps.work import Heartbeat, Hold, Load, LoadKind, Route, Sender, Sent, StepWork
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "Answer",
-    "Heartbeat",
-    "Hold",
-    "Load",
-    "LoadKind",
-    "Route",
-    "SchedulerSide",
-    "Sender",
-    "Sent",
-    "StepWork",
-]
+__all__ = ["SchedulerSide"]
 
 # RequestStatus names after which a prefill's KV is complete (not aborted or failed).
 _COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
-
-
-class LoadKind(enum.Enum):
-    """Who waits for a load, and how its end reaches vLLM."""
-
-    #: vLLM waits for the request (``WAITING_FOR_REMOTE_KVS``) until the load is reported
-    #: finished receiving (failed: with its blocks), a step after its blocks were allocated
-    ASYNC = "async"
-    #: the step that allocated its blocks computes the request's last prompt token on them: the
-    #: workers wait for the load before that step's forward; a failure is reported as invalid
-    #: blocks only (vLLM recomputes them; the step's output of the request is dropped)
-    FORWARD = "forward"
-    #: nothing waits (a full local hit, or an abort): the read only ends the producer's hold
-    RELEASE = "release"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Load:
-    """Read ``remote``'s blocks into ``local_block_ids`` (per group; tail-aligned with the remote
-    lists). ``kind``: who waits for it; ``deadline_s``: the read's deadline (0: the sidecar's
-    default; a FORWARD load's is the connector's ``forward_load_deadline_s``)."""
-
-    request_id: str
-    local_block_ids: tuple[tuple[int, ...], ...]
-    remote: RemoteKv
-    kind: LoadKind = LoadKind.ASYNC
-    deadline_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Hold:
-    """Keep ``block_ids`` (per group) for the consumers, under ``token``, for ``lease_s``."""
-
-    request_id: str
-    block_ids: tuple[tuple[int, ...], ...]
-    token: str
-    lease_s: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Heartbeat:
-    """Extend the producer leases of ``request_ids`` (tokens in order) on ``engine_id``."""
-
-    engine_id: str
-    endpoints: tuple[str, ...]
-    request_ids: tuple[str, ...]
-    tokens: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepWork:
-    """What every worker does with its sidecar at the start of one step."""
-
-    loads: tuple[Load, ...] = ()
-    holds: tuple[Hold, ...] = ()
-    heartbeats: tuple[Heartbeat, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Answer:
-    """What one rank's sidecar answered to work the scheduler sent it, where that rank's worker
-    must act: the holds and loads it refused (request ids), or ``unsettled``: why a call failed
-    as a whole after it may have reached the sidecar (its holds may be live, its reads posted:
-    the worker ends its stream and fences the sidecar before giving any of it back)."""
-
-    rank: int
-    refused_holds: tuple[str, ...] = ()
-    refused_loads: tuple[str, ...] = ()
-    unsettled: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Sent:
-    """What the scheduler's channel sent to every rank's sidecar since the previous step
-    (``work``: its holds and loads) and the answers the workers must act on. Each worker notes
-    ``work`` as if it had sent it (the RECV_DONE, RECV_FAILED and SEND_DONE events come on its
-    stream), then settles the answers of its rank."""
-
-    work: StepWork = StepWork()
-    answers: tuple[Answer, ...] = ()
-    #: loads the scheduler reported received to vLLM itself (every rank's sidecar reported their
-    #: read done on its step lane): each worker reports them now unless it has, and a break after
-    #: this cannot fail them (their bytes landed)
-    received: tuple[str, ...] = ()
-
-
-class Route(enum.Enum):
-    """Where :meth:`Sender.send` put work."""
-
-    STEP = "step"  #: nowhere: the step's metadata carries it (workers send it)
-    WORKERS = "workers"  #: handed to every rank's worker in this process (their streams)
-    SIDECARS = "sidecars"  #: sent to every rank's sidecar (the workers are told: :class:`Sent`)
-
-
-class Sender(Protocol):
-    """Sends the scheduler's work at once where it can (``connector`` composes it)."""
-
-    def send(self, work: StepWork) -> Route:
-        """Send ``work`` now, or return ``Route.STEP`` at once; never waits for a sidecar."""
-
-    def answers(self) -> tuple[Answer, ...]:
-        """The sidecars' answers to work sent (``Route.SIDECARS``) since the last call that a
-        worker must act on."""
-
-    def received(self) -> tuple[str, ...]:
-        """Requests whose load, sent (``Route.SIDECARS``), every rank's sidecar reported done
-        since the last call (may be none until the workers report them)."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ and SEND_DONE events) is collected under a lock and handed to vLLM by ``take_res
 SEND_DONE -> finished sending; RECV_DONE / RECV_FAILED -> finished receiving, the latter also as
 a failed request and its invalid block ids.
 
-Holds and loads the scheduler sent to the sidecar itself (:mod:`.sends`) reach the worker in the
+Holds and loads the scheduler sent to the sidecar itself (:mod:`.steps.sends`) reach the worker in the
 step's metadata (``note_sent``): they are noted like its own (their events come on this
 worker's stream, possibly before the metadata: the book keeps those until the load is noted),
 refusals the scheduler saw settle them, and a call of the scheduler's whose outcome is unknown
@@ -49,10 +49,10 @@ from kvsidecar.plan import View
 from kvsidecar.types import lane_path
 
 from .book import COUNTERS, StepResults, WorkerBook
-from .channel import MAX_QUEUED_STEPS, STEP_TIMEOUT_S, StepChannel
-from .lane import LaneChannel
-from .scheduler import Sent, StepWork
-from .sends import RankSidecar
+from .steps.channel import MAX_QUEUED_STEPS, STEP_TIMEOUT_S, StepChannel
+from .steps.lane import LaneChannel
+from .steps.sends import RankSidecar
+from .steps.work import Sent, StepWork
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from kvsidecar.wire.engine import status_from_proto
 
 from .channel import CLOSE_TIMEOUT_S, MAX_QUEUED_STEPS, STEP_TIMEOUT_S, Doorbell
 from .lane import StepLanes, answer_of, forward_first, lean_results, merged, step_command
-from .scheduler import Answer, Route, StepWork
+from .work import Answer, Route, StepWork
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from kvsidecar.client import (
 )
 from kvsidecar.errors import KvSidecarError, NotFoundError, PeerUnavailableError
 
-from .scheduler import Heartbeat, StepWork
+from .work import Heartbeat, StepWork
 
 log = logging.getLogger(__name__)
 

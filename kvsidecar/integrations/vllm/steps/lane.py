@@ -50,7 +50,7 @@ from kvsidecar.v1 import engine_pb2
 from kvsidecar.wire.engine import event_from_proto
 
 from .channel import MAX_QUEUED_STEPS, OPEN_TIMEOUT_S, STEP_TIMEOUT_S, Outcomes, holds_of
-from .scheduler import Answer, Heartbeat, Hold, Load, LoadKind, StepWork
+from .work import Answer, Heartbeat, Hold, Load, LoadKind, StepWork
 
 log = logging.getLogger(__name__)
 
