@@ -34,6 +34,7 @@ from kvsidecar.plan import View
 from kvsidecar.testing import toy
 from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
 from kvsidecar.testing.process import environment
+from kvsidecar.testing.tether import tethered
 from kvsidecar.testing.transfers import PREFILL, TransferResult, request_ids, transfer
 
 DECODE = "decode"
@@ -145,7 +146,7 @@ class LocalCluster:
         ]
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                args,
+                tethered(args),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

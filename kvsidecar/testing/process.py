@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
+from kvsidecar.testing.tether import tethered
 
 KVSIDECAR = [sys.executable, "-m", "kvsidecar.cli"]
 
@@ -54,7 +55,7 @@ def spawn(
     full_env = {**os.environ, **(env or {})}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [*KVSIDECAR, "serve", "--ready-file", str(ready), *args],
+            tethered([*KVSIDECAR, "serve", "--ready-file", str(ready), *args]),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,

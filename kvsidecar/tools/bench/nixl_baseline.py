@@ -29,6 +29,7 @@ import numpy.typing as npt
 from kvsidecar.engine.backend import DlistHandle, RemoteAgent, XferState
 from kvsidecar.engine.backend.nixl import NixlBackend
 from kvsidecar.memory import HostShmSpec, ImportedMemory, MemType, import_memory
+from kvsidecar.testing.tether import tethered
 
 IdPairs = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]  # (local ids, remote ids)
 _NOTIF = b"n" * 40  # raw NIXL notification, about the size of the sidecar's
@@ -122,7 +123,7 @@ class NixlBaseline:
         cmd = [sys.executable, "-m", "kvsidecar.tools.bench.nixl_baseline", src.path, str(src.size)]
         with self._log_path.open("wb") as log:
             self._proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
-                cmd,
+                tethered(cmd),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,

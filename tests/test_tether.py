@@ -1,0 +1,90 @@
+"""The harness's sidecars end with it: a harness killed outright (SIGKILL, as the OOM killer does)
+leaves no `kvsidecar serve` behind (``kvsidecar.testing.tether``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvsidecar.testing import tether
+
+# A harness of its own: starts one sidecar the way tests and `kvsidecar bench` do, says its pid,
+# then waits (bounded) to be killed.
+HARNESS = r"""
+import sys, time
+from pathlib import Path
+from kvsidecar.testing import process
+work = Path(sys.argv[1])
+sc = process.start(work, *process.default_args(work))
+print(sc.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _parents() -> dict[int, int]:
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            out[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def _with_descendants(pid: int) -> set[int]:
+    parents, found, frontier = _parents(), {pid}, {pid}
+    while frontier:
+        frontier = {c for c, p in parents.items() if p in frontier and c not in found}
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # an orphan nobody reaped yet has ended
+
+
+def test_a_killed_harness_leaves_no_sidecar_behind(tmp_path: Path) -> None:
+    harness = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    started: set[int] = set()
+    try:
+        assert harness.stdout is not None
+        line = harness.stdout.readline()  # the sidecar's start is bounded (15 s), then EOF
+        assert line.strip().isdigit(), line
+        started = _with_descendants(int(line))  # the sidecar and its sandbox worker
+        assert all(_alive(p) for p in started), started
+        harness.kill()
+        harness.wait(10)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in started if _alive(p)], "the sidecar outlived its harness"
+    finally:
+        harness.kill()
+        harness.wait(10)
+        if harness.stdout is not None:
+            harness.stdout.close()
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_tether_whose_parent_is_gone_runs_nothing(tmp_path: Path) -> None:
+    """The parent died before the tether took hold (here: the pid named is not its parent): no
+    signal would ever come, so it exits without running the command."""
+    marker = tmp_path / "ran"
+    command = tether.tethered(["touch", str(marker)])
+    pid_at = command.index("--") - 1
+    wrong = [*command[:pid_at], str(os.getpid() + 1_000_000), *command[pid_at + 1 :]]
+    assert subprocess.run(wrong, timeout=30).returncode == 1
+    assert not marker.exists()
+    assert subprocess.run(command, timeout=30).returncode == 0
+    assert marker.exists()  # the same command, rightly tethered, ran
