@@ -11,6 +11,7 @@ shm manager; its files go while the other worker's stay.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -63,17 +64,30 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def torch_files(pid: int) -> set[str]:
-    """The PyTorch shm files process ``pid`` maps."""
+def shm_files(pid: int, prefix: str = "") -> set[str]:
+    """The ``/dev/shm`` files (named ``prefix``...) process ``pid`` maps or holds open."""
+    start = f"/dev/shm/{prefix}"
+    found = set()
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
         return set()
-    return {
-        line.split(maxsplit=5)[5].removesuffix(" (deleted)")
-        for line in maps.splitlines()
-        if "/dev/shm/torch_" in line
-    }
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith(start):
+            found.add(parts[5].removesuffix(" (deleted)"))
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith(start):
+                found.add(target.removesuffix(" (deleted)"))
+    return found
+
+
+def torch_files(pid: int) -> set[str]:
+    """The PyTorch shm files process ``pid`` maps."""
+    return shm_files(pid, "torch_")
 
 
 @pytest.fixture
@@ -102,6 +116,18 @@ def test_a_hard_killed_worker_leaves_no_kv_file(
 ) -> None:
     model = make_tiny_llama(tmp_path / "tiny-llama")
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    engine_files: set[str] = set()
+    try:
+        _kill_and_check(tmp_path, model, env, engine_files)
+    finally:
+        for f in engine_files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f)
+
+
+def _kill_and_check(
+    tmp_path: Path, model: Path, env: dict[str, str], engine_files: set[str]
+) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", ENGINE, str(model), str(tmp_path / "prefill{rank}.sock")],
         stdout=subprocess.PIPE,
@@ -116,6 +142,9 @@ def test_a_hard_killed_worker_leaves_no_kv_file(
                 break
         else:
             pytest.fail(f"the engine exited with {proc.wait(30)}")
+        # vLLM's own files (its queues' shared memory, multiprocessing's semaphores), which a
+        # hard kill leaves behind: the test removes them at its end, whatever happened.
+        engine_files |= {f for p in (proc.pid, *descendants(proc.pid)) for f in shm_files(p)}
         workers = {p: torch_files(p) for p in descendants(proc.pid)}
         workers = {p: files for p, files in workers.items() if files}
         assert len(workers) == 2, workers  # the two TP workers, each with its KV file(s)
@@ -130,6 +159,7 @@ def test_a_hard_killed_worker_leaves_no_kv_file(
         assert not [f for f in mine if os.path.exists(f)]
         assert all(os.path.exists(f) for f in workers[survivor] - mine)  # the live worker's stay
     finally:
+        engine_files |= {f for p in (proc.pid, *descendants(proc.pid)) for f in shm_files(p)}
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
         if proc.stdout is not None:
