@@ -12,8 +12,8 @@ and SEND_DONE events) is collected under a lock and handed to vLLM by ``take_res
 SEND_DONE -> finished sending; RECV_DONE / RECV_FAILED -> finished receiving, the latter also as
 a failed request and its invalid block ids.
 
-Holds and loads the scheduler sent to the sidecar itself (:mod:`.steps.sends`) reach the worker in the
-step's metadata (``note_sent``): they are noted like its own (their events come on this
+Holds and loads the scheduler sent to the sidecar itself (:mod:`.steps.sends`) reach the worker
+in the step's metadata (``note_sent``): they are noted like its own (their events come on this
 worker's stream, possibly before the metadata: the book keeps those until the load is noted),
 refusals the scheduler saw settle them, and a call of the scheduler's whose outcome is unknown
 ends the stream and fences the sidecar, as a step of the worker's own would. Loads the scheduler
