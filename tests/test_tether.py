@@ -3,6 +3,7 @@ leaves no `kvsidecar serve` behind (``kvsidecar.testing.tether``)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -88,3 +89,11 @@ def test_a_tether_whose_parent_is_gone_runs_nothing(tmp_path: Path) -> None:
     assert not marker.exists()
     assert subprocess.run(command, timeout=30).returncode == 0
     assert marker.exists()  # the same command, rightly tethered, ran
+
+
+def test_a_command_started_off_the_main_thread_is_not_tethered() -> None:
+    """Regression: SGLang's tests start their sidecars from a thread pool, which ends right
+    after; tethered to that thread, each sidecar got SIGTERM as it began serving."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(tether.tethered, ["true"]).result() == ["true"]
+    assert tether.tethered(["true"])[-2:] == ["--", "true"]  # the main thread's is

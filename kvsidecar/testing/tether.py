@@ -8,9 +8,10 @@ its parent dies (``PR_SET_PDEATHSIG``, which ``exec`` keeps), exits at once if t
 already gone, and then becomes the command (``exec``), so the pid the harness holds is the
 command's own.
 
-Linux sends the signal when the *thread* that started the child ends, not only the process:
-start tethered commands from a thread that outlives them (the main thread, the event loop's, or
-an executor's worker, which lives until its executor shuts down).
+Linux sends the signal when the *thread* that started the child ends, not only the process, and
+only the main thread is sure to live as long as the process: a command started from any other
+thread (a thread pool's worker, gone when its pool shuts down while the command should live on)
+is started untethered.
 
 Run as a script (standard library only, ``-I -S``: no site, no imports of this package), so that
 the tether costs a bare interpreter start (about 20 ms), not this package's imports.
@@ -22,15 +23,18 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 _PR_SET_PDEATHSIG = 1
 
 
 def tethered(command: Sequence[str]) -> list[str]:
-    """``command`` run so that it gets SIGTERM when this process (the calling thread) ends; on
-    hosts other than Linux, ``command`` unchanged."""
-    if not sys.platform.startswith("linux"):
+    """``command`` run so that it gets SIGTERM when this process ends; ``command`` unchanged on
+    hosts other than Linux and off the main thread (the signal follows the starting thread)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
         return list(command)
     return [sys.executable, "-I", "-S", __file__, str(os.getpid()), "--", *command]
 
