@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.vllm.procs import alive, descendants
 from kvsidecar.testing import tether
 
 # A harness of its own: starts one sidecar the way tests and `kvsidecar bench` do, says its pid,
@@ -27,30 +28,6 @@ time.sleep(120)
 """
 
 
-def _parents() -> dict[int, int]:
-    out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            out[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    return out
-
-
-def _with_descendants(pid: int) -> set[int]:
-    parents, found, frontier = _parents(), {pid}, {pid}
-    while frontier:
-        frontier = {c for c, p in parents.items() if p in frontier and c not in found}
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # an orphan nobody reaped yet has ended
-
-
 def test_a_killed_harness_leaves_no_sidecar_behind(tmp_path: Path) -> None:
     harness = subprocess.Popen(
         [sys.executable, "-c", HARNESS, str(tmp_path)], stdout=subprocess.PIPE, text=True
@@ -60,14 +37,14 @@ def test_a_killed_harness_leaves_no_sidecar_behind(tmp_path: Path) -> None:
         assert harness.stdout is not None
         line = harness.stdout.readline()  # the sidecar's start is bounded (15 s), then EOF
         assert line.strip().isdigit(), line
-        started = _with_descendants(int(line))  # the sidecar and its sandbox worker
-        assert all(_alive(p) for p in started), started
+        started = {int(line)} | descendants(int(line))  # the sidecar and its sandbox worker
+        assert all(alive(p) for p in started), started
         harness.kill()
         harness.wait(10)
         deadline = time.monotonic() + 20
-        while any(_alive(p) for p in started) and time.monotonic() < deadline:
+        while any(alive(p) for p in started) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not [p for p in started if _alive(p)], "the sidecar outlived its harness"
+        assert not [p for p in started if alive(p)], "the sidecar outlived its harness"
     finally:
         harness.kill()
         harness.wait(10)
