@@ -1,5 +1,6 @@
 """`make bench-vllm`'s breakdown of a single request's decode TTFT (benchmarks.vllm.measure.segments)
-and its inter-token latency of running decodes under a burst (``itl``), on step records shaped as
+and of a batch's last first token (``batch_segments``), and its inter-token latency of running
+decodes under a burst (``itl``), on step records shaped as
 benchmarks.vllm.hooks writes them: which steps bound each segment and each interval."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from benchmarks.vllm.drive import Burst, Handed
-from benchmarks.vllm.measure import SEGMENTS, itl, segments
+from benchmarks.vllm.measure import SEGMENTS, batch_segments, itl, segments
 
 T0 = 1_000.0
 
@@ -83,6 +84,45 @@ def test_a_load_the_scheduler_reported_received() -> None:
 )
 def test_a_request_whose_steps_are_missing_has_none(records: list[dict[str, Any]]) -> None:
     assert segments(records, T0, 0.02) is None
+
+
+def test_a_batch_received_over_several_steps() -> None:
+    """A batch's loads start in one step (0.002) and are received over two; the requests
+    received first run in the step at 0.008, the last ones in the step at 0.020, whose end
+    (0.030) gives the batch's last first token (0.034). A later step is not the batch's."""
+    records = [
+        _step(-0.010, -0.009, loads=1, recv=1),  # before the release
+        _step(0.002, 0.003, loads=32),  # the batch's blocks are allocated: its reads start
+        _step(0.004, 0.006, recv=20),  # 20 received
+        _step(0.008, 0.016, recv=12),  # the first 20 compute; the other 12 received
+        _step(0.020, 0.030),  # the last forward
+        _step(0.040, 0.041),  # after the batch's last first token
+    ]
+    got = batch_segments(records, T0, 0.034)
+    assert got == pytest.approx((0.002, 0.014, 0.004, 0.010, 0.004))
+    assert sum(got or ()) == pytest.approx(0.034)
+
+
+def test_a_batch_computed_in_its_load_step_splits_as_a_single_request() -> None:
+    """Every load of the batch computed on in the step that carries them (FORWARD)."""
+    step = _step(0.002, 0.014, loads=4)
+    step["fwd"] = 4
+    step["hooks"] = {"start_load_kv": 0.003}
+    got = batch_segments([_step(0.001, 0.0015), step], T0, 0.02)
+    assert got == pytest.approx((0.002, 0.003, 0.0, 0.009, 0.006))
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [],  # no steps recorded
+        [_step(0.001, 0.002, recv=1), _step(0.003, 0.004)],  # no load step
+        [_step(0.001, 0.002, loads=2)],  # the load step alone, not computed on
+        [_step(0.001, 0.002, loads=2), _step(0.003, 0.050)],  # its forward ends after the token
+    ],
+)
+def test_a_batch_whose_steps_are_missing_has_none(records: list[dict[str, Any]]) -> None:
+    assert batch_segments(records, T0, 0.02) is None
 
 
 def _burst(*, running_until: float = 1.0, burst_until: float = 0.060) -> Burst:

@@ -100,6 +100,30 @@ def segments(
     return tuple(b - a for a, b in itertools.pairwise(points))
 
 
+def batch_segments(
+    records: Sequence[dict[str, Any]], released_at: float, last_ttft_s: float
+) -> tuple[float, ...] | None:
+    """The ``SEGMENTS`` of a batch's last first token (seconds each, summing to ``last_ttft_s``):
+    release -> the first step that carries loads -> the end of the step before the last forward
+    (the reads, their report, and the forwards of requests received earlier) -> that last
+    forward's bind and end -> the last first token. The last forward is the last step that
+    ended by then; when it is the load step itself (every load computed on in its own step:
+    FORWARD), as for a single request. None when no load step precedes it."""
+    end = released_at + last_ttft_s
+    window = sorted(
+        (r for r in records if released_at <= r["t"] and r["te"] <= end), key=lambda r: r["t"]
+    )
+    load = next((i for i, r in enumerate(window) if r["loads"] > 0), None)
+    if load is None:
+        return None
+    last = len(window) - 1
+    if last == load:
+        return segments(window, released_at, last_ttft_s)
+    forward, before = window[last], window[last - 1]
+    points = (released_at, window[load]["t"], before["te"], forward["t"], forward["te"], end)
+    return tuple(b - a for a, b in itertools.pairwise(points))
+
+
 # Steps D runs after releasing the running decodes before the burst is sent: their prefill, then
 # decodes (the intervals between the later ones are the inter-token latency without a burst).
 RUNNING_STEPS = 4
@@ -210,6 +234,8 @@ class Collected:
     no_transfer: dict[str, list[float]] = field(default_factory=dict)  # seconds, in order
     # single requests, per connector: (D's release wall time, its TTFT in seconds)
     released: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    # batches, per connector: (D's release wall time, the batch's last TTFT in seconds)
+    batch_released: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     bursts: dict[str, list[Burst]] = field(default_factory=dict)
     checked: int = 0
     mismatches: list[str] = field(default_factory=list)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .measure import SEGMENTS, Collected, itl, segments, thread_s
+from .measure import SEGMENTS, Collected, batch_segments, itl, segments, thread_s
 from .settings import CONNECTORS, ITL_GOAL, LABEL, STEP_GOAL_US, TTFT_AIM, TTFT_GOAL, Settings
 
 
@@ -82,7 +82,12 @@ def build_report(
         **_side_by_side(ours_n, got.no_transfer.get("nixl", [])),
     }
     ttft["segments"] = {
-        c: _segments(hooks.get(c, ([], []))[1], got.released.get(c, [])) for c in CONNECTORS
+        c: _segments(hooks.get(c, ([], []))[1], got.released.get(c, []), segments)
+        for c in CONNECTORS
+    }
+    ttft["batch_segments"] = {
+        c: _segments(hooks.get(c, ([], []))[1], got.batch_released.get(c, []), batch_segments)
+        for c in CONNECTORS
     }
     bursts = {c: got.bursts.get(c, []) for c in CONNECTORS}
     ttft["burst"] = {
@@ -129,10 +134,13 @@ def _side_by_side(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, f
 
 
 def _segments(
-    d_records: Sequence[dict[str, Any]], released: Sequence[tuple[float, float]]
+    d_records: Sequence[dict[str, Any]],
+    released: Sequence[tuple[float, float]],
+    split: Callable[[Sequence[dict[str, Any]], float, float], tuple[float, ...] | None],
 ) -> dict[str, Any]:
-    """Median ms of each of ``SEGMENTS`` over the single requests whose steps were all found."""
-    found = [x for at, ttft in released if (x := segments(d_records, at, ttft)) is not None]
+    """Median ms of each of ``SEGMENTS`` over the releases (wall time, TTFT) whose steps were
+    all found, as ``split`` (``segments`` or ``batch_segments``) finds them."""
+    found = [x for at, ttft in released if (x := split(d_records, at, ttft)) is not None]
     return {
         "requests": len(found),
         "of": len(released),
@@ -343,13 +351,17 @@ def format_table(report: dict[str, Any], before: dict[str, Any] | None = None) -
             f"{_fmt(floor['median_of_ratios'], 3):>7} {_fmt(floor['ratio_of_medians'], 3):>7}"
             "   (noise floor: D alone, the same engines)"
         )
-    segs = report["ttft"].get("segments") or {}
-    if segs:
+    for key, title in (
+        ("segments", "a single request's decode TTFT goes on D (ms, median over the requests"),
+        ("batch_segments", "a batch's last first token goes on D (ms, median over the batches"),
+    ):
+        segs = report["ttft"].get(key) or {}
+        if not segs:
+            continue
         lines += [
             "",
-            "Where a single request's decode TTFT goes on D (ms, median over the requests whose "
-            "steps were found):",
-            f"{'connector':<14}" + "".join(f" {name:>19}" for name in SEGMENTS) + "   requests",
+            f"Where {title} whose steps were found):",
+            f"{'connector':<14}" + "".join(f" {name:>19}" for name in SEGMENTS) + "   found",
         ]
         for c in CONNECTORS:
             row = segs.get(c) or {}

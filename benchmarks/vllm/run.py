@@ -46,6 +46,7 @@ def run_bench(s: Settings) -> dict[str, Any]:
             got.batch_ttft[c] = []
             got.batch_wall[c] = []
             got.released[c] = []
+            got.batch_released[c] = []
             got.no_transfer[c] = []
             got.bursts[c] = []
         log("warming up (one request per prompt length and pair)")
@@ -82,6 +83,7 @@ def run_bench(s: Settings) -> dict[str, Any]:
                 handed = prefill_then_decode(pair, prompts)
                 got.batch_ttft[c].append(handed.ttft_s)
                 got.batch_wall[c].append(handed.wall_s)
+                got.batch_released[c].append((handed.released_at, max(handed.ttft_s)))
                 got.take(handed)
                 burst = measure_burst(pair, f"r{r}", s)  # same prompts for both connectors
                 got.bursts[c].append(burst)

@@ -120,6 +120,11 @@ def test_bench_vllm_tiny_report_has_every_figure(tmp_path: Path) -> None:
         assert seg["of"] == singles, (c, seg)
         assert seg["requests"] > 0, (c, seg)
         assert all(_finite(v) and v >= 0 for v in seg["ms"].values()), (c, seg)
+        # and each batch's last first token (its load step, the step before its last forward)
+        seg = ttft["batch_segments"][c]
+        assert seg["of"] == TINY.rounds, (c, seg)
+        assert seg["requests"] > 0, (c, seg)
+        assert all(_finite(v) and v >= 0 for v in seg["ms"].values()), (c, seg)
 
     # the burst of P/D requests beside running decodes on D: its TTFT, and the running decodes'
     # inter-token latency alone and under it (each burst's window ended before they did)
