@@ -15,7 +15,7 @@ from typing import Any
 
 from kvsidecar.testing import process as sidecar_proc
 
-from .procs import alive, children, descendants, free_port, kill_all
+from .procs import alive, descendants, engine_children, free_port, kill_all
 from .settings import (
     BLOCK,
     CONNECTORS,
@@ -80,19 +80,6 @@ def close_all(pairs: Sequence[Pair]) -> None:
                 sc.stop(timeout=10)
 
 
-def _spawned_cores(known: set[int]) -> set[int]:
-    """Children of this process started by multiprocessing's spawn (EngineCore processes) that
-    are not in ``known``."""
-    me = os.getpid()
-    out = set()
-    for pid, parent in children().items():
-        if parent == me and pid not in known:
-            with contextlib.suppress(OSError):
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    out.add(pid)
-    return out
-
-
 @dataclass
 class _Starting:
     name: str
@@ -142,6 +129,10 @@ def _launch(
         HOOKS_ENV: str(workdir / f"hooks-{name}.jsonl"),
         "VLLM_CPU_OMP_THREADS_BIND": s.bind_p if side == "prefill" else s.bind_d,
         KEEP_AFFINITY_ENV: "1" if s.nixl_pin == "undo" else "0",
+        # The run's own inductor cache: torch's default is one directory per host user, shared by
+        # every run and test there, and a kernel that once failed to build there failed every
+        # engine after it (CppCompileError on the sampler's kernel).
+        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"),
     }
     if connector == "nixl":
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
@@ -162,7 +153,7 @@ def _launch(
         st.thread.start()
         deadline = time.monotonic() + WAIT_S
         while st.thread.is_alive() and time.monotonic() < deadline:
-            new = _spawned_cores(known)
+            new = engine_children(known)
             if new:
                 st.core = min(new)
                 known |= new
@@ -206,7 +197,7 @@ def start_engines(
     more, alone.
     """
     started: dict[tuple[str, str], _Starting] = {}
-    known = _spawned_cores(set())
+    known = engine_children(set())
     try:
         for spec in wanted:
             started[spec[0], spec[1]] = _launch(s, model, workdir, spec, known)

@@ -29,6 +29,21 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def engine_children(known: set[int]) -> set[int]:
+    """Children of this process that are vLLM engine processes (its EngineCore, the parent of
+    its TP workers), and not in ``known``: started by multiprocessing's spawn (``spawn_main``
+    until vLLM names it) or named by vLLM (``VLLM::EngineCore``, also when forked)."""
+    me = os.getpid()
+    out = set()
+    for pid, parent in children().items():
+        if parent == me and pid not in known:
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"spawn_main" in cmdline or cmdline.startswith(b"VLLM::"):
+                    out.add(pid)
+    return out
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

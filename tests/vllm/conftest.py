@@ -5,17 +5,25 @@ worker half, its parameters and blocks, the router), so that they run once, in t
 vLLM and the torch parts it loads raise deprecation and user warnings of their own while being
 imported and while engines start; the project runs with warnings as errors, so those categories are
 ignored for these tests only (imported here once, under the same filter).
+
+The engines these tests start compile with torch inductor into this run's own cache directory
+(``TORCHINDUCTOR_CACHE_DIR``), not torch's default one per host user: that one is shared by every
+run and benchmark on the host, and a kernel that once failed to build there (``CppCompileError``,
+``'at::vec' has not been declared``) failed every engine after it, run after run.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
+from collections.abc import Iterator
 
 import pytest
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 collect_ignore_glob = [] if HAS_VLLM else ["test_*.py"]
+INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 _THIRD_PARTY = ("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
 
 if HAS_VLLM:
@@ -32,3 +40,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if "tests/vllm/" in str(item.fspath):
             for spec in _THIRD_PARTY:
                 item.add_marker(pytest.mark.filterwarnings(spec))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """This run's inductor cache, in the environment every engine of the run inherits."""
+    path = str(tmp_path_factory.mktemp("inductor"))
+    saved = os.environ.get(INDUCTOR_ENV)
+    os.environ[INDUCTOR_ENV] = path
+    try:
+        yield path
+    finally:
+        if saved is None:
+            os.environ.pop(INDUCTOR_ENV, None)
+        else:
+            os.environ[INDUCTOR_ENV] = saved

@@ -14,8 +14,9 @@ there tokens must be equal and logprobs within 1e-4."""
 from __future__ import annotations
 
 import json
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,13 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+from benchmarks.vllm.procs import alive, descendants, engine_children  # noqa: E402
 from kvsidecar.client import SidecarClient  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
 from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
+
+from .conftest import INDUCTOR_ENV  # noqa: E402
+from .owned import owned_engines  # noqa: E402
 
 MAX_TOKENS = 8
 A = [(7 * i + 3) % 2000 + 10 for i in range(80)]
@@ -75,6 +80,13 @@ def sidecars(
         for scs in procs.values():
             for sc in scs:
                 sc.stop()
+
+
+@pytest.fixture
+def own() -> Iterator[Callable[[Any], Any]]:
+    """Engines the test hands to ``own`` end with it, passed or failed (tests/vllm/owned.py)."""
+    with owned_engines() as own:
+        yield own
 
 
 def engine(
@@ -147,15 +159,23 @@ def test_decode_engine_continues_exactly_like_the_prefill_engine(
     model: Path,
     sidecars: dict[str, list[sidecar_proc.SidecarProcess]],
     blocks: tuple[int, int, float],
+    own: Callable[[Any], Any],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tp_p, tp_d = len(sidecars["prefill"]), len(sidecars["decode"])
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a TP 2 engine's threads, 2 cores
     # Both engines are up before the first hold (a hold outlives its lease only so long).
-    prefill = engine(model, "prefill", str(tmp_path / "prefill{rank}.sock"), tp_p, blocks[0])
-    decode = engine(
-        model, "decode", str(tmp_path / "decode{rank}.sock"), tp_d, blocks[1], forward_s=blocks[2]
+    prefill = own(engine(model, "prefill", str(tmp_path / "prefill{rank}.sock"), tp_p, blocks[0]))
+    decode = own(
+        engine(
+            model,
+            "decode",
+            str(tmp_path / "decode{rank}.sock"),
+            tp_d,
+            blocks[1],
+            forward_s=blocks[2],
+        )
     )
     prompts = [A, C]
     # The reference: the prefill engine's own continuation, batched as the decode engine will be.
@@ -224,3 +244,40 @@ def test_decode_engine_continues_exactly_like_the_prefill_engine(
         assert s.counters["sends_done"] == 3
         assert s.counters["leases_expired"] == 0
         assert s.holds_active == 0
+
+
+def test_a_failed_test_leaves_no_engine_running_and_compiles_into_its_own_cache(
+    model: Path, own_inductor_cache: str
+) -> None:
+    """A test that fails with an engine running leaves no engine process behind (a TP 2 engine
+    left busy failed every test after it); and engines build their kernels in this run's inductor
+    cache, not the host's shared one (tests/vllm/conftest.py)."""
+    assert os.environ[INDUCTOR_ENV] == own_inductor_cache
+    started: set[int] = set()
+
+    def failing_test() -> None:
+        known = engine_children(set())
+        with owned_engines() as own_:
+            llm = own_(
+                LLM(
+                    model=str(model),
+                    skip_tokenizer_init=True,
+                    enforce_eager=True,
+                    dtype="float32",
+                    max_model_len=128,
+                    kv_cache_memory_bytes=8 << 20,
+                    seed=0,
+                )
+            )
+            out = llm.generate([TokensPrompt(prompt_token_ids=C)], greedy(2), use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 2
+            started.update(p for c in engine_children(known) for p in {c} | descendants(c))
+            assert started  # the engine core runs in a process of its own
+            raise RuntimeError("the test failed")
+
+    # Held, as pytest holds a failed test's traceback (and with it the test's frame and engines).
+    with pytest.raises(RuntimeError, match="the test failed") as failed:
+        failing_test()
+    assert not [p for p in started if alive(p)], failed.traceback[-1]
+    del failed  # not left to the cycle collector: the engine's objects go within this test
+    assert any(Path(own_inductor_cache).rglob("*")), "nothing compiled into the run's cache"
