@@ -77,6 +77,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "it (each engine computes on its own core, as with kvsidecar) or keep it",
     )
     parser.add_argument(
+        "--nixl-poll-delay-us",
+        type=int,
+        default=d.nixl_poll_delay_us,
+        help="NixlConnector's NIXL progress thread sleeps this long between polls, as "
+        "kvsidecar's sidecars do (0: as vLLM ships it, a busy core per engine)",
+    )
+    parser.add_argument(
+        "--other-pair",
+        choices=("background", "normal"),
+        default=d.other_pair,
+        help="the pair not measured during a turn: its threads at SCHED_IDLE (NixlConnector's "
+        "idle engines poll a core each) or as they are",
+    )
+    parser.add_argument(
         "--lane",
         action="store_true",
         help="kvsidecar's workers drive the sidecar's lane, not the I/O thread's Session stream",
@@ -127,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             scheduler_sends=args.scheduler_sends,
             forward_s=args.forward_s,
             forward_max_tokens=args.forward_max_tokens,
+            other_pair=args.other_pair,
+            nixl_poll_delay_us=args.nixl_poll_delay_us,
         )
     if min(s.rounds, s.singles, s.batch, s.batch_len, s.steps_len, s.layers) < 1:
         parser.error(

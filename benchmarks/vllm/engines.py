@@ -23,6 +23,7 @@ from .settings import (
     HOOKS_ENV,
     HOOKS_MODULE,
     KEEP_AFFINITY_ENV,
+    POLL_DELAY_ENV,
     WAIT_S,
     Settings,
     log,
@@ -59,6 +60,12 @@ class Pair:
     @property
     def decode(self) -> Engine:
         return self.engines["decode"]
+
+    @property
+    def pids(self) -> set[int]:
+        """Every process of the pair: its engines' and its sidecars'."""
+        out = {p for e in self.engines.values() for p in e.pids}
+        return out | {sc.proc.pid for sc in self.sidecars.values()}
 
 
 def close_all(pairs: Sequence[Pair]) -> None:
@@ -135,6 +142,7 @@ def _launch(
         "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"),
     }
     if connector == "nixl":
+        env[POLL_DELAY_ENV] = str(s.nixl_poll_delay_us)
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
     kwargs = _llm_kwargs(s, model, name, connector, extra)

@@ -61,6 +61,7 @@ __all__ = [
     "ENV",
     "HOOKS",
     "KEEP_AFFINITY",
+    "POLL_DELAY",
     "SCHEDULER_HOOKS",
     "KvSidecarConnector",
     "NixlConnector",
@@ -69,6 +70,37 @@ __all__ = [
 
 ENV = "KVSIDECAR_BENCH_HOOKS"
 KEEP_AFFINITY = "KVSIDECAR_BENCH_KEEP_AFFINITY"
+POLL_DELAY = "KVSIDECAR_BENCH_NIXL_POLL_DELAY_US"
+
+
+class _PolledBindings:
+    """NIXL's bindings module as NIXL's Python API sees it, whose agents' progress thread sleeps
+    ``delay_us`` µs between polls: the API hard-codes 0 (DESIGN §4b), which keeps a core busy
+    per agent, idle or not; kvsidecar's sidecars set their own (``--nixl-poll-delay-us``)."""
+
+    def __init__(self, bindings: Any, delay_us: int) -> None:
+        self._bindings = bindings
+        self.delay_us = delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bindings, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # the bindings name it so
+        config.pthrDelay = self.delay_us
+        return self._bindings.nixlAgent(name, config)
+
+
+def _poll_delay(delay_us: int) -> None:
+    """Agents NIXL's Python API creates from now on in this process poll every ``delay_us``."""
+    from vllm.distributed.nixl_utils import NixlWrapper
+
+    scope = NixlWrapper.__init__.__globals__  # the API module's globals, where it finds nixlBind
+    bindings = scope["nixlBind"]
+    if isinstance(bindings, _PolledBindings):
+        bindings.delay_us = delay_us
+    else:
+        scope["nixlBind"] = _PolledBindings(bindings, delay_us)
+
 
 # Worker-side hooks called on the model thread (V1 runner's mixin, then Model Runner V2's).
 HOOKS = (
@@ -266,6 +298,8 @@ def _timed(base: type[Any]) -> type[Any]:
 
     def __init__(self: Any, vllm_config: Any, role: Any, *args: Any, **kw: Any) -> None:
         affinity = os.sched_getaffinity(0)
+        if base is _NixlConnector and os.environ.get(POLL_DELAY):
+            _poll_delay(int(os.environ[POLL_DELAY]))
         base.__init__(self, vllm_config, role, *args, **kw)
         if os.environ.get(KEEP_AFFINITY) == "1" and os.sched_getaffinity(0) != affinity:
             os.sched_setaffinity(0, affinity)  # the calling thread: the model thread

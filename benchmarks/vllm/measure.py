@@ -237,6 +237,8 @@ class Collected:
     # batches, per connector: (D's release wall time, the batch's last TTFT in seconds)
     batch_released: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     bursts: dict[str, list[Burst]] = field(default_factory=dict)
+    # per connector, per turn: threads of the other pair moved to the background (procs.py)
+    background: dict[str, list[int]] = field(default_factory=dict)
     checked: int = 0
     mismatches: list[str] = field(default_factory=list)
 

@@ -1,4 +1,5 @@
-"""The processes the benchmark starts: finding them (``/proc``) and stopping them, bounded."""
+"""The processes the benchmark starts: finding them (``/proc``), keeping an idle pair's out of the
+measured pair's way, and stopping them, bounded."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -71,3 +73,36 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def threads(pids: Iterable[int]) -> set[int]:
+    """Thread ids of ``pids`` (those alive now)."""
+    out: set[int] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError):
+            out |= {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+    return out
+
+
+@contextlib.contextmanager
+def in_background(pids: Iterable[int]) -> Iterator[int]:
+    """Every thread of ``pids`` runs at ``SCHED_IDLE`` until the block ends (only on a core
+    nothing else wants), then under the policy it had; yields how many threads were moved (0
+    where this process may not: the processes are left as they are).
+
+    The benchmark keeps both connectors' engines up and measures one pair while the other idles;
+    an idle pair must not take cores from the measured one. vLLM's NixlConnector does: its NIXL
+    agent's progress thread polls without pause (the Python binding's delay is 0, DESIGN §4b),
+    one core per engine, idle or not."""
+    moved: dict[int, tuple[int, int]] = {}
+    for tid in threads(pids):
+        with contextlib.suppress(OSError):
+            before = (os.sched_getscheduler(tid), os.sched_getparam(tid).sched_priority)
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            moved[tid] = before
+    try:
+        yield len(moved)
+    finally:
+        for tid, (policy, priority) in moved.items():
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.sched_setscheduler(tid, policy, os.sched_param(priority))

@@ -111,6 +111,8 @@ def build_report(
             "max_num_batched_tokens": s.max_num_batched_tokens,
             "kv_cache_bytes": s.kv_cache_bytes,
             "kv_bytes_per_token": s.layers * 2 * 2 * 64 * 4,
+            # per connector: the other pair's threads in the background, per turn
+            "background_threads": {c: list(got.background.get(c, [])) for c in CONNECTORS},
         },
         "steps": steps,
         "ttft": ttft,
@@ -265,6 +267,24 @@ def _fmt(v: Any, nd: int = 1) -> str:
     return str(v)
 
 
+def _background(s: dict[str, Any]) -> str:
+    """Where the pair not measured ran during each turn (``procs.in_background``)."""
+    if s.get("other_pair", "normal") != "background":
+        return "; the pair not measured runs as it is during a turn"
+    moved = [n for c in CONNECTORS for n in s.get("background_threads", {}).get(c, [])]
+    if moved and min(moved) == 0:
+        return "; the pair not measured could NOT be moved to the background (SCHED_IDLE)"
+    return "; the pair not measured runs at SCHED_IDLE during a turn"
+
+
+def _nixl_polls(s: dict[str, Any]) -> str:
+    """How NixlConnector's NIXL progress thread polls (``hooks._poll_delay``)."""
+    delay = s.get("nixl_poll_delay_us", 0)
+    if not delay:
+        return "; NixlConnector's NIXL progress thread polls without pause (as vLLM ships it)"
+    return f"; NixlConnector's NIXL progress thread sleeps {delay} µs between polls"
+
+
 def format_table(report: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     s = report["settings"]
     prev = (lambda *keys: _dig(before, *keys)) if before else None
@@ -279,7 +299,9 @@ def format_table(report: dict[str, Any], before: dict[str, Any] | None = None) -
             f"{_budget(s.get('forward_max_tokens'))})"
             if s.get("forward_s", 0.0) > 0
             else ", asynchronous loads"
-        ),
+        )
+        + _background(s)
+        + _nixl_polls(s),
         "",
         "Model thread per scheduler step, connector hooks, the scheduler's included (µs, median "
         "over rounds):",

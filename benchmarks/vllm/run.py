@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from .measure import (
     read_steps,
     scrape_phases,
 )
+from .procs import in_background
 from .report import build_report
 from .settings import CONNECTORS, LABEL, Settings, log
 
@@ -59,35 +62,9 @@ def run_bench(s: Settings) -> dict[str, Any]:
             order = CONNECTORS if r % 2 == 0 else CONNECTORS[::-1]
             for c in order:
                 log(f"round {r + 1}/{s.rounds}: {LABEL[c]}")
-                pair = pairs[c]
-                # the same prompts for both connectors in a round, new ones in the next
-                for n in s.steps_n:
-                    sample, handed = measure_steps(pair, n, f"r{r}-n{n}", s.steps_len)
-                    got.steps[c][n].append(sample)
-                    got.take(handed)
-                before = scrape_phases(sc_decode) if c == "kvsidecar" else {}
-                for length in s.lengths:
-                    for i in range(s.singles):
-                        handed = prefill_then_decode(
-                            pair, [prompt(f"r{r}-single{length}-{i}", length)]
-                        )
-                        got.singles[c][length].append(handed.ttft_s[0])
-                        got.released[c].append((handed.released_at, handed.ttft_s[0]))
-                        got.take(handed)
-                if c == "kvsidecar":
-                    _add_delta(phases["singles"], before, scrape_phases(sc_decode))
-                for i in range(s.singles):  # the same engines, nothing to transfer
-                    plain = local(pair, [prompt(f"r{r}-local-{i}", s.lengths[0])])
-                    got.no_transfer[c].append(plain.ttft_s[0])
-                prompts = [prompt(f"r{r}-batch-{i}", s.batch_len) for i in range(s.batch)]
-                handed = prefill_then_decode(pair, prompts)
-                got.batch_ttft[c].append(handed.ttft_s)
-                got.batch_wall[c].append(handed.wall_s)
-                got.batch_released[c].append((handed.released_at, max(handed.ttft_s)))
-                got.take(handed)
-                burst = measure_burst(pair, f"r{r}", s)  # same prompts for both connectors
-                got.bursts[c].append(burst)
-                got.take(burst.handed)
+                with _turn(s, pairs, c) as moved:
+                    got.background.setdefault(c, []).append(moved)
+                    _round(s, r, c, pairs[c], got, phases)
         _add_delta(phases["all"], phases_start, scrape_phases(sc_decode))
     finally:
         log("stopping engines and sidecars")
@@ -108,3 +85,52 @@ def run_bench(s: Settings) -> dict[str, Any]:
         startup_s,
         time.monotonic() - t_start,
     )
+
+
+@contextlib.contextmanager
+def _turn(s: Settings, pairs: dict[str, Pair], c: str) -> Iterator[int]:
+    """Connector ``c``'s turn: the other pairs' threads in the background (``s.other_pair``);
+    yields how many threads were moved there."""
+    if s.other_pair != "background":
+        yield 0
+        return
+    with in_background({p for k, pair in pairs.items() if k != c for p in pair.pids}) as moved:
+        yield moved
+
+
+def _round(
+    s: Settings,
+    r: int,
+    c: str,
+    pair: Pair,
+    got: Collected,
+    phases: dict[str, dict[str, float]],
+) -> None:
+    """Connector ``c``'s turn of round ``r``: steps, singles, no transfer, the batch, the burst."""
+    sc_decode = pair.sidecars["decode"] if c == "kvsidecar" else None
+    # the same prompts for both connectors in a round, new ones in the next
+    for n in s.steps_n:
+        sample, handed = measure_steps(pair, n, f"r{r}-n{n}", s.steps_len)
+        got.steps[c][n].append(sample)
+        got.take(handed)
+    before = scrape_phases(sc_decode) if sc_decode is not None else {}
+    for length in s.lengths:
+        for i in range(s.singles):
+            handed = prefill_then_decode(pair, [prompt(f"r{r}-single{length}-{i}", length)])
+            got.singles[c][length].append(handed.ttft_s[0])
+            got.released[c].append((handed.released_at, handed.ttft_s[0]))
+            got.take(handed)
+    if sc_decode is not None:
+        _add_delta(phases["singles"], before, scrape_phases(sc_decode))
+    for i in range(s.singles):  # the same engines, nothing to transfer
+        plain = local(pair, [prompt(f"r{r}-local-{i}", s.lengths[0])])
+        got.no_transfer[c].append(plain.ttft_s[0])
+    prompts = [prompt(f"r{r}-batch-{i}", s.batch_len) for i in range(s.batch)]
+    handed = prefill_then_decode(pair, prompts)
+    got.batch_ttft[c].append(handed.ttft_s)
+    got.batch_wall[c].append(handed.wall_s)
+    got.batch_released[c].append((handed.released_at, max(handed.ttft_s)))
+    got.take(handed)
+    burst = measure_burst(pair, f"r{r}", s)  # same prompts for both connectors
+    got.bursts[c].append(burst)
+    got.take(burst.handed)

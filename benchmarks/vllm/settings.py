@@ -11,6 +11,7 @@ LABEL = {"kvsidecar": "kvsidecar", "nixl": "NixlConnector"}
 HOOKS_MODULE = "benchmarks.vllm.hooks"
 HOOKS_ENV = "KVSIDECAR_BENCH_HOOKS"  # benchmarks.vllm.hooks.ENV (that module imports vLLM)
 KEEP_AFFINITY_ENV = "KVSIDECAR_BENCH_KEEP_AFFINITY"  # benchmarks.vllm.hooks.KEEP_AFFINITY
+POLL_DELAY_ENV = "KVSIDECAR_BENCH_NIXL_POLL_DELAY_US"  # benchmarks.vllm.hooks.POLL_DELAY
 STEP_GOAL_US = 1000.0  # the model thread's transfer cost per step at N = 64 (DESIGN 5b)
 TTFT_GOAL = 1.0  # kvsidecar / NixlConnector, decode-side TTFT
 TTFT_AIM = 0.9
@@ -42,6 +43,12 @@ class Settings:
     forward_max_tokens: int | None = None  # its forward_load_max_tokens (None: its default)
     running: int = 4  # decodes running on D when a burst of ``batch`` P/D requests arrives
     running_tokens: int = 192  # tokens each of them generates (it must outlast the burst)
+    #: "background": the pair not measured runs at SCHED_IDLE during the other's turn (procs.py,
+    #: ``in_background``); "normal": as it is
+    other_pair: str = "background"
+    #: NixlConnector's NIXL agent: its progress thread's sleep between polls (µs), as kvsidecar's
+    #: sidecars (--nixl-poll-delay-us, 1000); 0: as vLLM ships it (no sleep: a busy core)
+    nixl_poll_delay_us: int = 1000
 
     @property
     def max_model_len(self) -> int:

@@ -85,6 +85,12 @@ def test_bench_vllm_tiny_report_has_every_figure(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == report
     assert report["settings"]["tiny"] is True
     assert report["settings"]["steps_n"] == list(TINY.steps_n)
+    # during each connector's turn the other pair's threads were in the background (SCHED_IDLE),
+    # and NixlConnector's NIXL agents polled with kvsidecar's pause
+    moved = report["settings"]["background_threads"]
+    assert set(moved) == set(CONNECTORS)
+    assert all(len(v) == TINY.rounds and min(v) > 0 for v in moved.values()), moved
+    assert report["settings"]["nixl_poll_delay_us"] == TINY.nixl_poll_delay_us > 0
 
     for c in CONNECTORS:
         steps = report["steps"][c]
@@ -163,3 +169,32 @@ def test_bench_vllm_tiny_report_has_every_figure(tmp_path: Path) -> None:
     assert "before" in table
     marks = [line.split()[0] for line in table.splitlines() if line.startswith("  ")]
     assert len([m for m in marks if m in ("OK", "MISS")]) == len(goals)
+
+
+_IDLE_AGENT = """
+import sys, time
+from benchmarks.vllm.hooks import _poll_delay
+from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
+_poll_delay(int(sys.argv[1]))
+agent = NixlWrapper("idle", nixl_agent_config(num_threads=4, capture_telemetry=True))
+t0 = time.process_time()
+time.sleep(1.0)
+print(time.process_time() - t0)
+"""
+
+
+def test_nixl_connectors_agent_sleeps_between_polls_in_the_bench() -> None:
+    """vLLM's NixlConnector creates its NIXL agent through NIXL's Python API, whose progress
+    thread polls without pause (a core per engine, idle or not); in the bench it sleeps
+    ``--nixl-poll-delay-us`` between polls, as kvsidecar's sidecars do: an idle agent then costs
+    a few percent of a core (polled every 1 ms), not all of it. Its own process, not this one."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IDLE_AGENT, str(TINY.nixl_poll_delay_us)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+    )
+    cpu_s = float(done.stdout.split()[-1])
+    assert cpu_s < 0.3, (cpu_s, done.stderr[-2000:])
