@@ -2,7 +2,8 @@
 
 Run in the vLLM venv: ``make bench-vllm [ARGS=...]`` or ``.venv-vllm/bin/python -m
 benchmarks.bench_vllm [--rounds 2] [--lengths 64,333,700] [--singles 5] [--batch 32]
-[--batch-len 333] [--steps-n 1,8,64] [--json] [--out FILE] [--compare FILE] [--tiny]``.
+[--batch-len 333] [--steps-n 1,8,64] [--other-pair background|normal] [--nixl-poll-delay-us 1000]
+[--json] [--out FILE] [--compare FILE] [--tiny]``.
 
 Per connector, one prefill engine (P) and one decode engine (D): ``vllm.LLM`` on CPU, TP 1, the
 same tiny random Llama (``--layers`` layers, 8 KiB of KV per token by default, so a 700-token
@@ -11,7 +12,10 @@ prompt moves 5.6 MB), the same settings and prompts; kvsidecar's engines each ha
 measurements alternate between the connectors, ``--rounds`` turns each, in the order kvsidecar,
 NixlConnector, NixlConnector, kvsidecar, ... (ABBA: a drift of the host weighs on both alike),
 each turn on the same prompts for both. Each pair first moves one request of every prompt length,
-unmeasured (NixlConnector's first handshake is slow).
+unmeasured (NixlConnector's first handshake is slow). During a turn the other pair's threads run
+at SCHED_IDLE (``--other-pair``), and NixlConnector's NIXL agents sleep between polls as
+kvsidecar's sidecars do (``--nixl-poll-delay-us``; vLLM's agent polls without pause, a busy core
+per engine): one pair's idling does not weigh on the other's figures (docs/vllm.md).
 
 Requests reach an engine together: its scheduler is paused (``LLM.sleep(level=0)``) while they are
 queued (``LLM.enqueue``) and resumed at once, so one scheduler step takes them all.
