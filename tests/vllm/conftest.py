@@ -9,7 +9,13 @@ ignored for these tests only (imported here once, under the same filter).
 The engines these tests start compile with torch inductor into this run's own cache directory
 (``TORCHINDUCTOR_CACHE_DIR``), not torch's default one per host user: that one is shared by every
 run and benchmark on the host, and a kernel that once failed to build there (``CppCompileError``,
-``'at::vec' has not been declared``) failed every engine after it, run after run.
+``'at::vec' has not been declared``) failed every engine after it, run after run. And they build
+scalar kernels (``TORCHINDUCTOR_VEC_ISA_OK=0``): inductor picks a vector ISA per process by
+building and loading a probe (60 s bound), and on a loaded host two processes of one engine
+picked differently: the sampler's kernel was generated for a vector ISA and built without its
+headers, the same error in the run's own cache (CI, 2026-11-29: one TP 2 -> 1 test). Without a
+vector ISA no process can disagree; the tests compare engines built alike, and the sampler of a
+tiny model loses nothing that matters here.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import pytest
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 collect_ignore_glob = [] if HAS_VLLM else ["test_*.py"]
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+VEC_ISA_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
 _THIRD_PARTY = ("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
 
 if HAS_VLLM:
@@ -44,14 +51,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def own_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """This run's inductor cache, in the environment every engine of the run inherits."""
+    """This run's inductor cache, and scalar kernels, in the environment every engine of the run
+    inherits; the cache's path."""
     path = str(tmp_path_factory.mktemp("inductor"))
-    saved = os.environ.get(INDUCTOR_ENV)
-    os.environ[INDUCTOR_ENV] = path
+    wanted = {INDUCTOR_ENV: path, VEC_ISA_ENV: "0"}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
     try:
         yield path
     finally:
-        if saved is None:
-            os.environ.pop(INDUCTOR_ENV, None)
-        else:
-            os.environ[INDUCTOR_ENV] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+#: each test's call-phase report, for fixtures that act when their test failed
+CALL_REPORT = pytest.StashKey[pytest.TestReport]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    report = yield
+    if isinstance(report, pytest.TestReport) and report.when == "call":
+        item.stash[CALL_REPORT] = report
+    return report

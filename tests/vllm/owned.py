@@ -1,10 +1,11 @@
-"""Engines end with the block that started them, passed or failed.
+"""Engines a failed test started end with it.
 
-A test that fails keeps its frame, and with it every ``vllm.LLM`` it made, in the traceback pytest
-reports: the engines' processes go on running (a TP 2 engine keeps both cores of a 2-core host
-busy) and the tests after it miss their start-up deadlines. ``owned_engines`` shuts down every
-engine handed to ``own`` when the block ends, and kills whatever engine process a failed start
-left (vLLM's EngineCore processes are its spawned children; their trees go with them)."""
+A test that fails keeps its frame, and with it every ``vllm.LLM`` it made, in the report pytest
+keeps until the session ends: the engines' processes go on running (a TP 2 engine keeps both
+cores of a 2-core host busy) and the tests after it miss their start-up deadlines.
+``owned_engines`` shuts down every engine handed to ``own`` when its block raised or its test
+failed, and kills whatever engine process is left (vLLM's EngineCore processes are this
+process's children; their trees go with them)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ T = TypeVar("T")
 
 
 @contextlib.contextmanager
-def owned_engines() -> Iterator[Callable[[T], T]]:
-    """Yields ``own(llm) -> llm``; on exit every owned engine is shut down (last first) and every
-    engine process spawned inside the block that is still alive is killed, with its children."""
+def owned_engines(failed: Callable[[], bool] = lambda: False) -> Iterator[Callable[[T], T]]:
+    """Yields ``own(llm) -> llm``; when the block raised or ``failed()`` says so on exit, every
+    owned engine is shut down (last first) and every engine process spawned inside the block
+    that is still alive is killed, with its children. Otherwise the engines end as vLLM ends
+    them, when they are collected (its finalizer then also closes the client's ZMQ context; an
+    explicit shutdown leaves that context to the collector, which warns about it later)."""
     known = engine_children(set())
     llms: list[Any] = []
 
@@ -32,10 +36,19 @@ def owned_engines() -> Iterator[Callable[[T], T]]:
 
     try:
         yield own
-    finally:
-        for llm in reversed(llms):
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_S)
-        llms.clear()
-        left = {p for c in engine_children(known) for p in {c} | descendants(c)}
-        kill_all({p for p in left if alive(p)})
+    except BaseException:
+        _stop(llms, known)
+        raise
+    if failed():
+        _stop(llms, known)
+    llms.clear()
+
+
+def _stop(llms: list[Any], known: set[int]) -> None:
+    """Shut down ``llms`` (last first), then kill every engine process not in ``known``."""
+    for llm in reversed(llms):
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_S)
+    llms.clear()
+    left = {p for c in engine_children(known) for p in {c} | descendants(c)}
+    kill_all({p for p in left if alive(p)})
