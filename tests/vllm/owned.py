@@ -25,8 +25,9 @@ def owned_engines(failed: Callable[[], bool] = lambda: False) -> Iterator[Callab
     """Yields ``own(llm) -> llm``; when the block raised or ``failed()`` says so on exit, every
     owned engine is shut down (last first) and every engine process spawned inside the block
     that is still alive is killed, with its children. Otherwise the engines end as vLLM ends
-    them, when they are collected (its finalizer then also closes the client's ZMQ context; an
-    explicit shutdown leaves that context to the collector, which warns about it later)."""
+    them: its finalizer shuts an engine down when the test drops it, and the client's ZMQ
+    context goes with it, inside that test (an explicit shutdown detaches the finalizer and
+    leaves the context to a later collection, whose ResourceWarning then fails the session)."""
     known = engine_children(set())
     llms: list[Any] = []
 
