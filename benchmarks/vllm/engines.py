@@ -5,7 +5,6 @@ every path."""
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from typing import Any
 
 from kvsidecar.testing import process as sidecar_proc
 
-from .procs import alive, descendants, engine_children, free_port, kill_all
+from .procs import alive, descendants, engine_children, environment, free_port, kill_all
 from .settings import (
     BLOCK,
     CONNECTORS,
@@ -155,9 +154,7 @@ def _launch(
             st.error = exc
 
     st.thread = threading.Thread(target=run, name=f"start-{name}", daemon=True)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environment(env):
         st.thread.start()
         deadline = time.monotonic() + WAIT_S
         while st.thread.is_alive() and time.monotonic() < deadline:
@@ -167,12 +164,6 @@ def _launch(
                 known |= new
                 break
             time.sleep(0.02)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     if st.core is None:
         _abandon(st)
         raise RuntimeError(f"{name}: no EngineCore process appeared ({st.error!r})")

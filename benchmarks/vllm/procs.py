@@ -8,7 +8,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 
@@ -106,3 +106,19 @@ def in_background(pids: Iterable[int]) -> Iterator[int]:
         for tid, (policy, priority) in moved.items():
             with contextlib.suppress(ProcessLookupError):  # ended meanwhile
                 os.sched_setscheduler(tid, policy, os.sched_param(priority))
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` until the block ends (what a process started meanwhile
+    inherits), then each variable as it was (unset if it was)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

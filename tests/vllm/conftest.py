@@ -21,11 +21,12 @@ tiny model loses nothing that matters here.
 from __future__ import annotations
 
 import importlib.util
-import os
 import warnings
 from collections.abc import Iterator
 
 import pytest
+
+from benchmarks.vllm.procs import environment
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 collect_ignore_glob = [] if HAS_VLLM else ["test_*.py"]
@@ -54,17 +55,8 @@ def own_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     """This run's inductor cache, and scalar kernels, in the environment every engine of the run
     inherits; the cache's path."""
     path = str(tmp_path_factory.mktemp("inductor"))
-    wanted = {INDUCTOR_ENV: path, VEC_ISA_ENV: "0"}
-    saved = {k: os.environ.get(k) for k in wanted}
-    os.environ.update(wanted)
-    try:
+    with environment({INDUCTOR_ENV: path, VEC_ISA_ENV: "0"}):
         yield path
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 #: each test's call-phase report, for fixtures that act when their test failed
