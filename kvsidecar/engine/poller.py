@@ -2,16 +2,17 @@
 notifications.
 
 It runs at once when woken (a Read was posted: same-host cma READs are already DONE then), then
-every 5 ms while reads are in flight, every 10 ms while only holds are active (a lease ends within
-10 ms of its time), and every 250 ms when idle: event-loop timers have 1 ms granularity, so
-anything shorter degenerates into a busy loop that starves the engines sharing the host. A READ
-that completes between ticks does not wait for one: the backend's agent thread watches READs in
-progress and hands completions to the loop as it sees them (``InFlightReads.completed``, 50 µs
-doubling to 1 ms); the tick is for failures, deadlines and releases (and for a backend that
-watches nothing, the fake: its READs complete in the post or on a poll). NIXL notifications (nothing legitimate sends
-them; they are only counted) are drained once a second whatever the load, which keeps a producer
-with many holds from paying a hop to the NIXL thread every millisecond; an idle sidecar wakes
-4 times a second.
+every 5 ms while reads are in flight, every 10 ms while push grants are open, and otherwise when
+the earliest lease (or early notification's TTL) ends, at least every 250 ms: a lease ends on time,
+or within 250 ms of it when a HOLD whose lease is shorter than those held came in meanwhile.
+Event-loop timers have 1 ms granularity, so anything shorter degenerates into a busy loop that
+starves the engines sharing the host. A READ that completes between ticks does not wait for one:
+the backend's agent thread watches READs in progress and hands completions to the loop as it sees
+them (``InFlightReads.completed``, 50 µs doubling to 1 ms); the tick is for failures, deadlines and
+releases (and for a backend that watches nothing, the fake: its READs complete in the post or on a
+poll). NIXL notifications (nothing legitimate sends them; they are only counted) are drained once
+a second whatever the load, which keeps a producer with many holds from paying a hop to the NIXL
+thread every millisecond; a sidecar with no read in flight wakes 4 times a second.
 """
 
 from __future__ import annotations
@@ -34,7 +35,23 @@ from kvsidecar.errors import KvSidecarError
 log = RateLimited(logging.getLogger(__name__))  # a bug may repeat per read or poll
 
 # Idle: nothing to advance or reap; NIXL notifications (only counted) are drained once a second.
-_BUSY_S, _HOLDS_S, _IDLE_S, _DRAIN_S = 0.005, 0.01, 0.25, 1.0
+_BUSY_S, _GRANTS_S, _IDLE_S, _DRAIN_S = 0.005, 0.01, 0.25, 1.0
+_SOONEST_S = 0.001  # a deadline due now: the next tick, not a busy loop
+
+
+def tick_s(*, busy: bool, grants: bool, due_in: float | None) -> float:
+    """Seconds to the poller's next tick: ``_BUSY_S`` while reads (or awaited WRITEs) are in
+    flight, ``_GRANTS_S`` while push grants are open, else until the earliest lease or
+    early-notification TTL ends (``due_in``: seconds, ``None`` when nothing is held), at most
+    ``_IDLE_S``. Holds alone need the poller only when one ends: ticking every 10 ms for them
+    kept a prefill sidecar, which always holds something, waking 100 times a second."""
+    if busy:
+        return _BUSY_S
+    if grants:
+        return _GRANTS_S
+    if due_in is None:
+        return _IDLE_S
+    return min(_IDLE_S, max(_SOONEST_S, due_in))
 
 
 class Poller:
@@ -100,11 +117,11 @@ class Poller:
             except Exception:  # a bug here must not stop every transfer
                 log.exception("poller iteration failed")
             awaited = self._completions is not None and self._completions.busy
-            if not self._transfers.idle or awaited:
-                interval = _BUSY_S
-            else:
-                holding = self._producer.holds_active or (self._grants and len(self._grants))
-                interval = _HOLDS_S if holding else _IDLE_S
+            interval = tick_s(
+                busy=not self._transfers.idle or awaited,
+                grants=bool(self._grants and len(self._grants)),
+                due_in=self._producer.due_in(),
+            )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 

@@ -54,6 +54,23 @@ async def test_status_never_takes_events_unless_asked(pair: Pair) -> None:
     assert (await c.status()).events_queued == 0
 
 
+async def test_a_short_lease_ends_beside_a_long_one(pair: Pair) -> None:
+    """The poller sleeps until the earliest lease ends (not every 10 ms while holds are active):
+    a short lease taken while a long one is held still ends, reported expired."""
+    c = pair.prefill.client
+    await c.hold("long", block_ids=[[1]], lease_s=60.0)
+    await c.hold("short", block_ids=[[2]], lease_s=0.1)
+
+    async def expired() -> bool:
+        return (await c.status()).counters["leases_expired"] == 1
+
+    await _until(expired, "the short lease to expire")
+    (event,) = (await c.status(drain=True)).events
+    assert isinstance(event, SendDone)
+    assert (event.request_id, event.expired) == ("short", True)
+    assert (await c.status()).holds_active == 1  # the long one is still held
+
+
 async def test_a_request_id_is_never_reported_twice(pair: Pair) -> None:
     """Same-host reads end inside the call: retrying the id must be refused, not read again."""
     await pair.read("once", [1, 2], [3, 4])

@@ -263,6 +263,11 @@ class ProducerLedger:
         """Earliest lease or early-TTL deadline (clock seconds), or None when both tables are empty."""
         return self._deadlines.earliest()
 
+    def due_in(self) -> float | None:
+        """Seconds from ``clock()`` to :meth:`next_deadline` (<= 0: due now), or None."""
+        deadline = self._deadlines.earliest()
+        return None if deadline is None else deadline - self._clock()
+
     # --- inspection -----------------------------------------------------------------------------
 
     def holding(self, request_id: str) -> bool:
@@ -274,8 +279,13 @@ class ProducerLedger:
         return self._holds.get(request_id)
 
     @property
+    def active(self) -> int:
+        """Holds live now (O(1): the poller asks on every tick)."""
+        return len(self._holds)
+
+    @property
     def counters(self) -> LedgerCounters:
-        """A snapshot of the counters."""
+        """A snapshot of the counters (a copy of every count: for stats, not for a tick)."""
         return LedgerCounters(holds_active=len(self._holds), **dataclasses.asdict(self._n))
 
     # --- internals ------------------------------------------------------------------------------

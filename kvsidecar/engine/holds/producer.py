@@ -74,7 +74,12 @@ class Producer:
 
     @property
     def holds_active(self) -> int:
-        return self.ledger.counters.holds_active
+        return self.ledger.active
+
+    def due_in(self) -> float | None:
+        """Seconds until the earliest lease or early-notification TTL ends (<= 0: due now);
+        ``None`` when nothing is held or kept."""
+        return self.ledger.due_in()
 
     def hold(self, cmd: Hold) -> str:
         """Start a lease (``cmd.lease_s`` seconds; ``None`` = the ledger's default) under

@@ -532,3 +532,20 @@ def test_early_reads_of_other_blocks_are_dropped_when_the_hold_comes(
         COMPLETED,
         done("r", 2, 2),
     )
+
+
+def test_due_in_is_the_earliest_lease_or_early_ttl_from_now(clock: FakeClock) -> None:
+    ledger = make(clock, early_ttl_s=5.0)
+    assert ledger.due_in() is None  # nothing held: the poller has no deadline to wait for
+    ledger.hold("long", block_ids=((1,),))  # the default lease, 30 s
+    assert ledger.due_in() == pytest.approx(30.0)
+    ledger.hold("short", block_ids=((2,),), lease_s=2.0)
+    assert ledger.due_in() == pytest.approx(2.0)
+    assert ledger.notify("ahead", expected_consumers=1, consumer=c(0))[0] is EARLY
+    clock.advance(1.5)
+    assert ledger.due_in() == pytest.approx(0.5)  # "short", not the early entry's TTL (3.5 s)
+    clock.advance(1.0)
+    assert ledger.due_in() == pytest.approx(-0.5)  # overdue: reaped on the next tick
+    assert [d.request_id for d in ledger.reap()] == ["short"]
+    assert ledger.due_in() == pytest.approx(2.5)  # the early entry's TTL now
+    assert ledger.active == 1
