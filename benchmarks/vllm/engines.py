@@ -23,6 +23,7 @@ from .settings import (
     HOOKS_MODULE,
     KEEP_AFFINITY_ENV,
     POLL_DELAY_ENV,
+    VEC_ISA_ENV,
     WAIT_S,
     Settings,
     log,
@@ -122,14 +123,9 @@ def _llm_kwargs(s: Settings, model: Path, name: str, connector: str, extra: dict
     }
 
 
-def _launch(
-    s: Settings, model: Path, workdir: Path, spec: tuple[str, str, dict[str, Any]], known: set[int]
-) -> _Starting:
-    """Start one engine's ``vllm.LLM`` in a thread; returns once its EngineCore process exists
-    (added to ``known``), with this engine's settings in the environment until then."""
-    from vllm import LLM
-
-    connector, side, extra = spec
+def engine_env(s: Settings, workdir: Path, connector: str, side: str) -> dict[str, str]:
+    """The environment one engine starts with (on top of the bench's own): its hooks' record
+    file, its cores, its own inductor cache and vector ISA, and NixlConnector's settings."""
     name = f"{connector}-{side}"
     env = {
         HOOKS_ENV: str(workdir / f"hooks-{name}.jsonl"),
@@ -139,11 +135,30 @@ def _launch(
         # every run and test there, and a kernel that once failed to build there failed every
         # engine after it (CppCompileError on the sampler's kernel).
         "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"),
+        # Every vector ISA the CPU reports, without inductor's per-process build probe: on a
+        # loaded host the probe (a build and a dlopen, bounded) passed in one process of an
+        # engine and not in another, and a kernel generated for the ISA was built without it
+        # (CppCompileError: 'at::vec' has not been declared). The kernels stay vectorized, as
+        # users' engines build them; every process picks the same ISA.
+        VEC_ISA_ENV: "1",
     }
     if connector == "nixl":
         env[POLL_DELAY_ENV] = str(s.nixl_poll_delay_us)
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+    return env
+
+
+def _launch(
+    s: Settings, model: Path, workdir: Path, spec: tuple[str, str, dict[str, Any]], known: set[int]
+) -> _Starting:
+    """Start one engine's ``vllm.LLM`` in a thread; returns once its EngineCore process exists
+    (added to ``known``), with this engine's settings in the environment until then."""
+    from vllm import LLM
+
+    connector, side, extra = spec
+    name = f"{connector}-{side}"
+    env = engine_env(s, workdir, connector, side)
     kwargs = _llm_kwargs(s, model, name, connector, extra)
     st = _Starting(name=name, hooks=Path(env[HOOKS_ENV]), thread=threading.Thread())
 
