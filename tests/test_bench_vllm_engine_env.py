@@ -5,7 +5,9 @@ Inductor decides per process which vector ISA its CPU kernels use by building an
 a kernel generated for the ISA was built without it (``CppCompileError: 'at::vec' has not been
 declared``, seen in the vLLM tests, which build scalar kernels since). The bench's engines take
 every ISA the CPU reports instead (``TORCHINDUCTOR_VEC_ISA_OK=1``): vectorized, as users run
-them, and the same in every process whatever a probe would have done."""
+them, and the same in every process whatever a probe would have done. (Today's bench engines,
+eager with greedy sampling, compile nothing; the setting is for whatever a change makes them
+compile.)"""
 
 from __future__ import annotations
 

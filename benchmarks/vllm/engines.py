@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar.testing import process as sidecar_proc
+from kvsidecar.testing.process import free_port
 
-from .procs import alive, descendants, engine_children, environment, free_port, kill_all
+from .procs import alive, descendants, engine_children, environment, kill_all
 from .settings import (
     BLOCK,
     CONNECTORS,
@@ -138,8 +139,9 @@ def engine_env(s: Settings, workdir: Path, connector: str, side: str) -> dict[st
         # Every vector ISA the CPU reports, without inductor's per-process build probe: on a
         # loaded host the probe (a build and a dlopen, bounded) passed in one process of an
         # engine and not in another, and a kernel generated for the ISA was built without it
-        # (CppCompileError: 'at::vec' has not been declared). The kernels stay vectorized, as
-        # users' engines build them; every process picks the same ISA.
+        # (CppCompileError: 'at::vec' has not been declared, in the vLLM tests). Today's runs
+        # compile nothing (eager engines, greedy sampling without logprobs); whatever a change
+        # makes them compile is vectorized, as users' engines build it, and alike in every process.
         VEC_ISA_ENV: "1",
     }
     if connector == "nixl":

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -66,13 +65,6 @@ def kill_all(pids: set[int], timeout: float = 10.0) -> None:
         pids = {p for p in pids if alive(p)}
         if not pids:
             return
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def threads(pids: Iterable[int]) -> set[int]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +18,37 @@ from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
 from kvsidecar.testing.tether import tethered
 
 KVSIDECAR = [sys.executable, "-m", "kvsidecar.cli"]
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000  # below: well-known and registered services
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (outgoing connections' and port 0's); Linux's default
+    when it cannot be read."""
+    try:
+        low, high = (int(x) for x in EPHEMERAL_PORTS.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a process started later to listen on, chosen outside
+    the ephemeral range: a port taken from that range (binding port 0) may be handed to any
+    outgoing connection on the host before the process binds it (a NixlConnector engine's
+    side channel failed that way: ``Address already in use``). Tried at random; bounded."""
+    low, high = ephemeral_range()
+    spans = [(a, b) for a, b in ((_LOWEST_PORT, low - 1), (high + 1, 65535)) if a <= b]
+    for _ in range(256):
+        a, b = random.choice(spans) if spans else (0, 0)
+        port = random.randint(a, b)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError(f"no free port on {host} outside the ephemeral range {low}-{high}")
 
 
 @dataclass

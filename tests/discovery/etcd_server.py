@@ -9,13 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from kvsidecar.testing.process import free_port
 from tests.deploy.conftest import require_tool
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class EtcdServer:
@@ -24,8 +19,8 @@ class EtcdServer:
     def __init__(self, workdir: Path) -> None:
         self.binary = require_tool("etcd", "`make tools` extracts it from Debian's etcd-server")
         self.workdir = workdir
-        self.client_port = _free_port()
-        self.peer_port = _free_port()
+        self.client_port = free_port()
+        self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 import urllib.request
 import uuid
@@ -37,6 +36,7 @@ from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
 from sglang.srt.server_args import ServerArgs
 
 from kvsidecar.integrations.sglang import memory, register
+from kvsidecar.testing.process import free_port
 
 PAGE_SIZE = 4
 POOL_SIZE = 64  # tokens: pages 1..16 usable, page 0 is padding
@@ -94,12 +94,6 @@ def backend() -> Backend:
 
 
 # -- small helpers -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def shm_path(what: str) -> str:

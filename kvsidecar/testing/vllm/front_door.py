@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsidecar.testing import process as sidecar_proc
+from kvsidecar.testing.process import free_port
 
 SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 ROUTER = [sys.executable, "-m", "kvsidecar.integrations.vllm.router"]
@@ -48,12 +48,6 @@ class Process:
         with contextlib.suppress(ProcessLookupError):  # its children too
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spawn(name: str, argv: Sequence[str], workdir: Path, env: dict[str, str]) -> Process:
