@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.vllm.engines import engine_env
-from benchmarks.vllm.settings import VEC_ISA_ENV, Settings
+from benchmarks.vllm.settings import INDUCTOR_ENV, VEC_ISA_ENV, Settings
 
 # A probe that fails (as one that timed out under load): which ISA does this process pick?
 _PICK = """
@@ -31,7 +31,7 @@ print(v.pick_vec_isa().bit_width())
 
 def _pick(tmp_path: Path, vec_isa_ok: str | None) -> int:
     env = {k: v for k, v in os.environ.items() if k != VEC_ISA_ENV}
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    env[INDUCTOR_ENV] = str(tmp_path / "inductor")
     if vec_isa_ok is not None:
         env[VEC_ISA_ENV] = vec_isa_ok
     out = subprocess.run(
@@ -46,7 +46,7 @@ def test_every_engine_of_the_bench_takes_the_cpus_isas_unprobed(tmp_path: Path) 
         for side in ("prefill", "decode"):
             env = engine_env(Settings(), tmp_path, connector, side)
             assert env[VEC_ISA_ENV] == "1"
-            assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+            assert env[INDUCTOR_ENV] == str(tmp_path / "inductor")
 
 
 def test_the_setting_makes_the_isa_independent_of_the_probe(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar.testing import process as sidecar_proc
-from kvsidecar.testing.process import free_port
 
 from .procs import alive, descendants, engine_children, environment, kill_all
 from .settings import (
@@ -22,6 +21,7 @@ from .settings import (
     ENGINE_START_S,
     HOOKS_ENV,
     HOOKS_MODULE,
+    INDUCTOR_ENV,
     KEEP_AFFINITY_ENV,
     POLL_DELAY_ENV,
     VEC_ISA_ENV,
@@ -135,7 +135,7 @@ def engine_env(s: Settings, workdir: Path, connector: str, side: str) -> dict[st
         # The run's own inductor cache: torch's default is one directory per host user, shared by
         # every run and test there, and a kernel that once failed to build there failed every
         # engine after it (CppCompileError on the sampler's kernel).
-        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"),
+        INDUCTOR_ENV: str(workdir / "inductor"),
         # Every vector ISA the CPU reports, without inductor's per-process build probe: on a
         # loaded host the probe (a build and a dlopen, bounded) passed in one process of an
         # engine and not in another, and a kernel generated for the ISA was built without it
@@ -147,7 +147,7 @@ def engine_env(s: Settings, workdir: Path, connector: str, side: str) -> dict[st
     if connector == "nixl":
         env[POLL_DELAY_ENV] = str(s.nixl_poll_delay_us)
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(sidecar_proc.free_port())
     return env
 
 

@@ -12,7 +12,10 @@ HOOKS_MODULE = "benchmarks.vllm.hooks"
 HOOKS_ENV = "KVSIDECAR_BENCH_HOOKS"  # benchmarks.vllm.hooks.ENV (that module imports vLLM)
 KEEP_AFFINITY_ENV = "KVSIDECAR_BENCH_KEEP_AFFINITY"  # benchmarks.vllm.hooks.KEEP_AFFINITY
 POLL_DELAY_ENV = "KVSIDECAR_BENCH_NIXL_POLL_DELAY_US"  # benchmarks.vllm.hooks.POLL_DELAY
-VEC_ISA_ENV = "TORCHINDUCTOR_VEC_ISA_OK"  # torch inductor: "1" every ISA the CPU reports, unprobed
+INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"  # torch inductor's kernel cache
+VEC_ISA_ENV = (
+    "TORCHINDUCTOR_VEC_ISA_OK"  # torch inductor: "1" every ISA the CPU reports, unprobed; "0" none
+)
 STEP_GOAL_US = 1000.0  # the model thread's transfer cost per step at N = 64 (DESIGN 5b)
 TTFT_GOAL = 1.0  # kvsidecar / NixlConnector, decode-side TTFT
 TTFT_AIM = 0.9

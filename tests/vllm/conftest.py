@@ -27,11 +27,10 @@ from collections.abc import Iterator
 import pytest
 
 from benchmarks.vllm.procs import environment
+from benchmarks.vllm.settings import INDUCTOR_ENV, VEC_ISA_ENV
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 collect_ignore_glob = [] if HAS_VLLM else ["test_*.py"]
-INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
-VEC_ISA_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
 _THIRD_PARTY = ("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
 
 if HAS_VLLM:
