@@ -51,6 +51,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free port on {host} outside the ephemeral range {low}-{high}")
 
 
+# Bound on a sidecar's exit after SIGTERM: above its default drain (--grace-period-s 10), which a
+# sidecar still holding blocks when its test ends (a consumer that failed first) spends whole;
+# killing it sooner would report the kill instead of the test's own failure.
+STOP_TIMEOUT_S = 15.0
+
+
 @dataclass
 class SidecarProcess:
     proc: subprocess.Popen[bytes]
@@ -62,7 +68,9 @@ class SidecarProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT_S) -> int:
+        """Signal the sidecar and wait for its exit code; killed (and TimeoutExpired raised)
+        when it has not exited within ``timeout`` s."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:

@@ -581,10 +581,32 @@ def remote_step(sc: Scheduler, worker: RemoteWorker) -> tuple[SchedulerOutput, s
 
 
 def finish_remote_step(
-    sc: Scheduler, worker: RemoteWorker, out: SchedulerOutput
+    sc: Scheduler,
+    worker: RemoteWorker,
+    out: SchedulerOutput,
+    *,
+    check: tuple[int, Sequence[Sequence[int]], Sequence[Sequence[int]]] | None = None,
 ) -> tuple[set[str], Outputs]:
+    """The worker's half of ``out`` as the connector's ``start_load_kv`` runs it: the step's
+    FORWARD loads awaited (their own deadline) before the forward, whose bytes ``check``
+    verifies then (RemoteWorker.step), and vLLM's scheduler takes the results."""
     m = meta(out)
-    return update(sc, out, worker.step(m.sent, m.work, out.finished_req_ids))
+    stepped = worker.step(
+        m.sent,
+        m.work,
+        out.finished_req_ids,
+        forward=m.forward,
+        deadline_s=forward_deadline_s(m),
+        check=check,
+    )
+    return update(sc, out, stepped)
+
+
+def forward_deadline_s(m: KvSidecarMetadata) -> float:
+    """The read deadline of ``m``'s FORWARD loads (the connector's ``forward_load_deadline_s``,
+    which each such load carries); 0 when there is none."""
+    loads = (*m.sent.work.loads, *m.work.loads)
+    return max((ld.deadline_s for ld in loads if ld.request_id in m.forward), default=0.0)
 
 
 def update(sc: Scheduler, out: SchedulerOutput, stepped: Stepped) -> tuple[set[str], Outputs]:
@@ -1099,6 +1121,7 @@ def test_channel_writes_a_passes_loads_in_one_step(
 # --- FORWARD loads: the step that allocates the blocks computes on them -------------------------
 
 FORWARD_S = 5.0  # the loads' read deadline (forward_load_deadline_s)
+PAUSE_S = 1.0  # how long a test keeps a sidecar stopped while a read of its is in flight
 
 
 @pytest.mark.parametrize("lane", [False, True], ids=["stream", "lane"])
@@ -1163,7 +1186,9 @@ def test_channel_forward_loads_past_the_step_budget_load_asynchronously(
     the second would make 158 and loads asynchronously (a step later, the model thread not
     waiting for it; the two leave as two steps, ``forward_first``), on the step lane and on the
     gRPC route (a consumer sidecar without a step lane) alike. The next pass has the whole
-    budget again. Every byte is the producer's."""
+    budget again; its FORWARD load's bytes are in place when its forward runs although the
+    read was still in flight when the step began (the consumer's sidecar stopped a while).
+    Every byte is the producer's."""
     with (
         lone_sidecar(tmp_path, "producer") as p_sidecar,
         lone_sidecar(tmp_path, "consumer", lanes=route == "lanes") as d_sidecar,
@@ -1205,10 +1230,18 @@ def _forward_budget(
     )
     update(sc, out, stepped)
     add("H")
-    out = sc.schedule()
-    assert meta(out).forward == ("H",)  # the budget is the step's
-    local["H"] = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("H"))
-    finish_remote_step(sc, consumer, out)
+    # H's read stays in flight while its step starts (the consumer's sidecar stopped for a
+    # while): its bytes are there when the forward runs because the worker waits for them
+    d_sidecar.proc.send_signal(signal.SIGSTOP)
+    resume = threading.Timer(PAUSE_S, d_sidecar.proc.send_signal, (signal.SIGCONT,))
+    resume.start()
+    try:
+        out = sc.schedule()
+        assert meta(out).forward == ("H",)  # the budget is the step's
+        local["H"] = tuple(tuple(g) for g in sc.kv_cache_manager.get_block_ids("H"))
+        finish_remote_step(sc, consumer, out, check=(5, local["H"], kvs["H"].block_ids))
+    finally:
+        resume.join()
     remote_steps_until(sc, consumer, lambda *_: not sc.requests)
     for rid, blocks in local.items():
         assert consumer.verify(5, blocks, kvs[rid].block_ids), rid
