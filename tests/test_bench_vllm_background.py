@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.vllm.procs import in_background, threads
+from benchmarks.vllm.procs import in_background
 from benchmarks.vllm.report import _background
+from kvsidecar.testing.pids import threads
 
 _CHILD = (
     "import threading, time\n"

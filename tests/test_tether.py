@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.vllm.procs import alive, descendants
 from kvsidecar.testing import tether
+from kvsidecar.testing.pids import alive, descendants
 
 # A harness of its own: starts one sidecar the way tests and `kvsidecar bench` do, says its pid,
 # then waits (bounded) to be killed.

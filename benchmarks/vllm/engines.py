@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar.testing import process as sidecar_proc
+from kvsidecar.testing.pids import alive, descendants, engine_children, kill_all
+from kvsidecar.testing.process import exported
 
-from .procs import alive, descendants, engine_children, environment, kill_all
 from .settings import (
     BLOCK,
     CONNECTORS,
@@ -171,7 +172,7 @@ def _launch(
             st.error = exc
 
     st.thread = threading.Thread(target=run, name=f"start-{name}", daemon=True)
-    with environment(env):
+    with exported(env):
         st.thread.start()
         deadline = time.monotonic() + WAIT_S
         while st.thread.is_alive() and time.monotonic() < deadline:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -10,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,3 +150,19 @@ def default_args(
         "127.0.0.1:0",
         *(certs or certificates(tmp_path)).flags(),
     ]
+
+
+@contextlib.contextmanager
+def exported(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` until the block ends (what a process started meanwhile
+    inherits), then each variable as it was (unset if it was)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.vllm.procs import environment
 from benchmarks.vllm.settings import INDUCTOR_ENV, VEC_ISA_ENV
+from kvsidecar.testing.process import exported
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 collect_ignore_glob = [] if HAS_VLLM else ["test_*.py"]
@@ -54,7 +54,7 @@ def own_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     """This run's inductor cache, and scalar kernels, in the environment every engine of the run
     inherits; the cache's path."""
     path = str(tmp_path_factory.mktemp("inductor"))
-    with environment({INDUCTOR_ENV: path, VEC_ISA_ENV: "0"}):
+    with exported({INDUCTOR_ENV: path, VEC_ISA_ENV: "0"}):
         yield path
 
 
