@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Building a scheduler (imports, the model, the pools) takes ~20 s on an idle 2-core host;
 # the bound leaves room for a busy one.
 READY_TIMEOUT_S = 600.0
+SGLANG_FILES = r"^/dev/shm/sglang_loads_"  # SGLang's load snapshot (managers/load_snapshot.py)
 GPT2_CONFIG = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 256}
 
 
@@ -92,6 +93,10 @@ class Scheduler:
         return self.ready
 
     def stop(self) -> None:
+        # SGLang's own files of this scheduler (its load snapshot, /dev/shm/sglang_loads_*),
+        # which it unlinks only on a clean exit: stopping it (SIGKILL, as launch_server's
+        # launcher does) leaves them, and they are this test's.
+        left = self.own_files(SGLANG_FILES) if self.scheduler_pid else set()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -106,9 +111,25 @@ class Scheduler:
         # The sidecar unlinks a registered engine's files once it exited; a scheduler that died
         # before registering leaves them: they are this test's (named after its pid).
         if self.scheduler_pid:
-            for path in glob.glob(f"/dev/shm/kvsidecar-sglang-{self.scheduler_pid}-*"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            left.update(glob.glob(f"/dev/shm/kvsidecar-sglang-{self.scheduler_pid}-*"))
+        for path in left:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def own_files(self, pattern: str) -> set[str]:
+        """Files matching ``pattern`` the scheduler process maps or holds open (empty once it
+        has exited)."""
+        pid = self.scheduler_pid
+        try:
+            out = mapped_files(pid, pattern)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):  # an fd closed meanwhile
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if re.search(pattern, target):
+                        out.add(target.removesuffix(" (deleted)"))
+        except (FileNotFoundError, ProcessLookupError):
+            return set()
+        return out
 
 
 def mapped_files(pid: int, pattern: str) -> set[str]:
@@ -163,6 +184,9 @@ def test_sglang_scheduler_builds_the_backend(
             kinds = {re.sub(r".*-(kv\d+|aux)-.*", r"\1", f) for f in files}
             assert kinds == {"kv0", "aux"}, files
             assert files <= mapped_files(sc.proc.pid, r"/kvsidecar-sglang-"), files
+        sglang_files = set().union(*(p.own_files(SGLANG_FILES) for p in procs.values()))
     finally:
         for proc in procs.values():
             proc.stop()
+    # nothing of the schedulers' is left in /dev/shm (SGLang's own files included)
+    assert not [f for f in sglang_files if os.path.exists(f)]
