@@ -32,13 +32,15 @@ pytest.importorskip("sglang")
 
 from kvsidecar.client import SidecarClient
 from kvsidecar.testing import process as sidecar_proc
+from kvsidecar.testing.pids import shm_files
 from tests.sglang import harness
 
 ROOT = Path(__file__).resolve().parents[2]
 # Building a scheduler (imports, the model, the pools) takes ~20 s on an idle 2-core host;
 # the bound leaves room for a busy one.
 READY_TIMEOUT_S = 600.0
-SGLANG_FILES = r"^/dev/shm/sglang_loads_"  # SGLang's load snapshot (managers/load_snapshot.py)
+WATCH_TIMEOUT_S = 30.0  # bound on the backend's Watch stream reaching its sidecar after READY
+SGLANG_FILES = "sglang_loads_"  # SGLang's load snapshot in /dev/shm (managers/load_snapshot.py)
 GPT2_CONFIG = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 256}
 
 
@@ -96,7 +98,7 @@ class Scheduler:
         # SGLang's own files of this scheduler (its load snapshot, /dev/shm/sglang_loads_*),
         # which it unlinks only on a clean exit: stopping it (SIGKILL, as launch_server's
         # launcher does) leaves them, and they are this test's.
-        left = self.own_files(SGLANG_FILES) if self.scheduler_pid else set()
+        left = shm_files(self.scheduler_pid, SGLANG_FILES) if self.scheduler_pid else set()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -115,21 +117,6 @@ class Scheduler:
         for path in left:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-
-    def own_files(self, pattern: str) -> set[str]:
-        """Files matching ``pattern`` the scheduler process maps or holds open (empty once it
-        has exited)."""
-        pid = self.scheduler_pid
-        try:
-            out = mapped_files(pid, pattern)
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):  # an fd closed meanwhile
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if re.search(pattern, target):
-                        out.add(target.removesuffix(" (deleted)"))
-        except (FileNotFoundError, ProcessLookupError):
-            return set()
-        return out
 
 
 def mapped_files(pid: int, pattern: str) -> set[str]:
@@ -173,8 +160,14 @@ def test_sglang_scheduler_builds_the_backend(
             ready = proc.wait_ready(READY_TIMEOUT_S)
             assert ready["status"] == "ready", ready
             sc = sidecars[f"{mode}-0"]
+            # the backend opens its Watch stream from a thread of its own: not ordered before
+            # the scheduler's READY
+            deadline = time.monotonic() + WATCH_TIMEOUT_S
             with SidecarClient(sc.addresses["engine_socket"], timeout_s=10) as client:
-                status = client.status()
+                while not (status := client.status()).watch_connected:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)
             assert status.engine_id == f"sglang-{mode}-127.0.0.1-{ports[mode]}"
             assert status.watch_connected
             # The pool and the metadata buffers SGLang built were placed by the plugin in files
@@ -184,7 +177,9 @@ def test_sglang_scheduler_builds_the_backend(
             kinds = {re.sub(r".*-(kv\d+|aux)-.*", r"\1", f) for f in files}
             assert kinds == {"kv0", "aux"}, files
             assert files <= mapped_files(sc.proc.pid, r"/kvsidecar-sglang-"), files
-        sglang_files = set().union(*(p.own_files(SGLANG_FILES) for p in procs.values()))
+        sglang_files = set().union(
+            *(shm_files(p.scheduler_pid, SGLANG_FILES) for p in procs.values())
+        )
     finally:
         for proc in procs.values():
             proc.stop()

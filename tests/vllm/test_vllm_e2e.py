@@ -38,6 +38,7 @@ from .conftest import CALL_REPORT, INDUCTOR_ENV, VEC_ISA_ENV  # noqa: E402
 from .owned import owned_engines  # noqa: E402
 
 MAX_TOKENS = 8
+SETTLE_S = 30.0  # bound on a producer's SEND_DONEs after the decode engine returned
 A = [(7 * i + 3) % 2000 + 10 for i in range(80)]
 B = A[:64] + [1500 + i for i in range(12)]  # shares A's first two 32-token blocks
 C = [(13 * i + 5) % 1900 + 20 for i in range(40)]
@@ -142,6 +143,19 @@ def continuation(out: Any) -> tuple[list[int], list[dict[int, float]]]:
     return list(c.token_ids), [{k: v.logprob for k, v in s.items()} for s in c.logprobs or []]
 
 
+def settled(sidecars: list[sidecar_proc.SidecarProcess], *, sends: int) -> list[Any]:
+    """Each producer sidecar's status once it has ended ``sends`` holds by SEND_DONE and holds
+    none (bounded: SETTLE_S)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        now = [status(sc) for sc in sidecars]
+        if all(s.counters["sends_done"] >= sends and s.holds_active == 0 for s in now):
+            return now
+        if time.monotonic() > deadline:
+            return now  # the caller's assertions name what is missing
+        time.sleep(0.05)
+
+
 def status(sc: sidecar_proc.SidecarProcess) -> Any:
     with SidecarClient(sc.addresses["engine_socket"], timeout_s=5) as client:
         return client.status()
@@ -226,7 +240,9 @@ def test_decode_engine_continues_exactly_like_the_prefill_engine(
     assert second[0].num_cached_tokens >= 64  # the prefix hit happened on the decode engine
 
     d = [status(sc) for sc in sidecars["decode"]]
-    p = [status(sc) for sc in sidecars["prefill"]]
+    # A producer hears of a read after its consumer reported it (READ_DONE follows RECV_DONE):
+    # its holds end a little after the decode engine has its tokens.
+    p = settled(sidecars["prefill"], sends=3)
     print(
         json.dumps(
             {

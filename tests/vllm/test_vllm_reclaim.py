@@ -25,6 +25,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvsidecar.testing import process as sidecar_proc
+from kvsidecar.testing.pids import descendants, in_group, shm_files
 from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama
 
 ENGINE = r"""
@@ -46,43 +47,6 @@ llm = LLM(
 print("ready", flush=True)
 time.sleep(600)
 """
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def shm_files(pid: int, prefix: str = "") -> set[str]:
-    """The ``/dev/shm`` files (named ``prefix``...) process ``pid`` maps or holds open."""
-    start = f"/dev/shm/{prefix}"
-    found = set()
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-        fds = list(Path(f"/proc/{pid}/fd").iterdir())
-    except OSError:
-        return set()
-    for line in maps.splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].startswith(start):
-            found.add(parts[5].removesuffix(" (deleted)"))
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            target = os.readlink(fd)
-            if target.startswith(start):
-                found.add(target.removesuffix(" (deleted)"))
-    return found
 
 
 def torch_files(pid: int) -> set[str]:
@@ -159,7 +123,11 @@ def _kill_and_check(
         assert not [f for f in mine if os.path.exists(f)]
         assert all(os.path.exists(f) for f in workers[survivor] - mine)  # the live worker's stay
     finally:
-        engine_files |= {f for p in (proc.pid, *descendants(proc.pid)) for f in shm_files(p)}
+        # Frozen first, so that no process of the engine makes a file between the scan and the
+        # kill (the survivors are shutting down by now: vLLM saw a worker die); the group's
+        # processes, as one whose parent died meanwhile is no descendant any more.
+        os.killpg(proc.pid, signal.SIGSTOP)
+        engine_files |= {f for p in in_group(proc.pid) for f in shm_files(p)}
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
         if proc.stdout is not None:

@@ -1122,6 +1122,9 @@ def test_channel_writes_a_passes_loads_in_one_step(
 
 FORWARD_S = 5.0  # the loads' read deadline (forward_load_deadline_s)
 PAUSE_S = 1.0  # how long a test keeps a sidecar stopped while a read of its is in flight
+# The read deadline of a FORWARD load whose sidecar the test stops while the read handshakes: the
+# stop must land before the deadline ends the read (a loaded host polls Status slowly).
+HUNG_S = 3.0
 
 
 @pytest.mark.parametrize("lane", [False, True], ids=["stream", "lane"])
@@ -1299,7 +1302,7 @@ def test_channel_a_forward_load_of_a_hung_sidecar_fences_it_before_the_forward(
     reported invalid (no READ can land in them any more)."""
     with lone_sidecar(tmp_path, "hung") as sidecar:
         consumer = remote_workers(sidecar, options={"forward_grace_s": 0.5})
-        sc = channel_scheduler(model, consumer, forward_s=1.0)
+        sc = channel_scheduler(model, consumer, forward_s=HUNG_S)
         kv = remote_kv("p-H", dead_peer)  # the handshake would hang: the read stays pending
         sc.add_request(
             sched.request(sc, PROMPT, params=kv.to_params(), request_id="H", max_tokens=2)
@@ -1312,7 +1315,7 @@ def test_channel_a_forward_load_of_a_hung_sidecar_fences_it_before_the_forward(
         step = threading.Thread(
             target=lambda: done.append(
                 consumer.step(
-                    m.sent, m.work, out.finished_req_ids, forward=m.forward, deadline_s=1.0
+                    m.sent, m.work, out.finished_req_ids, forward=m.forward, deadline_s=HUNG_S
                 )
             )
         )
