@@ -52,6 +52,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free port on {host} outside the ephemeral range {low}-{high}")
 
 
+# Bound on a sidecar's start (its ready file): about a second on an idle host, many times that on
+# a 2-core one whose cores vLLM engines keep busy (the tests that start sidecars beside engines
+# gave them 60 s); one that fails exits first, and ``start`` raises with its log at once.
+START_TIMEOUT_S = 60.0
 # Bound on a sidecar's exit after SIGTERM: above its default drain (--grace-period-s 10), which a
 # sidecar still holding blocks when its test ends (a consumer that failed first) spends whole;
 # killing it sooner would report the kill instead of the test's own failure.
@@ -110,7 +114,7 @@ def start(
     *args: str,
     env: dict[str, str] | None = None,
     name: str = "sidecar",
-    timeout: float = 15.0,
+    timeout: float = START_TIMEOUT_S,
 ) -> SidecarProcess:
     """Spawn and wait (bounded) until the ready file appears; raises with the log on failure."""
     t0 = time.monotonic()
