@@ -125,15 +125,20 @@ class Poller:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 
+    def _blame(self, engine_id: str) -> None:
+        """A READ of ``engine_id`` failed or hung: it shows quarantined before its reads fail
+        (``poll_once`` then quarantines it)."""
+        self._peers.mark_quarantined(engine_id, cause="read_failed")
+
     async def poll_once(self) -> None:
         # Independent duties: a failure in one must not stop the others.
         try:
-            blamed = await self._transfers.poll(self._peers.local)
+            blamed = await self._transfers.poll(self._peers.local, self._blame)
         except KvSidecarError:
             log.exception("polling transfers failed")
             blamed = set()
         for engine_id in blamed:
-            await self._guard.quarantine(engine_id, f"a READ from {engine_id!r} failed or hung")
+            await self._guard.quarantine(engine_id, _blamed(engine_id))
         if self._completions is not None:
             await self._completions.poll()
         await self._peers.settle()  # peers whose release waited for abandoned READs
@@ -152,3 +157,7 @@ class Poller:
         if self._probe_s and idle and now - self._probed >= self._probe_s:
             self._probed = now
             self._probe = asyncio.get_running_loop().create_task(probe(self._peers, self._probe_s))
+
+
+def _blamed(engine_id: str) -> str:
+    return f"a READ from {engine_id!r} failed or hung"

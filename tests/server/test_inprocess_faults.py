@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvsidecar import errors
-from kvsidecar.client import FailReason, RecvDone, RecvFailed, SendDone
+from kvsidecar.client import Event, FailReason, RecvDone, RecvFailed, SendDone
 from kvsidecar.engine.backend.fake import FakeFabric, FakeFaults
 from kvsidecar.testing import toy
 from tests.server.harness import Pair, make_node, next_event, open_pair
@@ -84,6 +84,32 @@ async def test_transfer_error_fails_the_read_quarantines_and_recovers(pair: Pair
     assert isinstance(await next_event(pair.decode.client), RecvDone)
     status = await pair.decode.client.status()
     assert [p.state for p in status.peers] == ["ready"]
+
+
+async def test_a_read_failure_is_reported_once_its_peer_is_quarantined(pair: Pair) -> None:
+    """Status shows the peer quarantined before the RECV_FAILED leaves (its channels close, its
+    handles are released and its backoff starts after the event): an engine acting on the event
+    never finds it ready."""
+    await pair.read("warm", [1], [1])
+    assert isinstance(await next_event(pair.decode.client), RecvDone)
+    core = pair.decode.sidecar.core
+    assert core is not None
+    seen: list[list[str]] = []
+
+    def at_the_event(event: Event) -> None:  # runs as the event is emitted
+        if isinstance(event, RecvFailed):
+            seen.append([str(p.state) for p in core.peers.summaries()])
+
+    core.tap_events(at_the_event)
+    try:
+        pair.decode.backend.faults = FakeFaults(err_after_polls=1)
+        await pair.read("broken", [1, 2], [3, 4])
+        failed = await next_event(pair.decode.client)
+    finally:
+        core.untap_events(at_the_event)
+    assert isinstance(failed, RecvFailed)
+    assert seen == [["quarantined"]]
+    assert core.peers.stats().quarantines == {"read_failed": 1}  # counted once
 
 
 async def test_failed_post_is_an_error_and_other_requests_continue(pair: Pair) -> None:

@@ -94,9 +94,10 @@ class PeerGuard:
 
     async def quarantine(self, engine_id: str, reason: str, cause: str = "read_failed") -> None:
         """Fail the peer's in-flight reads (releasing their handles first), then release the peer;
-        the next request re-handshakes after backoff. ``cause`` is counted
-        (``kvsidecar_peer_quarantines_total``)."""
+        the next request re-handshakes after backoff. Status shows the peer quarantined before
+        the first RECV_FAILED is sent. ``cause`` is counted (``kvsidecar_peer_quarantines_total``)."""
         async with self._lock.exclusive():
+            self._peers.mark_quarantined(engine_id, cause=cause)
             await self._reads.fail_peer(engine_id, FailReason.PEER_DISCONNECTED, reason)
             await self._peers.remove(engine_id, reason, cause=cause)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -211,10 +211,14 @@ class InFlightReads:
         ``Completions``: every completion nobody else awaits)."""
         self._advance(self.book.transfers.completed(done))
 
-    async def poll(self, local: LocalEngine | None) -> set[str]:
+    async def poll(
+        self, local: LocalEngine | None, blame: Callable[[str], None] = lambda _: None
+    ) -> set[str]:
         """Advance every in-flight read once. Returns engine ids of peers to quarantine (a READ
-        failed, or hung past its deadline). A failed READ is blamed on ``local`` instead when its
-        own memory is faulty; a failed board READ fails nothing (its ranks are asked)."""
+        failed, or hung past its deadline), each passed to ``blame`` first, before any read of
+        it is failed (so that its quarantine is in place when the engine hears of the failure).
+        A failed READ is blamed on ``local`` instead when its own memory is faulty; a failed
+        board READ fails nothing (its ranks are asked)."""
         book = self.book
         await book.transfers.release_retired()
         await book.settle()
@@ -223,6 +227,12 @@ class InFlightReads:
             return set()
         changed = await book.transfers.poll(x for r in reads for x in r.xfers)
         blamed: set[str] = set()
+
+        def blame_once(engine_id: str) -> None:
+            if engine_id not in blamed:
+                blamed.add(engine_id)
+                blame(engine_id)
+
         failed = [x for x in changed if x.state is XferState.ERR and not x.board]
         fault = (local.memory_fault() if local is not None else None) if failed else None
         for x in failed:
@@ -234,7 +244,7 @@ class InFlightReads:
                         FailReason.TRANSFER_ERROR,
                         f"READ from remote rank {x.rank} of {read.peer.engine_id!r} failed",
                     )
-                    blamed.add(read.peer.engine_id)
+                    blame_once(read.peer.engine_id)
         self._advance([x for x in changed if x.state is XferState.DONE])
         now = book.clock()
         for read in book.values():
@@ -249,7 +259,7 @@ class InFlightReads:
                 )
                 # A hung peer (its READ, or its answer, never came): the next Read must not wait
                 # out another deadline.
-                blamed.add(read.peer.engine_id)
+                blame_once(read.peer.engine_id)
                 await book.close(read)
             elif read.failure is not None and not in_proc:
                 await book.close(read)
