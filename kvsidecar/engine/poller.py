@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 from kvsidecar.engine.backend.completions import Completions
@@ -125,19 +126,22 @@ class Poller:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 
-    def _blame(self, engine_id: str) -> None:
-        """A READ of ``engine_id`` failed or hung: it shows quarantined before its reads fail
-        (``poll_once`` then quarantines it)."""
+    def _blame(self, engine_id: str, blamed: set[str]) -> None:
+        """A READ of ``engine_id`` failed or hung: it shows quarantined before its reads fail;
+        kept in ``blamed``, which ``poll_once`` quarantines even when the poll then failed."""
+        blamed.add(engine_id)
         self._peers.mark_quarantined(engine_id, cause="read_failed")
 
     async def poll_once(self) -> None:
         # Independent duties: a failure in one must not stop the others.
+        blamed: set[str] = set()
         try:
-            blamed = await self._transfers.poll(self._peers.local, self._blame)
+            blamed |= await self._transfers.poll(
+                self._peers.local, functools.partial(self._blame, blamed=blamed)
+            )
         except KvSidecarError:
             log.exception("polling transfers failed")
-            blamed = set()
-        for engine_id in blamed:
+        for engine_id in sorted(blamed):
             await self._guard.quarantine(engine_id, _blamed(engine_id))
         if self._completions is not None:
             await self._completions.poll()

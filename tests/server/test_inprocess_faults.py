@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,6 +111,37 @@ async def test_a_read_failure_is_reported_once_its_peer_is_quarantined(pair: Pai
     assert isinstance(failed, RecvFailed)
     assert seen == [["quarantined"]]
     assert core.peers.stats().quarantines == {"read_failed": 1}  # counted once
+
+
+async def test_a_peer_blamed_in_a_poll_that_then_fails_is_still_quarantined(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The poller blames a peer whose READ failed (Status shows it quarantined at once) and the
+    same poll then fails before returning (a bug, logged): the peer is quarantined all the same
+    (released, re-handshaken after its backoff), never left registered and shown quarantined."""
+    await pair.read("warm", [1], [1])
+    assert isinstance(await next_event(pair.decode.client), RecvDone)
+    core = pair.decode.sidecar.core
+    assert core is not None
+    book = core._reads.book
+    close = book.close
+    failures = [errors.BackendError("planted: the poll fails after its blame")]
+
+    async def close_or_fail(read: Any) -> None:
+        if failures:
+            raise failures.pop()
+        await close(read)
+
+    monkeypatch.setattr(book, "close", close_or_fail)
+    pair.decode.backend.faults = FakeFaults(err_after_polls=1)
+    await pair.read("broken", [1, 2], [3, 4])
+    failed = await next_event(pair.decode.client)  # closed by the next poll
+    assert isinstance(failed, RecvFailed)
+    assert failures == []  # the planted failure happened
+    assert core.peers.peer("prefill") is None  # quarantined: released, not left registered
+    status = await pair.decode.client.status()
+    assert [p.state for p in status.peers] == ["quarantined"]
+    assert core.peers.stats().quarantines == {"read_failed": 1}
 
 
 async def test_failed_post_is_an_error_and_other_requests_continue(pair: Pair) -> None:
