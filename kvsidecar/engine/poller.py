@@ -126,11 +126,20 @@ class Poller:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 
+    async def _quarantine(self, blamed: set[str]) -> None:
+        """Quarantine every peer ``blamed`` (each shows quarantined already); one that fails (a
+        bug, logged) does not keep the others registered."""
+        for engine_id in sorted(blamed):
+            try:
+                await self._guard.quarantine(engine_id, _blamed(engine_id))
+            except Exception:
+                log.exception("quarantining %r failed", engine_id)
+
     def _blame(self, engine_id: str, blamed: set[str]) -> None:
         """A READ of ``engine_id`` failed or hung: it shows quarantined before its reads fail;
         kept in ``blamed``, which ``poll_once`` quarantines even when the poll then failed."""
         blamed.add(engine_id)
-        self._peers.mark_quarantined(engine_id, cause="read_failed")
+        self._peers.mark_quarantined(engine_id)
 
     async def poll_once(self) -> None:
         # Independent duties: a failure in one must not stop the others.
@@ -141,8 +150,10 @@ class Poller:
             )
         except KvSidecarError:
             log.exception("polling transfers failed")
-        for engine_id in sorted(blamed):
-            await self._guard.quarantine(engine_id, _blamed(engine_id))
+        except Exception:  # a bug (logged by the loop): what was blamed is quarantined all the same
+            await self._quarantine(blamed)
+            raise
+        await self._quarantine(blamed)
         if self._completions is not None:
             await self._completions.poll()
         await self._peers.settle()  # peers whose release waited for abandoned READs

@@ -126,9 +126,10 @@ def _kill_and_check(
         # Frozen first, so that no process of the engine makes a file between the scan and the
         # kill (the survivors are shutting down by now: vLLM saw a worker die); the group's
         # processes, as one whose parent died meanwhile is no descendant any more.
-        os.killpg(proc.pid, signal.SIGSTOP)
-        engine_files |= {f for p in in_group(proc.pid) for f in shm_files(p)}
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the group is gone (the engine failed)
+            os.killpg(proc.pid, signal.SIGSTOP)
+            engine_files |= {f for p in in_group(proc.pid) for f in shm_files(p)}
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
         if proc.stdout is not None:
             proc.stdout.close()

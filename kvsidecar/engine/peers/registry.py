@@ -225,30 +225,24 @@ class PeerRegistry:
 
     # --- release --------------------------------------------------------------------------------
 
-    def mark_quarantined(self, engine_id: str, *, cause: str = "") -> None:
-        """Show ``engine_id`` quarantined now, before its reads are failed and its handles
-        released (``remove``, which then starts its backoff), so that an engine acting on a
-        read's failure never finds the peer ready in Status (a Read of it meanwhile waits for
-        the quarantine and is refused). ``cause`` is counted here (``remove`` then counts
-        nothing more)."""
+    def mark_quarantined(self, engine_id: str) -> None:
+        """Show ``engine_id`` quarantined in Status now, before its reads are failed; ``remove``
+        then releases it, counts the quarantine and starts its backoff. Only what is reported
+        changes: a Read that finds the peer before ``remove`` is served as before."""
         peer = self._peers.get(engine_id)
-        if peer is None or peer.state is PeerState.QUARANTINED:
-            return
-        if cause:
-            self._quarantines[cause] = self._quarantines.get(cause, 0) + 1
-        peer.state = PeerState.QUARANTINED
+        if peer is not None:
+            peer.state = PeerState.QUARANTINED
 
     async def remove(
         self, engine_id: str, reason: str, *, backoff: bool = True, cause: str = ""
     ) -> None:
         """Quarantine: release every handle of the peer and close its channels; the next request
         re-handshakes (after backoff, unless ``backoff`` is False: a stale plan, not a failure).
-        ``cause`` counts a quarantine (``PeerStats.quarantines``), unless ``mark_quarantined``
-        counted it. The caller has already failed the peer's in-flight reads."""
+        ``cause`` counts a quarantine (``PeerStats.quarantines``). The caller has already failed
+        the peer's in-flight reads."""
         peer = self._peers.get(engine_id)
         if peer is None:
             return
-        marked = peer.state is PeerState.QUARANTINED
         # Channels first, while the peer is still registered: a Read arriving once it is gone
         # handshakes again, and closing a channel cancels the calls on it (that handshake's).
         for endpoint in peer.endpoints:
@@ -258,7 +252,7 @@ class PeerRegistry:
         del self._peers[engine_id]
         if backoff:
             self._back_off(engine_id, reason)
-        if cause and not marked:
+        if cause:
             self._quarantines[cause] = self._quarantines.get(cause, 0) + 1
         peer.state = PeerState.QUARANTINED
         await self.release(peer)

@@ -97,7 +97,7 @@ class PeerGuard:
         the next request re-handshakes after backoff. Status shows the peer quarantined before
         the first RECV_FAILED is sent. ``cause`` is counted (``kvsidecar_peer_quarantines_total``)."""
         async with self._lock.exclusive():
-            self._peers.mark_quarantined(engine_id, cause=cause)
+            self._peers.mark_quarantined(engine_id)
             await self._reads.fail_peer(engine_id, FailReason.PEER_DISCONNECTED, reason)
             await self._peers.remove(engine_id, reason, cause=cause)
 

@@ -216,7 +216,7 @@ class InFlightReads:
     ) -> set[str]:
         """Advance every in-flight read once. Returns engine ids of peers to quarantine (a READ
         failed, or hung past its deadline), each passed to ``blame`` first, before any read of
-        it is failed (so that its quarantine is in place when the engine hears of the failure).
+        it is failed (so that Status shows it quarantined when the engine hears of the failure).
         A failed READ is blamed on ``local`` instead when its own memory is faulty; a failed
         board READ fails nothing (its ranks are asked)."""
         book = self.book
