@@ -906,7 +906,7 @@ class Interrupted(Exception):
 
 
 def _on_signal(signum: int, frame: object) -> None:
-    from kvsidecar.testing.bounded import kill_live
+    from kvsidecar.testing.procs.bounded import kill_live
 
     kill_live()
     raise Interrupted(signal.Signals(signum).name)
@@ -915,8 +915,8 @@ def _on_signal(signum: int, frame: object) -> None:
 def supervise(cfg: Config, step: Step, timeout_s: float) -> dict[str, Any]:
     """Run ``step`` in a process group of its own, bounded by ``timeout_s``; its result (what it
     wrote, or why it has none)."""
-    from kvsidecar.testing.bounded import run_bounded
     from kvsidecar.testing.gpu import SHM_PREFIX, remove_orphans
+    from kvsidecar.testing.procs.bounded import run_bounded
 
     log = cfg.logs / f"step-{step.name}.log"
     path = cfg.out / "steps" / f"{step.name}.json"

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.vllm.procs import in_background
 from benchmarks.vllm.report import _background
-from kvsidecar.testing.pids import threads
+from kvsidecar.testing.procs.pids import threads
 
 _CHILD = (
     "import threading, time\n"

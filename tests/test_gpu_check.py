@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.testing.bounded import Bounded, kill_live, run_bounded
 from kvsidecar.testing.gpu import SHM_PREFIX, remove_orphans
+from kvsidecar.testing.procs.bounded import Bounded, kill_live, run_bounded
 from kvsidecar.testing.ucxlog import (
     parse_proto_tables,
     protocol_rows,

@@ -1,4 +1,4 @@
-"""``kvsidecar.testing.pids``: the shared-memory files a process holds, found under the names
+"""``kvsidecar.testing.procs.pids``: the shared-memory files a process holds, found under the names
 they have now, and a process group's members, found after their parent died."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kvsidecar.testing.pids import SHM_DIR, alive, in_group, shm_files
+from kvsidecar.testing.procs.pids import SHM_DIR, alive, in_group, shm_files
 
 WAIT_S = 30.0
 

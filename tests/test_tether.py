@@ -1,5 +1,5 @@
 """The harness's sidecars end with it: a harness killed outright (SIGKILL, as the OOM killer does)
-leaves no `kvsidecar serve` behind (``kvsidecar.testing.tether``)."""
+leaves no `kvsidecar serve` behind (``kvsidecar.testing.procs.tether``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvsidecar.testing import tether
-from kvsidecar.testing.pids import alive, descendants
+from kvsidecar.testing.procs import tether
+from kvsidecar.testing.procs.pids import alive, descendants
 
 # A harness of its own: starts one sidecar the way tests and `kvsidecar bench` do, says its pid,
 # then waits (bounded) to be killed.

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvsidecar.testing.pids import alive, kill_all
+from kvsidecar.testing.procs.pids import alive, kill_all
 
 from .engines import Engine, Pair
 from .settings import PAUSE_TIMEOUT_S, REQUEST_TIMEOUT_S

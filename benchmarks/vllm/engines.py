@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar.testing import process as sidecar_proc
-from kvsidecar.testing.pids import alive, descendants, engine_children, kill_all
 from kvsidecar.testing.process import exported
+from kvsidecar.testing.procs.pids import alive, descendants, engine_children, kill_all
 
 from .settings import (
     BLOCK,

@@ -1,5 +1,5 @@
 """Keeping an idle pair's processes out of the measured pair's way (the processes themselves are
-found and stopped by ``kvsidecar.testing.pids``)."""
+found and stopped by ``kvsidecar.testing.procs.pids``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import os
 from collections.abc import Iterable, Iterator
 
-from kvsidecar.testing.pids import threads
+from kvsidecar.testing.procs.pids import threads
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 serve`` process per rank with toy engines (``toy``) whose KV caches live in ``/dev/shm``;
 ``transfer`` moves one request end to end and verifies every byte.
 
-A sidecar it starts from the main thread is tethered (:mod:`.tether`): killed outright, the
+A sidecar it starts from the main thread is tethered (:mod:`.procs.tether`): killed outright, the
 harness leaves none behind.
 
 Shipped so that framework authors can test their integration against real sidecars over real NIXL;

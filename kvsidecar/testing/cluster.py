@@ -34,7 +34,7 @@ from kvsidecar.plan import View
 from kvsidecar.testing import toy
 from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
 from kvsidecar.testing.process import environment
-from kvsidecar.testing.tether import tethered
+from kvsidecar.testing.procs.tether import tethered
 from kvsidecar.testing.transfers import PREFILL, TransferResult, request_ids, transfer
 
 DECODE = "decode"

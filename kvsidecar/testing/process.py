@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
-from kvsidecar.testing.tether import tethered
+from kvsidecar.testing.procs.tether import tethered
 
 KVSIDECAR = [sys.executable, "-m", "kvsidecar.cli"]
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")

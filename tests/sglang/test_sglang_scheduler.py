@@ -32,7 +32,7 @@ pytest.importorskip("sglang")
 
 from kvsidecar.client import SidecarClient
 from kvsidecar.testing import process as sidecar_proc
-from kvsidecar.testing.pids import shm_files
+from kvsidecar.testing.procs.pids import shm_files
 from tests.sglang import harness
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from kvsidecar.testing.pids import alive, descendants, engine_children, kill_all
+from kvsidecar.testing.procs.pids import alive, descendants, engine_children, kill_all
 
 SHUTDOWN_S = 10.0  # vLLM's own shutdown, per engine; then SIGTERM/SIGKILL (kill_all's bound)
 

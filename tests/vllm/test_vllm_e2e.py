@@ -31,7 +31,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 from kvsidecar.client import SidecarClient  # noqa: E402
 from kvsidecar.testing import process as sidecar_proc  # noqa: E402
-from kvsidecar.testing.pids import alive, descendants, engine_children  # noqa: E402
+from kvsidecar.testing.procs.pids import alive, descendants, engine_children  # noqa: E402
 from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama  # noqa: E402
 
 from .conftest import CALL_REPORT, INDUCTOR_ENV, VEC_ISA_ENV  # noqa: E402

@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvsidecar.testing import process as sidecar_proc
-from kvsidecar.testing.pids import descendants, in_group, shm_files
+from kvsidecar.testing.procs.pids import descendants, in_group, shm_files
 from kvsidecar.testing.vllm.tiny_llama import make_tiny_llama
 
 ENGINE = r"""

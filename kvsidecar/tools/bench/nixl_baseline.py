@@ -29,7 +29,7 @@ import numpy.typing as npt
 from kvsidecar.engine.backend import DlistHandle, RemoteAgent, XferState
 from kvsidecar.engine.backend.nixl import NixlBackend
 from kvsidecar.memory import HostShmSpec, ImportedMemory, MemType, import_memory
-from kvsidecar.testing.tether import tethered
+from kvsidecar.testing.procs.tether import tethered
 
 IdPairs = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]  # (local ids, remote ids)
 _NOTIF = b"n" * 40  # raw NIXL notification, about the size of the sidecar's
