@@ -143,9 +143,9 @@ class Poller:
 
     async def poll_once(self) -> None:
         # Independent duties: a failure in one must not stop the others.
-        blamed: set[str] = set()
+        blamed: set[str] = set()  # filled by _blame: what it returns, kept if it raises
         try:
-            blamed |= await self._transfers.poll(
+            await self._transfers.poll(
                 self._peers.local, functools.partial(self._blame, blamed=blamed)
             )
         except KvSidecarError:

@@ -226,11 +226,8 @@ class PeerRegistry:
     # --- release --------------------------------------------------------------------------------
 
     def mark_quarantined(self, engine_id: str) -> None:
-        """Show ``engine_id`` quarantined in Status now, before its reads are failed; ``remove``
-        then releases it, counts the quarantine and starts its backoff. Only what is reported
-        changes: a Read that finds the peer before ``remove`` is served as before."""
-        peer = self._peers.get(engine_id)
-        if peer is not None:
+        """Report ``engine_id`` quarantined before its reads fail; ``remove`` does the rest."""
+        if (peer := self._peers.get(engine_id)) is not None:
             peer.state = PeerState.QUARANTINED
 
     async def remove(
