@@ -49,6 +49,8 @@ IdArray = npt.NDArray[np.integer]
 DescIds = npt.NDArray[np.int32]
 _EMPTY: DescIds = np.zeros(0, dtype=DESC_ID_DTYPE)
 _EMPTY.setflags(write=False)
+#: ids per group up to which validation runs on Python lists (numpy's calls cost more below it)
+_FEW_IDS = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -250,6 +252,49 @@ def _range_problems(
     return []
 
 
+def _few(a: object) -> list[int] | None:
+    """The ids of ``a`` as a list when it is a short one-dimensional int64 array (what the wire
+    decodes to), else ``None``."""
+    if type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1 and a.size <= _FEW_IDS:
+        values: list[int] = a.tolist()
+        return values
+    return None
+
+
+def _plainly_valid(
+    local: EngineGeometry,
+    local_ids: Sequence[IdArray],
+    remote_ids: Sequence[IdArray],
+    remote: EngineGeometry | None,
+) -> bool:
+    """Whether ``validate_request_ids`` would accept these ids, decided in plain Python for short
+    int64 arrays (a read's usual ids: a few µs where numpy's per-call overhead costs 15). ``False``
+    means only "not decided here": the full check then runs and words any problem. Every rule of
+    the full check is applied; the id bounds against each group's smallest ``num_ids`` (the first
+    of ``limit_views``, which are smallest first)."""
+    ng = local.num_groups
+    if len(local_ids) != ng or len(remote_ids) != ng:
+        return False
+    if remote is not None and remote.num_groups != ng:
+        return False
+    ratios = group_ratios(local, remote) if remote is not None else None
+    for g in range(ng):
+        la, ra = _few(local_ids[g]), _few(remote_ids[g])
+        if la is None or ra is None:
+            return False
+        if remote_tail(len(la), len(ra), 1 if ratios is None else ratios[g]) < 0:
+            return False
+        if la:
+            lv = local.limit_views(g)
+            if min(la) < 0 or (lv and max(la) >= lv[0].num_ids) or len(set(la)) != len(la):
+                return False
+        if ra:
+            rv = remote.limit_views(g) if remote is not None else ()
+            if min(ra) < 0 or (rv and max(ra) >= rv[0].num_ids):
+                return False
+    return True
+
+
 def validate_request_ids(
     local: EngineGeometry,
     local_ids: Sequence[IdArray],
@@ -266,6 +311,21 @@ def validate_request_ids(
     everything but the remote ids' upper bounds and the ratio, assuming the remote engine has the
     local ``num_groups`` (engines with different group counts never plan).
     """
+    if _plainly_valid(local, local_ids, remote_ids, remote):
+        return
+    problems = request_id_problems(local, local_ids, remote_ids, remote)
+    if problems:
+        raise BlockIdError("; ".join(problems))
+
+
+def request_id_problems(
+    local: EngineGeometry,
+    local_ids: Sequence[IdArray],
+    remote_ids: Sequence[IdArray],
+    remote: EngineGeometry | None,
+) -> list[str]:
+    """Every rule of ``validate_request_ids``, each id array checked with numpy whatever its
+    length: what is wrong, one message per problem (empty: valid)."""
     problems: list[str] = []
     for field, ids, geom in (("local_block_ids", local_ids, local),
                              ("remote_block_ids", remote_ids, remote or local)):  # fmt: skip
@@ -275,7 +335,7 @@ def validate_request_ids(
                 f"num_groups={geom.num_groups}"
             )
     if problems:
-        raise BlockIdError("; ".join(problems))
+        return problems
     ratios = group_ratios(local, remote) if remote is not None else (1,) * local.num_groups
     for g in range(local.num_groups):
         la = _as_ids(local_ids[g], "local_block_ids", g, problems)
@@ -293,8 +353,7 @@ def validate_request_ids(
             dup = np.flatnonzero(s[1:] == s[:-1])
             if dup.size:
                 problems.append(f"local_block_ids[{g}] repeats id {int(s[dup[0]])}")
-    if problems:
-        raise BlockIdError("; ".join(problems))
+    return problems
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -29,7 +29,13 @@ from kvsidecar.plan import (
     vllm_cpu_view,
 )
 from kvsidecar.plan.hold.claims import held_digest, read_claim
-from kvsidecar.plan.request import batch_request_ids, request_descriptor_ids, request_ids
+from kvsidecar.plan.request import (
+    _plainly_valid,
+    batch_request_ids,
+    request_descriptor_ids,
+    request_id_problems,
+    request_ids,
+)
 from kvsidecar.plan.tokens import group_ratios, remote_tail
 from kvsidecar.plan.tp import expected_consumers
 from kvsidecar.wire.geometry import view_from_proto, view_to_proto
@@ -481,3 +487,76 @@ def test_wire_carries_the_token_axis_and_old_views_declare_none() -> None:
     old = view_from_proto(pb)  # a registration from before the fields
     assert old.block_tokens == 0
     assert all(s.token_rows == 0 for s in old.spans)
+
+
+#: what a drawn request breaks (``None``: nothing), each a rule of ``validate_request_ids``
+_BREAKS = (None, "repeat", "negative local", "local bound", "negative remote", "remote bound",
+           "too many local", "group count")  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pair=st.sampled_from(PAIRS),
+    ratio=st.sampled_from(RATIOS),
+    known=st.booleans(),
+    broken=st.sampled_from(_BREAKS),
+    data=st.data(),
+)
+def test_the_plain_python_check_decides_as_the_full_one(
+    pair: tuple[int, int], ratio: int, known: bool, broken: str | None, data: st.DataObject
+) -> None:
+    """Short int64 id arrays (what the wire decodes to) are accepted or refused in plain Python
+    (``_plainly_valid``) exactly as the full numpy check (``request_id_problems``) would. A valid
+    request (2 groups; 7 local blocks, ``9 * ratio`` remote ones) is drawn, then one rule is
+    broken in one group, or none: each rule of the full check is one of the plain check's."""
+    t_d, t_p = pair
+    local, remote = engines(t_d, t_p, ratio)
+    far = remote if known else None
+    loc: list[list[int]] = []
+    rem: list[list[int]] = []
+    for _ in range(2):
+        n = data.draw(st.integers(0, 4))
+        loc.append(data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n, unique=True)))
+        fewest = 0 if n == 0 else (n - 1) * ratio + 1  # the last local block may be partial
+        m = data.draw(st.integers(fewest, 4 * ratio)) if known else n + data.draw(st.integers(0, 2))
+        rem.append(data.draw(st.lists(st.integers(0, 9 * ratio - 1), min_size=m, max_size=m)))
+    g = data.draw(st.integers(0, 1))
+    if broken == "repeat" and loc[g]:
+        loc[g].append(loc[g][0])
+        rem[g] += [0] * ratio
+    elif broken == "negative local" and loc[g]:
+        loc[g][-1] = -1
+    elif broken == "local bound" and loc[g]:
+        loc[g][-1] = 7
+    elif broken == "negative remote" and rem[g]:
+        rem[g][0] = -1
+    elif broken == "remote bound" and rem[g]:
+        rem[g][0] = 9 * ratio
+    elif broken == "too many local" and rem[g]:
+        loc[g] = list(range(min(7, len(rem[g]) + 1)))
+        rem[g] = rem[g][: (len(loc[g]) - 1) * ratio]
+    elif broken == "group count":
+        loc.append([])
+        rem.append([])
+    local_ids = [np.array(a, dtype=np.int64) for a in loc]
+    remote_ids = [np.array(a, dtype=np.int64) for a in rem]
+    problems = request_id_problems(local, local_ids, remote_ids, far)
+    assert _plainly_valid(local, local_ids, remote_ids, far) is (not problems), problems
+    if problems:
+        with pytest.raises(BlockIdError):
+            validate_request_ids(local, local_ids, remote_ids, far)
+    else:
+        validate_request_ids(local, local_ids, remote_ids, far)
+
+
+def test_ids_the_plain_check_does_not_decide_get_the_full_one() -> None:
+    """Long arrays, other dtypes and lists are left to the full check, which still refuses."""
+    local, remote = engines(1, 1, 1)
+    long_ok = np.arange(5, dtype=np.int64)
+    long_bad = np.concatenate([np.arange(70, dtype=np.int64) % 7, [3]])
+    for loc in ([long_bad, np.array([1])], [np.array([1, 1], dtype=np.int32), np.array([1])]):
+        rem = [np.arange(len(loc[0]), dtype=np.int64), np.array([2])]
+        assert not _plainly_valid(local, loc, rem, remote)
+        with pytest.raises(BlockIdError, match=r"local_block_ids\[0\] repeats id"):
+            validate_request_ids(local, loc, rem, remote)
+    assert _plainly_valid(local, [long_ok, np.array([1])], [long_ok, np.array([2])], remote)
