@@ -187,6 +187,8 @@ class Sidecar:
             lease_s=s.lease_s,
             read_deadline_s=s.read_deadline_s,
             handshake_timeout_s=s.handshake_timeout_s,
+            peer_backoff_s=s.peer_backoff_s,
+            peer_backoff_max_s=s.peer_backoff_max_s,
             shm_roots=s.shm_roots,
             confirm_reads=s.confirm_reads,
             canary_fraction=s.canary_fraction,

@@ -185,6 +185,15 @@ class Settings(BaseSettings):
     )
     lease_s: float = Field(30.0, gt=0, le=86400, description="Default producer hold lease (s).")
     handshake_timeout_s: float = Field(5.0, gt=0, le=300, description="One peer call's bound (s)")
+    peer_backoff_s: float = Field(
+        default=0.05,
+        gt=0,
+        le=60,
+        description="Backoff after a peer's first failure; Reads of it are refused meanwhile (s).",
+    )
+    peer_backoff_max_s: float = Field(
+        default=5.0, gt=0, le=3600, description="The backoff doubles per failure up to this (s)."
+    )
     read_deadline_s: float = Field(30.0, gt=0, le=3600, description="Default Read deadline (s)")
     push_grant_ttl_s: float = Field(30.0, gt=0, le=3600, description="Default grant life (s)")
     push_write_timeout_s: float = Field(10.0, gt=0, le=600, description="WRITE lifetime cap (s)")
@@ -369,6 +378,7 @@ def _validate(merged: dict[str, Any]) -> Settings:
     check_peer_tls(settings)
     check_discovery(settings)
     check_staging(settings)
+    check_backoff(settings)
     return settings
 
 
@@ -417,6 +427,16 @@ def check_staging(settings: Settings) -> None:
     if settings.staging is StagingSetting.ON and not settings.hold_board:
         raise ConfigError("staging", "on needs the hold board (--hold-board): consumers find "
                           "where a staged hold sits on it")  # fmt: skip
+
+
+def check_backoff(settings: Settings) -> None:
+    """A peer's backoff starts at ``peer_backoff_s`` and doubles up to ``peer_backoff_max_s``."""
+    if settings.peer_backoff_max_s < settings.peer_backoff_s:
+        raise ConfigError(
+            "peer_backoff_max_s",
+            f"{settings.peer_backoff_max_s:g} is below peer_backoff_s="
+            f"{settings.peer_backoff_s:g}, where the backoff starts",
+        )
 
 
 def check_discovery(settings: Settings) -> None:

@@ -133,7 +133,9 @@ class PushCommand:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoreConfig:
     """``lease_s``: default hold lease; ``read_deadline_s``: default Read deadline;
-    ``handshake_timeout_s``: bound on one call to a remote sidecar (all seconds).
+    ``handshake_timeout_s``: bound on one call to a remote sidecar; ``peer_backoff_s``: how long
+    a peer stays refused after its first failure, doubling per failure to ``peer_backoff_max_s``
+    (all seconds).
     ``confirm_reads``: RECV_DONE only after the producer confirmed (``hold_board``: by READing
     its hold board where it can, see ``plan.hold.board``). ``tls``: ``None`` only when
     PeerService is explicitly configured insecure. ``max_queued_events``: events kept per queue
@@ -144,6 +146,8 @@ class CoreConfig:
     read_deadline_s: float
     handshake_timeout_s: float
     shm_roots: tuple[Path, ...]
+    peer_backoff_s: float = 0.05
+    peer_backoff_max_s: float = 5.0
     confirm_reads: bool = True
     canary_fraction: float = 0.0  # reads checked by the integrity canary (plan.hold.canary), 0..1
     hold_board: bool = True  # publish holds on a board; confirm reads by reading boards

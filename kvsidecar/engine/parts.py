@@ -84,7 +84,12 @@ class Parts:
         events = EventHub(max_buffered=config.max_queued_events)
         completions = Completions(backend)
         link = PeerLink(timeout_s=config.handshake_timeout_s, tls=config.tls)
-        peers = PeerRegistry(backend=backend, link=link)
+        peers = PeerRegistry(
+            backend=backend,
+            link=link,
+            backoff_initial_s=config.peer_backoff_s,
+            backoff_max_s=config.peer_backoff_max_s,
+        )
         read_trace = TraceRing(size=config.trace_requests, max_age_s=config.trace_age_s)
         hold_trace = TraceRing(size=config.trace_requests, max_age_s=config.trace_age_s)
 

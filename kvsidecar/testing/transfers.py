@@ -1,5 +1,6 @@
 """One request end to end over a ``LocalCluster``: ``transfer`` holds, reads and verifies every
-byte; ``request_ids`` builds the per-group block ids of a request (prefix hits included)."""
+byte (``transfer_after_backoff``: once a quarantined producer is served again); ``request_ids``
+builds the per-group block ids of a request (prefix hits included)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvsidecar.client import RecvDone, SendDone
+from kvsidecar.errors import PeerUnavailableError
 from kvsidecar.testing import toy
 
 if TYPE_CHECKING:
@@ -88,6 +90,29 @@ async def transfer(
         bytes_verified=verified,
         send_done=tuple(done),
     )
+
+
+async def transfer_after_backoff(
+    cluster: LocalCluster,
+    request_id: str,
+    prefill_ids: Sequence[Sequence[int]],
+    decode_ids: Sequence[Sequence[int]],
+    *,
+    timeout_s: float = 10.0,
+) -> TransferResult:
+    """``transfer`` once the producer's quarantine backoff is over (it starts when the peer is
+    released, which a loaded host may finish late): a Read refused as quarantined is tried
+    again under a new id (``request_id-N``) every 50 ms, for up to ``timeout_s``; any other
+    failure raises at once."""
+    end, attempt = time.monotonic() + timeout_s, 0
+    while True:
+        try:
+            return await transfer(cluster, f"{request_id}-{attempt}", prefill_ids, decode_ids)
+        except PeerUnavailableError as exc:
+            if "quarantined for" not in str(exc) or time.monotonic() >= end:
+                raise
+        attempt += 1
+        await asyncio.sleep(0.05)
 
 
 async def verify_rank(

@@ -14,7 +14,14 @@ import pytest
 
 from kvsidecar.client import FailReason, RecvDone, RecvFailed, SendDone
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, ClusterFactory, LocalCluster, request_ids, transfer
+from kvsidecar.testing.cluster import (
+    PREFILL,
+    ClusterFactory,
+    LocalCluster,
+    request_ids,
+    transfer,
+    transfer_after_backoff,
+)
 from kvsidecar.testing.probes import counters, metric
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
@@ -90,8 +97,7 @@ async def test_what_the_board_does_not_show_is_refused_as_before(
         decode = await counters(cluster.decode)
         assert decode["board_missed"] >= 2  # the restarted one may fail before its check
         assert decode["board_confirmed"] == 1  # the warm-up only
-        await asyncio.sleep(0.1)  # past the backoff
-        result = await transfer(cluster, "after", pids, dids)
+        result = await transfer_after_backoff(cluster, "after", pids, dids)
         assert result.bytes_verified == result.bytes_read > 0
 
 
@@ -128,8 +134,8 @@ async def test_thirty_restarts_in_place_with_boards_leave_no_descriptor_behind(
             await cluster.restart_engine(producer)
             event = await read_event(cluster, f"stale-{i}", token)
             assert isinstance(event, RecvFailed), event
-            await asyncio.sleep(0.1)  # past the peer's backoff (a READ of the old memory failed)
-            result = await transfer(cluster, f"fresh-{i}", pids, dids)
+            # the peer's backoff first (a READ of the old memory failed)
+            result = await transfer_after_backoff(cluster, f"fresh-{i}", pids, dids)
             assert result.bytes_verified == result.bytes_read > 0
         after = _fds(producer.proc), _fds(consumer.proc)
         decode = await counters(cluster.decode)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import urllib.error
 import urllib.request
@@ -13,7 +14,14 @@ import pytest
 from kvsidecar import errors
 from kvsidecar.client import FailReason, RankPlanInfo, ReadPosted, RecvFailed, SendDone
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import DECODE, PREFILL, ClusterFactory, request_ids, transfer
+from kvsidecar.testing.cluster import (
+    DECODE,
+    PREFILL,
+    ClusterFactory,
+    Rank,
+    request_ids,
+    transfer,
+)
 from kvsidecar.testing.probes import readyz
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
@@ -136,10 +144,36 @@ async def test_watch_drop_releases_the_engine_and_allows_reregistration(
         assert result.bytes_verified == result.bytes_read > 0
 
 
+async def _read_after_backoff(
+    consumer: Rank, request_id: str, remote_id: str, dids: list[list[int]], pids: list[list[int]]
+) -> ReadPosted:
+    """A Read of ``consumer`` accepted once its producer's backoff is over (bounded: 10 s)."""
+    assert consumer.client is not None
+    for _ in range(200):
+        try:
+            return await consumer.client.read(
+                request_id,
+                remote_engine_id=PREFILL,
+                remote_request_id=remote_id,
+                local_block_ids=dids,
+                remote_block_ids=pids,
+                deadline_s=3,
+            )
+        except errors.PeerUnavailableError as exc:
+            if "quarantined for" not in str(exc):
+                raise
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{request_id}: the peer stayed quarantined for 10 s")
+
+
 async def test_dead_producer_fails_reads_and_the_consumer_keeps_serving(
     local_cluster: ClusterFactory,
 ) -> None:
-    async with local_cluster(SHAPE, 1, 1, sidecar_args=("--handshake-timeout-s", "1")) as cluster:
+    """The producer's sidecar is killed: the read fails, the peer is quarantined for the
+    configured backoff (``--peer-backoff-s 1``, so that "within it" does not race a loaded host:
+    the refusal says how long is left), then a Read is accepted and its handshake fails."""
+    args = ("--handshake-timeout-s", "1", "--peer-backoff-s", "1")
+    async with local_cluster(SHAPE, 1, 1, sidecar_args=args) as cluster:
         pids, dids = request_ids(SHAPE, [1, 2], [3, 4])
         await transfer(cluster, "before", pids, dids)
         producer, consumer = cluster.prefill[0], cluster.decode[0]
@@ -172,7 +206,7 @@ async def test_dead_producer_fails_reads_and_the_consumer_keeps_serving(
         # The peer is quarantined: the next request re-handshakes (bounded) and fails cleanly.
         assert [p.state for p in status.peers] == ["quarantined"]
         # Within the backoff a Read is refused at once (the peer is known to be down) ...
-        with pytest.raises(errors.KvSidecarError, match=r"UNAVAILABLE"):
+        with pytest.raises(errors.PeerUnavailableError, match=r"quarantined for") as refused:
             await consumer.client.read(
                 "early@decode",
                 remote_engine_id=PREFILL,
@@ -180,17 +214,11 @@ async def test_dead_producer_fails_reads_and_the_consumer_keeps_serving(
                 local_block_ids=dids,
                 remote_block_ids=pids,
             )
-        await asyncio.sleep(0.2)  # past the first backoff
+        left = float(re.search(r"quarantined for ([0-9.]+)s more", str(refused.value))[1])
+        assert 0.5 < left <= 1.0, refused.value  # --peer-backoff-s, not the 0.05 s default
         # ... after it, the Read is accepted at once and its handshake fails in the background.
         retry = consumer.expect("retry@decode")
-        posted = await consumer.client.read(
-            "retry@decode",
-            remote_engine_id=PREFILL,
-            remote_request_id="retry",
-            local_block_ids=dids,
-            remote_block_ids=pids,
-            deadline_s=3,
-        )
+        posted = await _read_after_backoff(consumer, "retry@decode", "retry", dids, pids)
         assert posted.handshaking
         event = await asyncio.wait_for(retry, 10)
         assert isinstance(event, RecvFailed), event

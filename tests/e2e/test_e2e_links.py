@@ -22,9 +22,9 @@ from kvsidecar.testing.cluster import (
     LocalCluster,
     request_ids,
     transfer,
+    transfer_after_backoff,
 )
 from kvsidecar.testing.probes import metric
-from kvsidecar.testing.transfers import TransferResult
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 TIMEOUT_S = 30.0
@@ -78,22 +78,6 @@ async def _stale_read(cluster: LocalCluster, request_id: str, *, stall: bool = F
 
 
 @pytest.mark.slow
-async def _after_backoff(
-    cluster: LocalCluster, request_id: str, pids: list[list[int]], dids: list[list[int]]
-) -> TransferResult:
-    """A transfer once the quarantined peer's backoff (50 ms after one failure, measured from
-    the quarantine, which a loaded host may finish late) is over: refused reads are retried under
-    new ids for up to 10 s."""
-    for attempt in range(200):
-        await asyncio.sleep(0.05)
-        try:
-            return await transfer(cluster, f"{request_id}-{attempt}", pids, dids)
-        except errors.PeerUnavailableError as exc:
-            if "quarantined for" not in str(exc):
-                raise
-    raise AssertionError(f"{request_id}: the peer stayed quarantined for 10 s")
-
-
 async def test_a_hundred_quarantines_and_re_handshakes_leave_no_descriptor_behind(
     local_cluster: ClusterFactory,
 ) -> None:
@@ -118,7 +102,7 @@ async def test_a_hundred_quarantines_and_re_handshakes_leave_no_descriptor_behin
             else:
                 await cluster.restart_engine(producer)
                 await _stale_read(cluster, f"stale-{i}")
-            result = await _after_backoff(cluster, f"fresh-{i}", pids, dids)
+            result = await transfer_after_backoff(cluster, f"fresh-{i}", pids, dids)
             assert result.bytes_verified == result.bytes_read > 0
         after = fds(producer.proc), fds(consumer.proc)
         quarantines = metric(consumer.addresses["metrics"], "kvsidecar_peer_quarantines_total")
@@ -144,7 +128,7 @@ async def test_a_link_broken_under_a_live_handshake_is_noticed_and_replaced(
         for i in range(5):
             await cluster.restart_engine(producer, takeover=True)
             await _stale_read(cluster, f"broken-{i}")
-            result = await _after_backoff(cluster, f"after-{i}", pids, dids)
+            result = await transfer_after_backoff(cluster, f"after-{i}", pids, dids)
             assert result.bytes_verified == result.bytes_read > 0
         quarantined = 'kvsidecar_peer_quarantines_total{cause="read_failed"}'
         assert metric(consumer.addresses["metrics"], quarantined) >= 5

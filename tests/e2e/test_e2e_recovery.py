@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 from collections.abc import AsyncIterator, Coroutine
@@ -17,7 +18,14 @@ import pytest
 from kvsidecar import errors
 from kvsidecar.client import FailReason, RecvDone, RecvFailed
 from kvsidecar.testing import toy
-from kvsidecar.testing.cluster import PREFILL, ClusterFactory, LocalCluster, request_ids, transfer
+from kvsidecar.testing.cluster import (
+    PREFILL,
+    ClusterFactory,
+    LocalCluster,
+    request_ids,
+    transfer,
+    transfer_after_backoff,
+)
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from tests.e2e.helpers import credentials, get_agent
 
@@ -150,10 +158,12 @@ async def test_hung_producer_is_quarantined_after_its_first_deadline(
 ) -> None:
     """The producer's sidecar stops answering (SIGSTOP): the first read fails at its deadline
     and quarantines the peer, so the next Read is refused at once instead of waiting out another
-    deadline; once it answers again, reads work after the backoff. (Without hold boards: a board
+    deadline; once it answers again, reads work after the backoff (``--peer-backoff-s 1``: the
+    refusal cannot race a loaded host; it says how long is left). (Without hold boards: a board
     would confirm that first read by READing the stopped process's memory, which stays readable
     on one host; then its READ_DONE, unanswered, quarantines the peer.)"""
-    async with local_cluster(SHAPE, 1, 1, sidecar_args=("--no-hold-board",)) as cluster:
+    args = ("--no-hold-board", "--peer-backoff-s", "1")
+    async with local_cluster(SHAPE, 1, 1, sidecar_args=args) as cluster:
         pids, dids = request_ids(SHAPE, [1, 2], [3, 4])
         await transfer(cluster, "warm", pids, dids)
         producer, consumer = cluster.prefill[0], cluster.decode[0]
@@ -182,12 +192,14 @@ async def test_hung_producer_is_quarantined_after_its_first_deadline(
             assert failed.reason is FailReason.DEADLINE_EXCEEDED
             status = await consumer.client.status()
             assert [p.state for p in status.peers] == ["quarantined"]
-            with pytest.raises(errors.PeerUnavailableError, match="quarantined"):
+            with pytest.raises(errors.PeerUnavailableError, match="quarantined") as refused:
                 await post(1)
+            left = float(re.search(r"quarantined for ([0-9.]+)s more", str(refused.value))[1])
+            assert 0.5 < left <= 1.0, refused.value  # --peer-backoff-s, not the 0.05 s default
         finally:
             producer.proc.send_signal(signal.SIGCONT)
-        await asyncio.sleep(0.3)  # past the backoff
-        assert (await transfer(cluster, "healed", pids, dids)).bytes_verified > 0
+        healed = await transfer_after_backoff(cluster, "healed", pids, dids)
+        assert healed.bytes_verified > 0
 
 
 async def test_a_restarted_engine_gets_no_event_of_the_dead_registration(

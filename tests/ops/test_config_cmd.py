@@ -111,6 +111,9 @@ def test_config_refuses_what_serve_refuses(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert "lease_s" in proc.stderr
+    proc = _config("--peer-insecure", "--peer-backoff-s", "2", "--peer-backoff-max-s", "1", env={})
+    assert proc.returncode == 2
+    assert "peer_backoff_max_s: 1 is below peer_backoff_s=2" in proc.stderr
     proc = _config("--json", env={})  # no TLS files and not insecure: serve would not start
     assert proc.returncode == 2
     assert "peer_tls_cert" in proc.stderr
