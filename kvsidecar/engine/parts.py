@@ -106,7 +106,7 @@ class Parts:
             await guard.unreachable(peer, why)
 
         async def corrupt(peer: Peer, why: str) -> None:
-            await guard.quarantine(peer.engine_id, why, cause="corrupt")
+            await guard.quarantine(peer, why, cause="corrupt")
 
         confirmer = Confirmer(
             link=link,

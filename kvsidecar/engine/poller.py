@@ -26,7 +26,7 @@ from kvsidecar.engine.backend.completions import Completions
 from kvsidecar.engine.backend.contract import TransferBackend
 from kvsidecar.engine.holds.producer import Producer
 from kvsidecar.engine.peers.probe import probe
-from kvsidecar.engine.peers.registry import PeerRegistry
+from kvsidecar.engine.peers.registry import Peer, PeerRegistry
 from kvsidecar.engine.ratelog import RateLimited
 from kvsidecar.engine.reads.guard import PeerGuard
 from kvsidecar.engine.reads.inflight import InFlightReads
@@ -126,24 +126,25 @@ class Poller:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 
-    async def _quarantine(self, blamed: set[str]) -> None:
-        """Quarantine every peer ``blamed`` (each shows quarantined already); one that fails (a
-        bug, logged) does not keep the others registered."""
-        for engine_id in sorted(blamed):
+    async def _quarantine(self, blamed: list[Peer]) -> None:
+        """Quarantine every peer ``blamed`` (each shows quarantined already; the peer object, so
+        that a replacement handshaken meanwhile is spared); one that fails (a bug, logged) does
+        not keep the others registered."""
+        for peer in blamed:
             try:
-                await self._guard.quarantine(engine_id, _blamed(engine_id))
+                await self._guard.quarantine(peer, _blamed(peer.engine_id))
             except Exception:
-                log.exception("quarantining %r failed", engine_id)
+                log.exception("quarantining %r failed", peer.engine_id)
 
-    def _blame(self, engine_id: str, blamed: set[str]) -> None:
-        """A READ of ``engine_id`` failed or hung: it shows quarantined before its reads fail;
-        kept in ``blamed``, which ``poll_once`` quarantines even when the poll then failed."""
-        blamed.add(engine_id)
-        self._peers.mark_quarantined(engine_id)
+    def _blame(self, peer: Peer, blamed: list[Peer]) -> None:
+        """A READ of ``peer`` failed or hung: it shows quarantined before its reads fail; kept in
+        ``blamed``, which ``poll_once`` quarantines even when the poll then failed."""
+        blamed.append(peer)
+        self._peers.mark_quarantined(peer)
 
     async def poll_once(self) -> None:
         # Independent duties: a failure in one must not stop the others.
-        blamed: set[str] = set()  # filled by _blame: what it returns, kept if it raises
+        blamed: list[Peer] = []  # filled by _blame: what it returns, kept if it raises
         try:
             await self._transfers.poll(
                 self._peers.local, functools.partial(self._blame, blamed=blamed)

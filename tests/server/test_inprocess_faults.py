@@ -159,6 +159,49 @@ async def test_a_peer_blamed_in_a_poll_that_then_fails_is_still_quarantined(
     assert core.peers.stats().quarantines == {"read_failed": 1}
 
 
+async def test_a_blamed_peer_replaced_before_its_quarantine_leaves_the_replacement_alone(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The poller blames the peer whose READ failed; before it quarantines that peer, the peer is
+    invalidated and a new handshake makes a replacement for the same engine (what another
+    failure path and the next Read would do meanwhile). The quarantine is of the peer blamed,
+    not of the engine id: the replacement stays ready and serves the next read at once."""
+    await pair.read("warm", [1], [1])
+    assert isinstance(await next_event(pair.decode.client), RecvDone)
+    core = pair.decode.sidecar.core
+    assert core is not None
+    guard = core._guard
+    quarantine = guard.quarantine
+    blamed = core.peers.peer("prefill")
+    replacements: list[Any] = []
+
+    async def replaced_first(target: Any, reason: str, cause: str = "read_failed") -> None:
+        if not replacements:
+            await guard.invalidate(blamed, "test: replaced before its quarantine")
+            await pair.decode.client.handshake("prefill", endpoints=pair.endpoints)
+            replacements.append(core.peers.peer("prefill"))
+        await quarantine(target, reason, cause)
+
+    monkeypatch.setattr(core._poller._guard, "quarantine", replaced_first)
+    pair.decode.backend.faults = FakeFaults(err_after_polls=1)
+    await pair.read("broken", [1, 2], [3, 4])
+    failed = await next_event(pair.decode.client)
+    assert isinstance(failed, RecvFailed)
+    assert failed.reason is FailReason.TRANSFER_ERROR
+    await until(lambda: bool(replacements))
+    pair.decode.backend.faults = FakeFaults()
+    (replacement,) = replacements
+    assert replacement is not None
+    assert replacement is not blamed
+    assert core.peers.peer("prefill") is replacement
+    status = await pair.decode.client.status()
+    assert [p.state for p in status.peers] == ["ready"]
+    assert core.peers.stats().quarantines == {}  # the blamed one was invalidated, nothing else
+    again = await pair.read("after", [1, 2], [3, 4])
+    assert not again.handshaking  # the replacement, still ready
+    assert isinstance(await next_event(pair.decode.client), RecvDone)
+
+
 async def test_failed_post_is_an_error_and_other_requests_continue(pair: Pair) -> None:
     await pair.read("first", [1], [1], deadline_s=5)
     assert isinstance(await next_event(pair.decode.client), RecvDone)

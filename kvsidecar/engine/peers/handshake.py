@@ -39,12 +39,12 @@ class Handshakes:
         self,
         *,
         peers: PeerRegistry,
-        quarantine: Callable[[str, str, str], Awaitable[None]],
+        quarantine: Callable[[Peer, str, str], Awaitable[None]],
         discovered: Callable[[str], Endpoints] | None = None,
         concurrency: int = 16,
     ) -> None:
         self._peers = peers
-        self._quarantine = quarantine  # (engine id, why, cause): fail its reads, drop the peer
+        self._quarantine = quarantine  # (peer, why, cause): fail its reads, drop it
         self._discovered = discovered
         self.admission = Admission(concurrency, what="handshakes")
         self._prewarms: set[asyncio.Task[None]] = set()
@@ -159,6 +159,6 @@ class Handshakes:
                 self._peers.impostor(fetched.engine_id, "duplicate", message)
                 raise FailedPreconditionError(message)
             await self._quarantine(
-                other.engine_id, f"its sidecar now serves engine {fetched.engine_id!r}", "replaced"
+                other, f"its sidecar now serves engine {fetched.engine_id!r}", "replaced"
             )
         return await phases.attach(self._peers, local, fetched)

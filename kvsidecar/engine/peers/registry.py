@@ -225,20 +225,21 @@ class PeerRegistry:
 
     # --- release --------------------------------------------------------------------------------
 
-    def mark_quarantined(self, engine_id: str) -> None:
-        """Report ``engine_id`` quarantined before its reads fail; ``remove`` does the rest."""
-        if (peer := self._peers.get(engine_id)) is not None:
+    def mark_quarantined(self, peer: Peer) -> None:
+        """Report ``peer`` quarantined before its reads fail (if it is still its engine's peer);
+        ``remove`` does the rest."""
+        if self._peers.get(peer.engine_id) is peer:
             peer.state = PeerState.QUARANTINED
 
     async def remove(
-        self, engine_id: str, reason: str, *, backoff: bool = True, cause: str = ""
+        self, peer: Peer, reason: str, *, backoff: bool = True, cause: str = ""
     ) -> None:
-        """Quarantine: release every handle of the peer and close its channels; the next request
+        """Quarantine: release every handle of ``peer`` and close its channels; the next request
         re-handshakes (after backoff, unless ``backoff`` is False: a stale plan, not a failure).
         ``cause`` counts a quarantine (``PeerStats.quarantines``). The caller has already failed
-        the peer's in-flight reads."""
-        peer = self._peers.get(engine_id)
-        if peer is None:
+        the peer's in-flight reads. Nothing if ``peer`` is no longer its engine's peer."""
+        engine_id = peer.engine_id
+        if self._peers.get(engine_id) is not peer:
             return
         # Channels first, while the peer is still registered: a Read arriving once it is gone
         # handshakes again, and closing a channel cancels the calls on it (that handshake's).

@@ -92,21 +92,24 @@ class PeerGuard:
         async with self._lock.exclusive():
             yield
 
-    async def quarantine(self, engine_id: str, reason: str, cause: str = "read_failed") -> None:
-        """Fail the peer's in-flight reads (releasing their handles first), then release the peer;
-        the next request re-handshakes after backoff. Status shows the peer quarantined before
-        the first RECV_FAILED is sent. ``cause`` is counted (``kvsidecar_peer_quarantines_total``)."""
+    async def quarantine(self, peer: Peer, reason: str, cause: str = "read_failed") -> None:
+        """Fail ``peer``'s in-flight reads (releasing their handles first), then release it; the
+        next request re-handshakes after backoff. Status shows it quarantined before the first
+        RECV_FAILED is sent. ``cause`` is counted (``kvsidecar_peer_quarantines_total``). Nothing
+        happens once ``peer`` is no longer its engine's peer: whoever removed it failed its
+        reads, and a replacement handshaken since is not to blame."""
         async with self._lock.exclusive():
-            self._peers.mark_quarantined(engine_id)
-            await self._reads.fail_peer(engine_id, FailReason.PEER_DISCONNECTED, reason)
-            await self._peers.remove(engine_id, reason, cause=cause)
+            if self._peers.peer(peer.engine_id) is not peer:
+                return
+            self._peers.mark_quarantined(peer)
+            await self._reads.fail_peer(peer, FailReason.PEER_DISCONNECTED, reason)
+            await self._peers.remove(peer, reason, cause=cause)
 
     async def unreachable(self, peer: Peer, reason: str) -> None:
         """PeerService of ``peer`` could not be reached for a notification (its link is broken:
         the producer died, restarted or hangs): quarantine it, unless a newer handshake replaced
         it meanwhile."""
-        if self._peers.peer(peer.engine_id) is peer:
-            await self.quarantine(peer.engine_id, reason, cause="undelivered")
+        await self.quarantine(peer, reason, cause="undelivered")
 
     async def invalidate(self, peer: Peer, reason: str) -> None:
         """``peer``'s plan is stale (its engine re-registered): fail its in-flight reads as STALE
@@ -116,7 +119,7 @@ class PeerGuard:
             if self._peers.peer(peer.engine_id) is not peer:
                 return
             await self._reads.fail_peer(peer, FailReason.STALE, reason)
-            await self._peers.remove(peer.engine_id, reason, backoff=False)
+            await self._peers.remove(peer, reason, backoff=False)
 
     async def run(
         self,
@@ -146,5 +149,5 @@ class PeerGuard:
             fault = bound.memory_fault() if bound is not None else None
             if fault is not None:  # our own memory broke the call: the peer is not to blame
                 raise LocalMemoryError(f"{what} failed: local memory failed: {fault}")
-        await self.quarantine(peer.engine_id, f"{what} failed: {lost}")
+        await self.quarantine(peer, f"{what} failed: {lost}")
         raise PeerUnavailableError(f"remote engine {peer.engine_id!r}: {lost}")

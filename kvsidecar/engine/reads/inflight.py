@@ -212,11 +212,12 @@ class InFlightReads:
         self._advance(self.book.transfers.completed(done))
 
     async def poll(
-        self, local: LocalEngine | None, blame: Callable[[str], None] = lambda _: None
+        self, local: LocalEngine | None, blame: Callable[[Peer], None] = lambda _: None
     ) -> set[str]:
         """Advance every in-flight read once. Returns engine ids of peers to quarantine (a READ
-        failed, or hung past its deadline), each passed to ``blame`` first, before any read of
-        it is failed (so that Status shows it quarantined when the engine hears of the failure).
+        failed, or hung past its deadline), each peer passed to ``blame`` once first, before any
+        read of it is failed (so that Status shows it quarantined when the engine hears of the
+        failure).
         A failed READ is blamed on ``local`` instead when its own memory is faulty; a failed
         board READ fails nothing (its ranks are asked)."""
         book = self.book
@@ -227,11 +228,13 @@ class InFlightReads:
             return set()
         changed = await book.transfers.poll(x for r in reads for x in r.xfers)
         blamed: set[str] = set()
+        told: set[int] = set()  # id() of the peers passed to ``blame``
 
-        def blame_once(engine_id: str) -> None:
-            if engine_id not in blamed:
-                blamed.add(engine_id)
-                blame(engine_id)
+        def blame_once(peer: Peer) -> None:
+            blamed.add(peer.engine_id)
+            if id(peer) not in told:
+                told.add(id(peer))
+                blame(peer)
 
         failed = [x for x in changed if x.state is XferState.ERR and not x.board]
         fault = (local.memory_fault() if local is not None else None) if failed else None
@@ -244,7 +247,7 @@ class InFlightReads:
                         FailReason.TRANSFER_ERROR,
                         f"READ from remote rank {x.rank} of {read.peer.engine_id!r} failed",
                     )
-                    blame_once(read.peer.engine_id)
+                    blame_once(read.peer)
         self._advance([x for x in changed if x.state is XferState.DONE])
         now = book.clock()
         for read in book.values():
@@ -259,7 +262,7 @@ class InFlightReads:
                 )
                 # A hung peer (its READ, or its answer, never came): the next Read must not wait
                 # out another deadline.
-                blame_once(read.peer.engine_id)
+                blame_once(read.peer)
                 await book.close(read)
             elif read.failure is not None and not in_proc:
                 await book.close(read)
