@@ -81,8 +81,13 @@ async def test_transfer_error_fails_the_read_quarantines_and_recovers(pair: Pair
     assert [p.state for p in status.peers] == ["quarantined"]
     assert "READ" in status.peers[0].last_error
     pair.decode.backend.faults = FakeFaults()
-    await asyncio.sleep(0.1)  # past the first backoff (50 ms)
-    await pair.read("retry", [1, 2], [3, 4])  # re-handshakes
+    for _ in range(200):  # bounded: past the first backoff (50 ms from the peer's release)
+        with contextlib.suppress(errors.PeerUnavailableError):
+            await pair.read("retry", [1, 2], [3, 4])  # re-handshakes
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the peer stayed quarantined for 10 s")
     assert isinstance(await next_event(pair.decode.client), RecvDone)
     status = await pair.decode.client.status()
     assert [p.state for p in status.peers] == ["ready"]
