@@ -35,13 +35,7 @@ from kvsidecar.testing import toy
 from kvsidecar.testing.pki import PeerCertificates, make_peer_certificates
 from kvsidecar.testing.process import environment
 from kvsidecar.testing.procs.tether import tethered
-from kvsidecar.testing.transfers import (
-    PREFILL,
-    TransferResult,
-    request_ids,
-    transfer,
-    transfer_after_backoff,
-)
+from kvsidecar.testing.transfers import PREFILL, TransferResult, request_ids, transfer
 
 DECODE = "decode"
 # Tests import the cluster and its transfer helpers from one place.
@@ -56,7 +50,6 @@ __all__ = [
     "cluster_factory",
     "request_ids",
     "transfer",
-    "transfer_after_backoff",
 ]
 
 

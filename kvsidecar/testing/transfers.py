@@ -1,6 +1,6 @@
 """One request end to end over a ``LocalCluster``: ``transfer`` holds, reads and verifies every
-byte (``transfer_after_backoff``: once a quarantined producer is served again); ``request_ids``
-builds the per-group block ids of a request (prefix hits included)."""
+byte (``until_served_s``: once a quarantined producer is served again); ``request_ids`` builds
+the per-group block ids of a request (prefix hits included)."""
 
 from __future__ import annotations
 
@@ -40,11 +40,15 @@ async def transfer(
     token: str | None = None,
     timeout_s: float = 30.0,
     by_engine_id: bool = False,
+    until_served_s: float = 0.0,
 ) -> TransferResult:
     """One request end to end; raises on any failure or byte mismatch. The producer holds the
     blocks under one token on every rank (as a TP engine does; ``token``: a new random one unless
     given, e.g. for a request the caller held) and the consumer reads with it. ``by_engine_id``:
-    the Reads carry no endpoints (fleet discovery supplies them)."""
+    the Reads carry no endpoints (fleet discovery supplies them). ``until_served_s``: a Read
+    refused because the producer is quarantined (its backoff, which starts when the peer is
+    released: a loaded host may finish that late) is asked again every 50 ms for up to this long
+    (0: the refusal raises); the blocks stay held meanwhile."""
     sends = [r.expect(request_id) for r in cluster.prefill] if hold else []
     token = token or secrets.token_urlsafe(24)
     if hold:
@@ -55,17 +59,27 @@ async def transfer(
     recvs = [r.expect(local_id) for r in cluster.decode]
     starts = []
     for rank in cluster.decode:
-        assert rank.client is not None
-        starts.append(time.perf_counter())
-        await rank.client.read(
-            local_id,
-            remote_engine_id=PREFILL,
-            remote_request_id=request_id,
-            local_block_ids=decode_ids,
-            remote_block_ids=prefill_ids,
-            endpoints=() if by_engine_id else cluster.prefill_endpoints,
-            token=token,
-        )
+        client = rank.client
+        assert client is not None
+        end = time.monotonic() + until_served_s
+        while True:
+            starts.append(time.perf_counter())
+            try:
+                await client.read(
+                    local_id,
+                    remote_engine_id=PREFILL,
+                    remote_request_id=request_id,
+                    local_block_ids=decode_ids,
+                    remote_block_ids=prefill_ids,
+                    endpoints=() if by_engine_id else cluster.prefill_endpoints,
+                    token=token,
+                )
+                break
+            except PeerUnavailableError as exc:  # refused before it was accepted: id not taken
+                starts.pop()
+                if "quarantined for" not in str(exc) or time.monotonic() >= end:
+                    raise
+            await asyncio.sleep(0.05)
     latencies = []
     verified = read_bytes = 0
     for rank, fut, start in zip(cluster.decode, recvs, starts, strict=True):
@@ -90,29 +104,6 @@ async def transfer(
         bytes_verified=verified,
         send_done=tuple(done),
     )
-
-
-async def transfer_after_backoff(
-    cluster: LocalCluster,
-    request_id: str,
-    prefill_ids: Sequence[Sequence[int]],
-    decode_ids: Sequence[Sequence[int]],
-    *,
-    timeout_s: float = 10.0,
-) -> TransferResult:
-    """``transfer`` once the producer's quarantine backoff is over (it starts when the peer is
-    released, which a loaded host may finish late): a Read refused as quarantined is tried
-    again under a new id (``request_id-N``) every 50 ms, for up to ``timeout_s``; any other
-    failure raises at once."""
-    end, attempt = time.monotonic() + timeout_s, 0
-    while True:
-        try:
-            return await transfer(cluster, f"{request_id}-{attempt}", prefill_ids, decode_ids)
-        except PeerUnavailableError as exc:
-            if "quarantined for" not in str(exc) or time.monotonic() >= end:
-                raise
-        attempt += 1
-        await asyncio.sleep(0.05)
 
 
 async def verify_rank(

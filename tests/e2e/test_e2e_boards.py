@@ -20,7 +20,6 @@ from kvsidecar.testing.cluster import (
     LocalCluster,
     request_ids,
     transfer,
-    transfer_after_backoff,
 )
 from kvsidecar.testing.probes import counters, metric
 
@@ -97,7 +96,7 @@ async def test_what_the_board_does_not_show_is_refused_as_before(
         decode = await counters(cluster.decode)
         assert decode["board_missed"] >= 2  # the restarted one may fail before its check
         assert decode["board_confirmed"] == 1  # the warm-up only
-        result = await transfer_after_backoff(cluster, "after", pids, dids)
+        result = await transfer(cluster, "after", pids, dids, until_served_s=10)
         assert result.bytes_verified == result.bytes_read > 0
 
 
@@ -135,7 +134,7 @@ async def test_thirty_restarts_in_place_with_boards_leave_no_descriptor_behind(
             event = await read_event(cluster, f"stale-{i}", token)
             assert isinstance(event, RecvFailed), event
             # the peer's backoff first (a READ of the old memory failed)
-            result = await transfer_after_backoff(cluster, f"fresh-{i}", pids, dids)
+            result = await transfer(cluster, f"fresh-{i}", pids, dids, until_served_s=10)
             assert result.bytes_verified == result.bytes_read > 0
         after = _fds(producer.proc), _fds(consumer.proc)
         decode = await counters(cluster.decode)

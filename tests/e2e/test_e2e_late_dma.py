@@ -94,8 +94,8 @@ async def test_a_read_failed_at_its_deadline_lands_nothing_after_its_event(
             block[:] = 0x5A  # the engine reuses the blocks at once
         # Whatever the producer still sent over this connection arrived before a later READ over
         # it completes: once this transfer is done, a late byte would be in place.
-        await asyncio.sleep(0.5)  # past the quarantine's backoff
-        after = await transfer(cluster, "after", *request_ids(SHAPE, [1, 2, 3], [1, 2, 3]))
+        ids = request_ids(SHAPE, [1, 2, 3], [1, 2, 3])
+        after = await transfer(cluster, "after", *ids, until_served_s=10)  # past the backoff
         assert after.bytes_verified > 0
         blocks = _blocks(consumer.views, consumer.memory.array, DST)
         changed = sum(int((block != 0x5A).sum()) for block in blocks)

@@ -22,7 +22,6 @@ from kvsidecar.testing.cluster import (
     LocalCluster,
     request_ids,
     transfer,
-    transfer_after_backoff,
 )
 from kvsidecar.testing.probes import metric
 
@@ -102,7 +101,7 @@ async def test_a_hundred_quarantines_and_re_handshakes_leave_no_descriptor_behin
             else:
                 await cluster.restart_engine(producer)
                 await _stale_read(cluster, f"stale-{i}")
-            result = await transfer_after_backoff(cluster, f"fresh-{i}", pids, dids)
+            result = await transfer(cluster, f"fresh-{i}", pids, dids, until_served_s=10)
             assert result.bytes_verified == result.bytes_read > 0
         after = fds(producer.proc), fds(consumer.proc)
         quarantines = metric(consumer.addresses["metrics"], "kvsidecar_peer_quarantines_total")
@@ -128,7 +127,7 @@ async def test_a_link_broken_under_a_live_handshake_is_noticed_and_replaced(
         for i in range(5):
             await cluster.restart_engine(producer, takeover=True)
             await _stale_read(cluster, f"broken-{i}")
-            result = await transfer_after_backoff(cluster, f"after-{i}", pids, dids)
+            result = await transfer(cluster, f"after-{i}", pids, dids, until_served_s=10)
             assert result.bytes_verified == result.bytes_read > 0
         quarantined = 'kvsidecar_peer_quarantines_total{cause="read_failed"}'
         assert metric(consumer.addresses["metrics"], quarantined) >= 5

@@ -491,7 +491,7 @@ def test_wire_carries_the_token_axis_and_old_views_declare_none() -> None:
 
 #: what a drawn request breaks (``None``: nothing), each a rule of ``validate_request_ids``
 _BREAKS = (None, "repeat", "negative local", "local bound", "negative remote", "remote bound",
-           "too many local", "group count")  # fmt: skip
+           "too many local", "group count", "remote group count")  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
@@ -499,18 +499,28 @@ _BREAKS = (None, "repeat", "negative local", "local bound", "negative remote", "
     pair=st.sampled_from(PAIRS),
     ratio=st.sampled_from(RATIOS),
     known=st.booleans(),
+    tighter=st.booleans(),
     broken=st.sampled_from(_BREAKS),
     data=st.data(),
 )
 def test_the_plain_python_check_decides_as_the_full_one(
-    pair: tuple[int, int], ratio: int, known: bool, broken: str | None, data: st.DataObject
+    pair: tuple[int, int],
+    ratio: int,
+    known: bool,
+    tighter: bool,
+    broken: str | None,
+    data: st.DataObject,
 ) -> None:
     """Short int64 id arrays (what the wire decodes to) are accepted or refused in plain Python
     (``_plainly_valid``) exactly as the full numpy check (``request_id_problems``) would. A valid
     request (2 groups; 7 local blocks, ``9 * ratio`` remote ones) is drawn, then one rule is
-    broken in one group, or none: each rule of the full check is one of the plain check's."""
+    broken in one group, or none: each rule of the full check is one of the plain check's.
+    ``tighter``: each engine's group 0 also routes to a view of 2 blocks per id (3 and
+    ``4 * ratio`` ids), so that the tightest of several bounds decides."""
     t_d, t_p = pair
     local, remote = engines(t_d, t_p, ratio)
+    if tighter:
+        local, remote = (_with_paired_view(e) for e in (local, remote))
     far = remote if known else None
     loc: list[list[int]] = []
     rem: list[list[int]] = []
@@ -538,6 +548,8 @@ def test_the_plain_python_check_decides_as_the_full_one(
     elif broken == "group count":
         loc.append([])
         rem.append([])
+    elif broken == "remote group count":
+        rem.append([])
     local_ids = [np.array(a, dtype=np.int64) for a in loc]
     remote_ids = [np.array(a, dtype=np.int64) for a in rem]
     problems = request_id_problems(local, local_ids, remote_ids, far)
@@ -547,6 +559,13 @@ def test_the_plain_python_check_decides_as_the_full_one(
             validate_request_ids(local, local_ids, remote_ids, far)
     else:
         validate_request_ids(local, local_ids, remote_ids, far)
+
+
+def _with_paired_view(geometry: EngineGeometry) -> EngineGeometry:
+    """``geometry`` plus a view of group 0 that takes 2 blocks per id (half the ids)."""
+    first = next(v for v in geometry.views if v.route_group == 0)
+    paired = dataclasses.replace(first, name="paired", blocks_per_id=2)
+    return dataclasses.replace(geometry, views=(*geometry.views, paired))
 
 
 def test_ids_the_plain_check_does_not_decide_get_the_full_one() -> None:
@@ -560,3 +579,8 @@ def test_ids_the_plain_check_does_not_decide_get_the_full_one() -> None:
         with pytest.raises(BlockIdError, match=r"local_block_ids\[0\] repeats id"):
             validate_request_ids(local, loc, rem, remote)
     assert _plainly_valid(local, [long_ok, np.array([1])], [long_ok, np.array([2])], remote)
+    many = np.arange(70, dtype=np.int64) % 9  # valid remote ids, more than the plain check takes
+    as_lists = ([[1], [1]], [[2], [2]])
+    for loc, rem in (([np.array([1]), np.array([1])], [many, np.array([2])]), as_lists):
+        assert not _plainly_valid(local, loc, rem, remote)
+        validate_request_ids(local, loc, rem, remote)  # valid: the full check says so

@@ -17,6 +17,21 @@ from kvsidecar.testing import toy
 from tests.server.harness import Pair, make_node, next_event, open_pair
 
 
+async def read_when_served(pair: Pair, request_id: str, pids: list[int], dids: list[int]) -> None:
+    """``pair.read`` once the producer's backoff is over (it starts when the quarantined peer is
+    released, after the read's RECV_FAILED): a refusal as quarantined is asked again every 50 ms,
+    for up to 10 s; any other refusal raises."""
+    for _ in range(200):
+        try:
+            await pair.read(request_id, pids, dids)
+            return
+        except errors.PeerUnavailableError as exc:
+            if "quarantined for" not in str(exc):
+                raise
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{request_id}: the peer stayed quarantined for 10 s")
+
+
 async def test_fake_backend_moves_bytes_through_the_daemon(pair: Pair) -> None:
     await pair.hold("ok", [[1, 2, 3]])
     posted = await pair.read("ok", [1, 2, 3], [7, 8, 9])
@@ -65,8 +80,7 @@ async def test_stalled_read_fails_at_its_deadline_and_is_released(pair: Pair) ->
     status = await pair.decode.client.status()
     assert [p.state for p in status.peers] == ["quarantined"]
     pair.decode.backend.faults = FakeFaults()
-    await asyncio.sleep(0.1)  # past the first backoff (50 ms)
-    await pair.read("fast", [4], [12])
+    await read_when_served(pair, "fast", [4], [12])
     assert isinstance(await next_event(pair.decode.client), RecvDone)
 
 
@@ -81,13 +95,7 @@ async def test_transfer_error_fails_the_read_quarantines_and_recovers(pair: Pair
     assert [p.state for p in status.peers] == ["quarantined"]
     assert "READ" in status.peers[0].last_error
     pair.decode.backend.faults = FakeFaults()
-    for _ in range(200):  # bounded: past the first backoff (50 ms from the peer's release)
-        with contextlib.suppress(errors.PeerUnavailableError):
-            await pair.read("retry", [1, 2], [3, 4])  # re-handshakes
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("the peer stayed quarantined for 10 s")
+    await read_when_served(pair, "retry", [1, 2], [3, 4])  # re-handshakes
     assert isinstance(await next_event(pair.decode.client), RecvDone)
     status = await pair.decode.client.status()
     assert [p.state for p in status.peers] == ["ready"]
@@ -181,6 +189,7 @@ async def test_a_blamed_peer_replaced_before_its_quarantine_leaves_the_replaceme
     replacements: list[Any] = []
 
     async def replaced_first(target: Any, reason: str, cause: str = "read_failed") -> None:
+        assert target is blamed  # the peer object the poller blamed, not its engine id
         if not replacements:
             await guard.invalidate(blamed, "test: replaced before its quarantine")
             await pair.decode.client.handshake("prefill", endpoints=pair.endpoints)
