@@ -3,15 +3,16 @@
 Imports only the standard library, numpy and :mod:`kvsidecar.errors` (no asyncio, grpc, nixl, torch).
 See DESIGN §4. Units: bytes for sizes/offsets/addresses, view blocks for counts, TP ranks for ranks.
 The names below are the public surface; the submodules (``geometry``, ``compat``, ``layouts``,
-``strided``, ``state_layouts``, ``tp``, ``tokens``, ``peer_plan``, ``request``) hold the building
-blocks the daemon and the tests use; ``hold/`` what both sides compute about a held request (board
-markers, claims, canaries, the staging pool's layout).
+``strided``, ``state_layouts``, ``tp``, ``tokens``, ``peer_plan``, ``request``, ``id_rules``) hold
+the building blocks the daemon and the tests use; ``hold/`` what both sides compute about a held
+request (board markers, claims, canaries, the staging pool's layout).
 """
 
 from __future__ import annotations
 
 from .compat import compatibility_mismatches, span_signature
 from .geometry import EngineGeometry, Span, View
+from .id_rules import validate_request_ids
 from .layouts import (
     VLLM_LAYOUTS,
     flashinfer_view,
@@ -25,7 +26,7 @@ from .layouts import (
     vllm_cpu_view,
 )
 from .peer_plan import PeerPlan, RankPlan, build_peer_plan
-from .request import RequestIds, request_ids, validate_request_ids
+from .request import RequestIds, request_ids
 from .state_layouts import (
     ConvLayout,
     conv_state_view,

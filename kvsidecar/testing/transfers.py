@@ -5,13 +5,14 @@ the per-group block ids of a request (prefix hits included)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from kvsidecar.client import RecvDone, SendDone
+from kvsidecar.client import AsyncSidecarClient, RecvDone, SendDone
 from kvsidecar.errors import PeerUnavailableError
 from kvsidecar.testing import toy
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from kvsidecar.testing.cluster import LocalCluster, Rank
 
 PREFILL = "prefill"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,28 +60,24 @@ async def transfer(
     local_id = f"{request_id}@decode"
     recvs = [r.expect(local_id) for r in cluster.decode]
     starts = []
+
+    async def read(client: AsyncSidecarClient) -> float:
+        """Post the Read on one decode rank; when it was posted (perf_counter)."""
+        start = time.perf_counter()
+        await client.read(
+            local_id,
+            remote_engine_id=PREFILL,
+            remote_request_id=request_id,
+            local_block_ids=decode_ids,
+            remote_block_ids=prefill_ids,
+            endpoints=() if by_engine_id else cluster.prefill_endpoints,
+            token=token,
+        )
+        return start
+
     for rank in cluster.decode:
-        client = rank.client
-        assert client is not None
-        end = time.monotonic() + until_served_s
-        while True:
-            starts.append(time.perf_counter())
-            try:
-                await client.read(
-                    local_id,
-                    remote_engine_id=PREFILL,
-                    remote_request_id=request_id,
-                    local_block_ids=decode_ids,
-                    remote_block_ids=prefill_ids,
-                    endpoints=() if by_engine_id else cluster.prefill_endpoints,
-                    token=token,
-                )
-                break
-            except PeerUnavailableError as exc:  # refused before it was accepted: id not taken
-                starts.pop()
-                if "quarantined for" not in str(exc) or time.monotonic() >= end:
-                    raise
-            await asyncio.sleep(0.05)
+        assert rank.client is not None
+        starts.append(await when_served(functools.partial(read, rank.client), until_served_s))
     latencies = []
     verified = read_bytes = 0
     for rank, fut, start in zip(cluster.decode, recvs, starts, strict=True):
@@ -104,6 +102,21 @@ async def transfer(
         bytes_verified=verified,
         send_done=tuple(done),
     )
+
+
+async def when_served(call: Callable[[], Awaitable[T]], within_s: float = 10.0) -> T:
+    """``call()`` (a Read, or what posts one) once the producer is served again: refused as
+    quarantined (its backoff, which starts when the peer is released: a loaded host may finish
+    that late; a refused Read took no id), it is called again every 50 ms for up to ``within_s``
+    (0: the refusal raises); any other error raises at once."""
+    end = time.monotonic() + within_s
+    while True:
+        try:
+            return await call()
+        except PeerUnavailableError as exc:
+            if "quarantined for" not in str(exc) or time.monotonic() >= end:
+                raise
+        await asyncio.sleep(0.05)
 
 
 async def verify_rank(

@@ -18,11 +18,11 @@ from kvsidecar.testing.cluster import (
     DECODE,
     PREFILL,
     ClusterFactory,
-    Rank,
     request_ids,
     transfer,
 )
 from kvsidecar.testing.probes import readyz
+from kvsidecar.testing.transfers import when_served
 
 SHAPE = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=16)
 
@@ -144,28 +144,6 @@ async def test_watch_drop_releases_the_engine_and_allows_reregistration(
         assert result.bytes_verified == result.bytes_read > 0
 
 
-async def _read_after_backoff(
-    consumer: Rank, request_id: str, remote_id: str, dids: list[list[int]], pids: list[list[int]]
-) -> ReadPosted:
-    """A Read of ``consumer`` accepted once its producer's backoff is over (bounded: 10 s)."""
-    assert consumer.client is not None
-    for _ in range(200):
-        try:
-            return await consumer.client.read(
-                request_id,
-                remote_engine_id=PREFILL,
-                remote_request_id=remote_id,
-                local_block_ids=dids,
-                remote_block_ids=pids,
-                deadline_s=3,
-            )
-        except errors.PeerUnavailableError as exc:
-            if "quarantined for" not in str(exc):
-                raise
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{request_id}: the peer stayed quarantined for 10 s")
-
-
 async def test_dead_producer_fails_reads_and_the_consumer_keeps_serving(
     local_cluster: ClusterFactory,
 ) -> None:
@@ -218,7 +196,17 @@ async def test_dead_producer_fails_reads_and_the_consumer_keeps_serving(
         assert 0.1 < left <= 1.0, refused.value  # --peer-backoff-s, not the 0.05 s default
         # ... after it, the Read is accepted at once and its handshake fails in the background.
         retry = consumer.expect("retry@decode")
-        posted = await _read_after_backoff(consumer, "retry@decode", "retry", dids, pids)
+        client = consumer.client
+        posted = await when_served(
+            lambda: client.read(
+                "retry@decode",
+                remote_engine_id=PREFILL,
+                remote_request_id="retry",
+                local_block_ids=dids,
+                remote_block_ids=pids,
+                deadline_s=3,
+            )
+        )
         assert posted.handshaking
         event = await asyncio.wait_for(retry, 10)
         assert isinstance(event, RecvFailed), event

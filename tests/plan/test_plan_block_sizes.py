@@ -29,13 +29,8 @@ from kvsidecar.plan import (
     vllm_cpu_view,
 )
 from kvsidecar.plan.hold.claims import held_digest, read_claim
-from kvsidecar.plan.request import (
-    _plainly_valid,
-    batch_request_ids,
-    request_descriptor_ids,
-    request_id_problems,
-    request_ids,
-)
+from kvsidecar.plan.id_rules import _plainly_valid, request_id_problems
+from kvsidecar.plan.request import batch_request_ids, request_descriptor_ids, request_ids
 from kvsidecar.plan.tokens import group_ratios, remote_tail
 from kvsidecar.plan.tp import expected_consumers
 from kvsidecar.wire.geometry import view_from_proto, view_to_proto

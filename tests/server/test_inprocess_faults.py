@@ -14,22 +14,8 @@ from kvsidecar import errors
 from kvsidecar.client import Event, FailReason, RecvDone, RecvFailed, SendDone
 from kvsidecar.engine.backend.fake import FakeFabric, FakeFaults
 from kvsidecar.testing import toy
+from kvsidecar.testing.transfers import when_served
 from tests.server.harness import Pair, make_node, next_event, open_pair
-
-
-async def read_when_served(pair: Pair, request_id: str, pids: list[int], dids: list[int]) -> None:
-    """``pair.read`` once the producer's backoff is over (it starts when the quarantined peer is
-    released, after the read's RECV_FAILED): a refusal as quarantined is asked again every 50 ms,
-    for up to 10 s; any other refusal raises."""
-    for _ in range(200):
-        try:
-            await pair.read(request_id, pids, dids)
-            return
-        except errors.PeerUnavailableError as exc:
-            if "quarantined for" not in str(exc):
-                raise
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{request_id}: the peer stayed quarantined for 10 s")
 
 
 async def test_fake_backend_moves_bytes_through_the_daemon(pair: Pair) -> None:
@@ -80,7 +66,7 @@ async def test_stalled_read_fails_at_its_deadline_and_is_released(pair: Pair) ->
     status = await pair.decode.client.status()
     assert [p.state for p in status.peers] == ["quarantined"]
     pair.decode.backend.faults = FakeFaults()
-    await read_when_served(pair, "fast", [4], [12])
+    await when_served(lambda: pair.read("fast", [4], [12]))
     assert isinstance(await next_event(pair.decode.client), RecvDone)
 
 
@@ -95,7 +81,7 @@ async def test_transfer_error_fails_the_read_quarantines_and_recovers(pair: Pair
     assert [p.state for p in status.peers] == ["quarantined"]
     assert "READ" in status.peers[0].last_error
     pair.decode.backend.faults = FakeFaults()
-    await read_when_served(pair, "retry", [1, 2], [3, 4])  # re-handshakes
+    await when_served(lambda: pair.read("retry", [1, 2], [3, 4]))  # re-handshakes
     assert isinstance(await next_event(pair.decode.client), RecvDone)
     status = await pair.decode.client.status()
     assert [p.state for p in status.peers] == ["ready"]

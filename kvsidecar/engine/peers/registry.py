@@ -226,8 +226,7 @@ class PeerRegistry:
     # --- release --------------------------------------------------------------------------------
 
     def mark_quarantined(self, peer: Peer) -> None:
-        """Report ``peer`` quarantined before its reads fail (if it is still its engine's peer);
-        ``remove`` does the rest."""
+        """Report ``peer`` (if still registered) quarantined before its reads fail; see ``remove``."""
         if self._peers.get(peer.engine_id) is peer:
             peer.state = PeerState.QUARANTINED
 

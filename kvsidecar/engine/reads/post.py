@@ -21,7 +21,8 @@ from kvsidecar.engine.reads.report import ReadReport
 from kvsidecar.engine.reads.state import Xfer
 from kvsidecar.engine.stats import ReadPhase
 from kvsidecar.errors import BackendError
-from kvsidecar.plan.request import BatchIds, IdArray, batch_request_ids
+from kvsidecar.plan.id_rules import IdArray
+from kvsidecar.plan.request import BatchIds, batch_request_ids
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -42,7 +42,7 @@ from kvsidecar.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-from kvsidecar.plan.request import validate_request_ids
+from kvsidecar.plan.id_rules import validate_request_ids
 from kvsidecar.types import FailReason, GrantIssued, Revoked
 from kvsidecar.wire.push import GrantView, WriteNotice, WriteOutcome
 

@@ -63,7 +63,7 @@ from kvsidecar.errors import (
     KvSidecarError,
     NotFoundError,
 )
-from kvsidecar.plan.request import validate_request_ids
+from kvsidecar.plan.id_rules import validate_request_ids
 from kvsidecar.types import FailReason, PushPosted, PushTarget, SendDone, SendFailed
 from kvsidecar.wire.push import GrantView, NoticeKind, WriteNotice, WriteOutcome
 

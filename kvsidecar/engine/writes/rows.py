@@ -21,8 +21,9 @@ import numpy as np
 
 from kvsidecar.errors import BlockIdError, CannotPlanError
 from kvsidecar.plan.geometry import EngineGeometry
+from kvsidecar.plan.id_rules import IdArray
 from kvsidecar.plan.peer_plan import RankPlan, build_peer_plan
-from kvsidecar.plan.request import DescIds, IdArray, rank_request_ids
+from kvsidecar.plan.request import DescIds, rank_request_ids
 from kvsidecar.plan.tokens import group_ratios
 from kvsidecar.plan.tp import plan_reads
 
