@@ -46,6 +46,9 @@ class ReadPhase(enum.Enum):
 
     DECODE = "decode"  #: the gRPC request -> a read command (EngineService)
     VALIDATE = "validate"  #: id, deadline, geometry and peer checks before posting
+    #: a staging producer's boards READ to find the holds in its pool (reads of a staging
+    #: producer only; once per batch posted together)
+    LOCATE = "locate"
     IDS = "ids"  #: the peer plan's rows -> descriptor ids for this request
     HOP = "hop"  #: queued for the transfer agent's thread -> running there
     MAKE = "make"  #: the backend builds the transfer request (NIXL makeXferReq)

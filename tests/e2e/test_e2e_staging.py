@@ -18,6 +18,7 @@ from kvsidecar.client import RecvDone, RecvFailed
 from kvsidecar.errors import FailedPreconditionError, KvSidecarError
 from kvsidecar.testing import toy
 from kvsidecar.testing.cluster import ClusterFactory, LocalCluster, Rank, request_ids, transfer
+from kvsidecar.testing.probes import metric
 from kvsidecar.testing.transfers import PREFILL, verify_rank
 from kvsidecar.types import FailReason
 
@@ -103,6 +104,9 @@ async def test_consumers_read_the_pool_not_the_engines_memory(
         for rank, fut in zip(cluster.decode, recvs, strict=True):
             assert isinstance(await asyncio.wait_for(fut, 30), RecvDone)
             assert await verify_rank(cluster, rank, dids, pids) > 0
+            # the boards READ that found the hold in the pool is a phase of its own
+            locate = 'kvsidecar_read_phase_seconds_count{phase="locate"}'
+            assert await asyncio.to_thread(metric, rank.addresses["metrics"], locate) >= 1
 
 
 async def test_a_full_pool_makes_holds_and_their_reads_wait(local_cluster: ClusterFactory) -> None:

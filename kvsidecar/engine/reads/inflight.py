@@ -36,7 +36,7 @@ from kvsidecar.engine.reads.confirm.send import Confirmer
 from kvsidecar.engine.reads.locate import Infos, locate_reads, staged_ranks
 from kvsidecar.engine.reads.post import post_reads
 from kvsidecar.engine.reads.state import NotStaged, Phase, Xfer, started_read
-from kvsidecar.engine.stats import TransferStats
+from kvsidecar.engine.stats import ReadPhase, TransferStats
 from kvsidecar.errors import FailedPreconditionError
 from kvsidecar.plan.hold.staging import base_of, slot_ids
 from kvsidecar.types import FailReason, ReadPosted
@@ -117,9 +117,11 @@ class InFlightReads:
                     "reading it needs this sidecar's hold board and confirmed reads "
                     "(--hold-board, --confirm-reads)"
                 )
+            t0 = time.perf_counter()
             infos = await locate_reads(
                 self._backend, self._completions, slots, cmds, ranks, min(deadline_s)
             )
+            self.book.report.phases.observe(ReadPhase.LOCATE, time.perf_counter() - t0)
         todo = [i for i, found in enumerate(infos) if found is not None]
         out: list[ReadPosted | NotStaged] = [NotStaged() for _ in cmds]
         if todo:
