@@ -43,6 +43,37 @@ async def test_clean_canary_reads_pass_byte_verified(
         assert prefill["notifications_refused"] == 0
 
 
+async def test_canary_reads_over_an_asynchronous_transport_pass(
+    local_cluster: ClusterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: over UCX's TCP transport a READ is still in flight when its post returns
+    (as over RDMA between hosts, or CUDA IPC); the canary used to be computed then, over blocks
+    the READ had not written yet, and the producer refused every such read CORRUPT."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")  # the sidecar processes started below only
+    shape = toy.ModelShape(kind=toy.ModelKind.GQA, num_blocks=256, block_size=64)
+    async with local_cluster(shape, 1, 1, sidecar_args=ALL) as cluster:  # 4 MiB reads
+        pids, dids = request_ids(shape, list(range(64)), list(range(128, 192)))
+        for i in range(4):
+            result = await transfer(cluster, f"a{i}", pids, dids)
+            assert result.bytes_verified == result.bytes_read > 0
+        after_post = sum(
+            [
+                await asyncio.to_thread(
+                    metric,
+                    cluster.decode[0].addresses["metrics"],
+                    f'kvsidecar_transfers_completed_total{{seen_by="{by}"}}',
+                )
+                for by in ("agent", "poll")
+            ]
+        )
+        assert after_post >= 1  # some READ was still in flight after its post
+        decode, prefill = await counters(cluster.decode), await counters(cluster.prefill)
+        assert decode["reads_failed"] == 0
+        assert decode["refused_by_producer"] == 0
+        assert decode["board_confirmed"] == 0  # every read asked, with its canary
+        assert prefill["notifications_refused"] == 0
+
+
 async def test_held_bytes_changed_after_the_read_fail_it_corrupt(
     local_cluster: ClusterFactory,
 ) -> None:

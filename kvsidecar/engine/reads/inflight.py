@@ -182,10 +182,14 @@ class InFlightReads:
                 report.success(read)
             else:
                 book.started(read)
-                armed = confirmation.canary.arm(read, confirmation.confirm)
+                # done in the post (same-host cma); otherwise its completion moves it on
+                done = all(x.state is XferState.DONE for x in xfers)
+                # A canary is the CRC of the bytes received: only once they are all in (a READ
+                # still in flight would be checksummed before it landed and refused CORRUPT).
+                armed = done and confirmation.canary.arm(read, confirmation.confirm)
                 if i in boards and not armed:  # READs and boards done in the post
                     confirmation.checking(read, boards[i])
-                elif all(x.state is XferState.DONE for x in xfers):  # done in the post (cma)
+                elif done:
                     confirmation.read_done(read)
             out.append(
                 ReadPosted(reads_posted=len(xfers), notifications_sent=quiet, bytes=read.bytes)

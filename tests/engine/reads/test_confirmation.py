@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvsidecar.engine.backend.fake import FakeFaults
 from kvsidecar.engine.reads.state import Phase
 from kvsidecar.errors import KvSidecarError, PeerUnavailableError
 from kvsidecar.types import FailReason, RecvDone, RecvFailed
@@ -211,6 +212,27 @@ async def test_unconfirmed_reads_end_at_once_without_asking() -> None:
         assert w.slots.counts() == {"confirmed": 0, "missed": 0, "no_slot": 0}  # no board READ
         # the producer still counts the consumer of the read it held: the hold completes
         await w.until(lambda: all(pr.producer.holds_active == 0 for pr in w.ranks))
+
+
+async def test_a_canary_read_whose_reads_land_after_the_post_is_checksummed_once_landed() -> None:
+    """Regression: the canary (the CRC of the bytes received) was computed when the READ was
+    posted, so over any asynchronous transport (TCP, RDMA, CUDA IPC) it checksummed the blocks
+    before the READ landed and the producer refused every canary read CORRUPT."""
+    async with open_world() as w:
+        w.canaries()
+        w.backend.faults = FakeFaults(stall=True)  # the READs stay in flight after the post
+        w.hold("late", [0, 1])
+        await w.post(w.cmd("late", [2, 3], [0, 1]))
+        assert w.drain() == []
+        assert w.link.notes() == []  # nothing is checksummed, nor sent, before the bytes land
+        assert w.backend.land_stalled() == 2
+        assert await w.reads.poll(w.local) == set()
+        (e,) = await w.events_for(1)
+        assert isinstance(e, RecvDone), e
+        assert w.verify([2, 3], [0, 1]) > 0
+        notes = w.link.notes()
+        assert len(notes) == 2
+        assert all(n.canary is not None for n in notes)
 
 
 async def test_a_canary_read_asks_and_fails_corrupt_when_the_held_bytes_changed() -> None:
