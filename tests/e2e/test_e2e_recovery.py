@@ -279,11 +279,17 @@ async def _outcome(
         return exc
 
 
+@pytest.mark.parametrize("tls", ["default", "tcp,self"])
 async def test_a_local_memory_fault_is_not_blamed_on_the_producer(
-    local_cluster: ClusterFactory,
+    local_cluster: ClusterFactory, monkeypatch: pytest.MonkeyPatch, tls: str
 ) -> None:
     """The consumer engine truncates its own shm file: its next read fails naming the local memory
-    and the producer is not quarantined for it; re-registered with whole memory, reads work."""
+    and the producer is not quarantined for it; re-registered with whole memory, reads work.
+    Over UCX tcp too (regression): there the READ is copied into the mapping by the sidecar's
+    own UCX thread, and a READ posted into the truncated file killed the sidecar (SIGBUS) where
+    a same-host cma copy only fails; the post now checks the memory first."""
+    if tls != "default":
+        monkeypatch.setenv("UCX_TLS", tls)  # the sidecar processes started below only
     async with local_cluster(SHAPE, 1, 1) as cluster:
         pids, dids = request_ids(SHAPE, [1, 2], [3, 4])
         await transfer(cluster, "warm", pids, dids)

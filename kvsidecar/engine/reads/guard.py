@@ -130,9 +130,10 @@ class PeerGuard:
         local: LocalEngine | None = None,
     ) -> T:
         """Run ``op`` (a backend call using ``peer``'s handles) under the lock, once the lock is
-        held checking that ``local`` (if given) is still the registration and ``peer`` still the
-        engine's peer. A lost remote agent or memory quarantines the peer (re-handshake next time)
-        and raises PeerUnavailableError."""
+        held checking that ``local`` (if given) is still the registration, its memory whole
+        (``LocalMemoryError`` otherwise), and ``peer`` still the engine's peer. A lost remote
+        agent or memory quarantines the peer (re-handshake next time) and raises
+        PeerUnavailableError."""
         lost: KvSidecarError | None = None
         async with self._lock.use():
             if local is not None and self._peers.local is not local:
@@ -141,6 +142,11 @@ class PeerGuard:
                 raise PeerReplacedError(
                     f"remote engine {peer.engine_id!r} was quarantined meanwhile; retry"
                 )
+            # Before, not only after: over a transport that copies with the CPU (UCX tcp) a
+            # READ into a truncated file is a SIGBUS in this process, not a failed call.
+            fault = local.memory_fault() if local is not None else None
+            if fault is not None:
+                raise LocalMemoryError(f"{what} failed: local memory failed: {fault}")
             try:
                 return await op()
             except (RemoteDisconnectedError, BackendNotFoundError) as exc:
